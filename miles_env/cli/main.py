@@ -1,0 +1,57 @@
+"""The `miles-env` command line: a thin sync edge over the async core.
+
+Each command group lives in its own module (env, sandbox, eval, proxy, train,
+queue, tito). Modules keep heavy imports (torch, transformers) inside their
+commands so that `miles-env --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="miles-env: agentic RL environment hub.")
+
+# (module, attribute, name): a group is a typer.Typer added under `name`; a command is a function.
+_GROUPS = [
+    ("miles_env.cli.env", "app", "env"),
+    ("miles_env.cli.sandbox", "app", "sandbox"),
+    ("miles_env.cli.proxy", "app", "proxy"),
+    ("miles_env.cli.queue", "app", "queue"),
+    ("miles_env.cli.tito", "app", "tito"),
+]
+_COMMANDS = [
+    ("miles_env.cli.eval", "eval_command", "eval"),
+    ("miles_env.cli.train", "train_command", "train"),
+]
+
+
+def _install() -> None:
+    for module, attr, name in _GROUPS:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue
+        app.add_typer(getattr(mod, attr), name=name)
+    for module, attr, name in _COMMANDS:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue
+        app.command(name=name)(getattr(mod, attr))
+
+
+_install()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""The Environment contract.
+
+An environment owns a list of tasks per split, says what sandbox each needs,
+prepares it, and grades the result by looking inside the sandbox. It never talks
+to a model: harnesses do, through a TITO session.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from miles_env.types import Reward, SandboxSpec, Task
+
+if TYPE_CHECKING:
+    from miles_env.sandbox import Sandbox
+
+__all__ = ["Environment", "Transcript"]
+
+# A harness's record of what happened, in OpenAI chat message form (role/content
+# dicts). Verifiers may read it; training never does (it uses token ids).
+Transcript = Sequence[dict[str, Any]]
+
+
+class Environment(abc.ABC):
+    """Base class for environments registered under `miles_env.environments`."""
+
+    name: str = ""
+    description: str = ""
+    splits: tuple[str, ...] = ("train", "test")
+
+    @abc.abstractmethod
+    def tasks(self, split: str | None = None) -> list[Task]:
+        """Tasks of one split, or of all splits when split is None."""
+
+    def task(self, task_id: str) -> Task:
+        for t in self.tasks():
+            if t.id == task_id:
+                return t
+        raise KeyError(f"environment {self.name!r} has no task {task_id!r}")
+
+    def sandbox_spec(self, task: Task) -> SandboxSpec:
+        return task.sandbox
+
+    async def setup(self, task: Task, sandbox: Sandbox) -> None:  # noqa: B027 - optional hook
+        """Prepare the sandbox beyond `SandboxSpec.files` (default: nothing)."""
+
+    @abc.abstractmethod
+    async def verify(self, task: Task, sandbox: Sandbox, transcript: Transcript) -> Reward:
+        """Grade the episode by inspecting the sandbox (and, optionally, the transcript)."""

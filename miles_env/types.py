@@ -1,0 +1,174 @@
+"""Core value types shared by every layer.
+
+Anything that crosses a process or HTTP boundary (tasks, episodes, rewards) is a
+pydantic model; in-process results (ExecResult) are frozen slotted dataclasses.
+
+Invariant of a Trajectory: token_ids, loss_mask and logprobs have one entry per
+token; loss_mask is 1 exactly on tokens the engine sampled, and logprobs is 0.0
+wherever loss_mask is 0. Token ids are recorded once and never re-derived from text.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "Status",
+    "NetworkPolicy",
+    "Resources",
+    "SandboxSpec",
+    "Task",
+    "Reward",
+    "ExecResult",
+    "Turn",
+    "Trajectory",
+    "Episode",
+]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Status(enum.StrEnum):
+    COMPLETED = "completed"  # the harness finished on its own
+    TRUNCATED = "truncated"  # a budget (turns, tokens, context, wall time) ended it
+    ABORTED = "aborted"  # the engine or the harness process died or hung
+    FAILED = "failed"  # infrastructure error (sandbox, verifier, adapter)
+
+
+class NetworkPolicy(enum.StrEnum):
+    NONE = "none"  # no network at all; the model endpoint arrives through expose()
+    HOST = "host"  # share the host network (debugging only)
+
+
+class Resources(_Model):
+    """Limits applied to every process in a sandbox."""
+
+    memory_mb: int = Field(1024, gt=0)
+    max_procs: int = Field(256, gt=0)
+    cpu_seconds: int = Field(120, gt=0)
+    output_bytes: int = Field(1 << 20, gt=0, description="per stream, per exec")
+    timeout_s: float = Field(60.0, gt=0, description="default wall-clock limit per exec")
+    disk_mb: int = Field(512, gt=0, description="largest file a process may write")
+
+
+class SandboxSpec(_Model):
+    """What a sandbox must look like before the episode starts."""
+
+    image: str | None = None  # container image (docker and cloud providers)
+    rootfs: str | None = None  # host directory used as / (local provider); None = host /usr
+    files: dict[str, str] = Field(default_factory=dict)  # path (relative to workdir or absolute) -> text
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str = "/workspace"
+    resources: Resources = Field(default_factory=Resources)
+    network: NetworkPolicy = NetworkPolicy.NONE
+
+
+class Task(_Model):
+    id: str = Field(min_length=1)
+    env: str = Field(min_length=1)
+    instruction: str = Field(min_length=1)
+    split: str = "train"
+    sandbox: SandboxSpec = Field(default_factory=SandboxSpec)
+    verifier: dict[str, Any] = Field(default_factory=dict)  # data the environment's verify() reads
+    solution: str | None = None  # reference shell solution (oracle)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class Reward(_Model):
+    score: float
+    details: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return self.score >= 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ExecResult:
+    exit_code: int  # -N when killed by signal N
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    killed_by_limit: str | None = None  # "memory" | "procs" | "cpu" | "output" | "disk"
+    truncated: bool = False  # output was cut at the output limit
+    duration_s: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out and self.killed_by_limit is None
+
+
+class Turn(_Model):
+    """One engine generation inside a trajectory."""
+
+    start: int = Field(ge=0, description="offset of the first completion token in token_ids")
+    prompt_len: int = Field(ge=0)
+    completion_len: int = Field(ge=0)
+    finish_reason: str
+    weight_version: int = 0
+    latency_s: float = 0.0
+    engine: str = ""
+
+
+class Trajectory(_Model):
+    """One training sample: a branch of a session's token history."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    turns: list[Turn] = Field(default_factory=list)
+    branch: int = 0
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Trajectory:
+        n = len(self.token_ids)
+        if len(self.loss_mask) != n or len(self.logprobs) != n:
+            raise ValueError(
+                f"trajectory lengths differ: token_ids={n} loss_mask={len(self.loss_mask)} "
+                f"logprobs={len(self.logprobs)}"
+            )
+        for i, (m, lp) in enumerate(zip(self.loss_mask, self.logprobs, strict=True)):
+            if m not in (0, 1):
+                raise ValueError(f"loss_mask[{i}]={m}: must be 0 or 1")
+            if m == 0 and lp != 0.0:
+                raise ValueError(f"logprobs[{i}]={lp} where loss_mask is 0: must be 0.0")
+        return self
+
+    @property
+    def weight_versions(self) -> list[int]:
+        return [t.weight_version for t in self.turns]
+
+    @property
+    def n_sampled(self) -> int:
+        return sum(self.loss_mask)
+
+
+class Episode(_Model):
+    id: str
+    task_id: str
+    env: str
+    group_id: str  # episodes of one GRPO group share it
+    split: str = "train"
+    harness: str = "builtin"
+    status: Status
+    reward: Reward | None = None
+    samples: list[Trajectory] = Field(default_factory=list)
+    error: str | None = None
+    timings: dict[str, float] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def score(self) -> float:
+        return self.reward.score if self.reward is not None else 0.0
+
+    @property
+    def min_weight_version(self) -> int:
+        versions = [v for s in self.samples for v in s.weight_versions]
+        return min(versions) if versions else 0
