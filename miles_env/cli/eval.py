@@ -1,0 +1,126 @@
+"""`miles-env eval`: run real episodes of an environment and report the pass rate.
+
+Episodes are written as JSONL (one Episode per line, with token ids, masks,
+logprobs, rewards and the transcript) to OUT/episodes.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import anyio
+import typer
+
+from miles_env.errors import MilesEnvError
+from miles_env.types import Episode
+
+__all__ = ["eval_command", "summarize"]
+
+
+def summarize(episodes: list[Episode]) -> dict[str, Any]:
+    n = len(episodes)
+    sampled = sum(s.n_sampled for e in episodes for s in e.samples)
+    total = sum(len(s.token_ids) for e in episodes for s in e.samples)
+    statuses: dict[str, int] = {}
+    for e in episodes:
+        statuses[e.status.value] = statuses.get(e.status.value, 0) + 1
+    return {
+        "episodes": n,
+        "pass_rate": (sum(1 for e in episodes if e.reward is not None and e.reward.passed) / n) if n else 0.0,
+        "mean_reward": (sum(e.score for e in episodes) / n) if n else 0.0,
+        "sampled_tokens": sampled,
+        "total_tokens": total,
+        "statuses": statuses,
+    }
+
+
+async def _run(
+    env_name: str,
+    harness_name: str,
+    split: str,
+    n: int | None,
+    rollouts: int,
+    concurrency: int,
+    engine_cfg: dict[str, Any],
+    harness_cfg: dict[str, Any],
+    sandbox: str,
+    out: Path,
+) -> dict[str, Any]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from miles_env.harnesses import get_harness
+    from miles_env.registry import load_environment
+    from miles_env.rollout import run_many
+    from miles_env.stack import StackConfig, open_stack
+
+    env = load_environment(env_name)
+    tasks = env.tasks(split)[: n if n else None]
+    if not tasks:
+        raise MilesEnvError(f"environment {env_name!r} has no tasks in split {split!r}")
+    harness = get_harness(harness_name, **harness_cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "episodes.jsonl"
+    episodes: list[Episode] = []
+    stack_cfg = StackConfig(engine=engine_cfg, sandbox=sandbox, store_dir=out / "sessions")
+    async with open_stack(stack_cfg) as stack:
+        with Progress(
+            TextColumn("[bold]eval[/] {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+        ) as progress, path.open("w") as fh:
+            bar = progress.add_task(env_name, total=len(tasks) * rollouts)
+
+            def record(ep: Episode) -> None:
+                episodes.append(ep)
+                fh.write(ep.model_dump_json() + "\n")
+                fh.flush()
+                passed = sum(1 for e in episodes if e.reward is not None and e.reward.passed)
+                progress.update(bar, advance=1, description=f"{env_name} pass {passed}/{len(episodes)}")
+
+            ctx = stack.rollout_context(env, harness)
+            await run_many(ctx, tasks, rollouts_per_task=rollouts, concurrency=concurrency, on_episode=record)
+    summary = summarize(episodes)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def eval_command(
+    env: Annotated[str, typer.Option("--env", help="environment name (see `miles-env env list`)")],
+    harness: Annotated[str, typer.Option(help="builtin")] = "builtin",
+    split: Annotated[str, typer.Option(help="task split")] = "test",
+    n: Annotated[int | None, typer.Option("--n", help="number of tasks (default: all in the split)")] = None,
+    rollouts: Annotated[int, typer.Option("--rollouts", "-r", help="episodes per task")] = 1,
+    concurrency: Annotated[int, typer.Option(help="episodes at once")] = 8,
+    engine: Annotated[str, typer.Option(help="hf | sglang | scripted")] = "hf",
+    model: Annotated[str, typer.Option(help="'smollm2' or a local HF checkpoint path")] = "smollm2",
+    url: Annotated[str | None, typer.Option(help="engine server URL (sglang)")] = None,
+    max_turns: Annotated[int | None, typer.Option(help="harness turn budget")] = None,
+    temperature: Annotated[float | None, typer.Option(help="sampling temperature")] = None,
+    sandbox: Annotated[str, typer.Option(help="sandbox provider")] = "local",
+    out: Annotated[Path, typer.Option(help="output directory")] = Path("runs/eval"),
+    as_json: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
+) -> None:
+    """Run episodes with a harness through the TITO proxy and report the pass rate."""
+    engine_cfg: dict[str, Any] = {"kind": engine, "model": model}
+    if url:
+        engine_cfg["url"] = url
+    harness_cfg: dict[str, Any] = {}
+    if max_turns is not None:
+        harness_cfg["max_turns"] = max_turns
+    if temperature is not None:
+        harness_cfg["temperature"] = temperature
+    try:
+        summary = anyio.run(
+            _run, env, harness, split, n, rollouts, concurrency, engine_cfg, harness_cfg, sandbox, out
+        )
+    except MilesEnvError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    if as_json:
+        typer.echo(json.dumps(summary))
+        return
+    typer.echo(
+        f"episodes {summary['episodes']}  pass rate {summary['pass_rate']:.3f}  "
+        f"mean reward {summary['mean_reward']:.3f}  sampled tokens {summary['sampled_tokens']}  "
+        f"total tokens {summary['total_tokens']}  statuses {summary['statuses']}\nwritten to {out}/episodes.jsonl"
+    )

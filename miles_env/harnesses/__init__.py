@@ -1,0 +1,29 @@
+"""Agent harnesses: loops that act in a sandbox and talk to a TITO session.
+
+`get_harness(name, **config)` builds one by name; each harness lives in its own
+module and is imported lazily, so core never depends on a harness's extras.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from miles_env.errors import ConfigError
+from miles_env.harness import Harness
+
+__all__ = ["HARNESSES", "get_harness"]
+
+# name -> "module:factory"
+HARNESSES: dict[str, str] = {
+    "builtin": "miles_env.harnesses.builtin:BuiltinHarness",
+}
+
+
+def get_harness(name: str, **config: Any) -> Harness:
+    target = HARNESSES.get(name)
+    if target is None:
+        raise ConfigError(f"harness {name!r} is unknown; known harnesses: {', '.join(sorted(HARNESSES))}")
+    module, attr = target.split(":")
+    factory = getattr(importlib.import_module(module), attr)
+    return factory(**config)  # type: ignore[no-any-return]

@@ -1,0 +1,128 @@
+"""The built-in terminal agent.
+
+A small loop that works with a 135M model: the model answers in plain text with
+one shell command in a code block (no tool template needed); the harness runs
+it in the sandbox and sends back the output, until the model gives no command,
+says DONE, or the turn budget ends. It talks to the model only through the TITO
+session URL, with the official `openai` client, so every token is captured.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from miles_env.harness import Endpoint, HarnessResult
+from miles_env.sandbox import Sandbox
+from miles_env.types import ExecResult, Status, Task
+
+__all__ = ["BuiltinConfig", "BuiltinHarness", "parse_command", "format_observation"]
+
+SYSTEM_PROMPT = (
+    "You are a Linux shell assistant. You complete tasks by running shell commands in the "
+    "current directory. Answer with one shell command in a code block. "
+    "When the task is complete, answer DONE."
+)
+
+# One worked example, given as prior turns: small models copy its format.
+FEW_SHOT: tuple[dict[str, str], ...] = (
+    {"role": "user", "content": "Write the word cat to the file pet.txt."},
+    {"role": "assistant", "content": "```sh\necho cat > pet.txt\n```"},
+    {"role": "user", "content": "Exit code: 0\nOutput:\n(none)"},
+    {"role": "assistant", "content": "DONE"},
+)
+
+_FENCE = re.compile(r"```[a-zA-Z0-9_+-]*[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
+
+
+class BuiltinConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_turns: int = Field(4, ge=1)
+    max_tokens: int = Field(64, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    command_timeout_s: float = Field(10.0, gt=0)
+    observation_chars: int = Field(600, ge=16)
+    system_prompt: str = SYSTEM_PROMPT
+    few_shot: bool = True
+    request_timeout_s: float = Field(300.0, gt=0)
+
+
+def parse_command(text: str) -> str | None:
+    """The shell command in a reply: the first fenced block, else the first `$ ` line; None if DONE."""
+    stripped = text.strip()
+    if not stripped or stripped.upper().startswith("DONE"):
+        return None
+    m = _FENCE.search(text)
+    if m:
+        body = "\n".join(line[2:] if line.startswith("$ ") else line for line in m.group(1).splitlines())
+        return body.strip() or None
+    for line in stripped.splitlines():
+        if line.startswith("$ "):
+            return line[2:].strip() or None
+    return None
+
+
+def format_observation(result: ExecResult, limit: int) -> str:
+    out = (result.stdout + result.stderr).strip()
+    if len(out) > limit:
+        out = out[:limit] + "\n[output truncated]"
+    status = f"Exit code: {result.exit_code}"
+    if result.timed_out:
+        status += " (timed out)"
+    elif result.killed_by_limit:
+        status += f" (killed: {result.killed_by_limit} limit)"
+    return f"{status}\nOutput:\n{out or '(none)'}"
+
+
+class BuiltinHarness:
+    name = "builtin"
+
+    def __init__(self, config: BuiltinConfig | None = None, **overrides: Any) -> None:
+        base = (config or BuiltinConfig()).model_dump()
+        self.config = BuiltinConfig(**{**base, **overrides})
+
+    def _initial_messages(self, task: Task) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = [{"role": "system", "content": self.config.system_prompt}]
+        if self.config.few_shot:
+            messages.extend(dict(m) for m in FEW_SHOT)
+        messages.append({"role": "user", "content": task.instruction})
+        return messages
+
+    async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint) -> HarnessResult:
+        import openai
+
+        cfg = self.config
+        client = openai.AsyncOpenAI(
+            base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0, timeout=cfg.request_timeout_s
+        )
+        messages = self._initial_messages(task)
+        commands = 0
+        try:
+            for _ in range(cfg.max_turns):
+                try:
+                    resp = await client.chat.completions.create(
+                        model=endpoint.model,
+                        messages=messages,  # type: ignore[arg-type]
+                        max_tokens=cfg.max_tokens,
+                        temperature=cfg.temperature,
+                        top_p=cfg.top_p,
+                    )
+                except openai.BadRequestError as e:  # a session budget (context, tokens, turns) was hit
+                    return HarnessResult(Status.TRUNCATED, messages, f"budget: {e.message}", {"commands": commands})
+                except openai.APIError as e:  # engine died or stalled: the episode is aborted, the run goes on
+                    return HarnessResult(Status.ABORTED, messages, f"model call failed: {e}", {"commands": commands})
+                content = resp.choices[0].message.content or ""
+                messages.append({"role": "assistant", "content": content})
+                command = parse_command(content)
+                if command is None:
+                    return HarnessResult(Status.COMPLETED, messages, None, {"commands": commands})
+                result = await sandbox.exec(command, timeout=cfg.command_timeout_s)
+                commands += 1
+                messages.append({"role": "user", "content": format_observation(result, cfg.observation_chars)})
+            return HarnessResult(Status.TRUNCATED, messages, "max turns reached", {"commands": commands})
+        finally:
+            await client.close()

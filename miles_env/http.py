@@ -1,0 +1,50 @@
+"""Serve an ASGI app on loopback inside the running event loop.
+
+Lifecycle: `async with serve_app(app) as url:` starts uvicorn on a free port,
+waits until it accepts connections, yields its base URL, and shuts it down on
+exit (also on cancellation). Used for the TITO proxy and the SGLang-compatible
+engine server when they run in the same process as the orchestrator.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+
+__all__ = ["serve_app", "free_port"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@asynccontextmanager
+async def serve_app(app: Any, host: str = "127.0.0.1", port: int = 0, **uvicorn_kw: Any) -> AsyncIterator[str]:
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    bound_port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30, **uvicorn_kw
+    )
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # the CLI owns signals
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server.serve, [sock])
+        with anyio.fail_after(30):
+            while not server.started:
+                await anyio.sleep(0.01)
+        try:
+            yield f"http://{host}:{bound_port}"
+        finally:
+            server.should_exit = True
+            tg.cancel_scope.deadline = anyio.current_time() + 5
+    sock.close()

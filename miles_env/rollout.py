@@ -1,0 +1,135 @@
+"""Rollouts: one task -> one Episode, through a sandbox, a harness and a TITO session.
+
+Invariant: whatever happens (harness crash, hung CLI, dead engine, sandbox
+failure), `run_episode` returns an Episode with a status and keeps the partial
+token trajectory; it never raises for a per-episode fault, and the sandbox and
+the session are always closed. Cancellation (Ctrl-C) still propagates.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from miles_env.environment import Environment
+from miles_env.errors import MilesEnvError
+from miles_env.harness import Harness, HarnessResult
+from miles_env.sandbox import SandboxProvider
+from miles_env.types import Episode, Reward, Status, Task
+
+__all__ = ["RolloutContext", "run_episode", "run_group", "run_many"]
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutContext:
+    env: Environment
+    harness: Harness
+    provider: SandboxProvider
+    proxy: Any  # miles_env.tito.TitoProxy
+    proxy_url: str  # where the proxy's HTTP app listens (host side)
+    episode_timeout_s: float = 600.0
+
+
+async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None = None) -> Episode:
+    episode_id = uuid.uuid4().hex[:16]
+    handle = ctx.proxy.create_session(metadata={"task_id": task.id, "env": task.env, "episode_id": episode_id})
+    endpoint = ctx.proxy.endpoint(handle.session_id, ctx.proxy_url)
+    timings: dict[str, float] = {}
+    result: HarnessResult | None = None
+    reward: Reward | None = None
+    status, error = Status.FAILED, None
+    t0 = time.perf_counter()
+    try:
+        sandbox = await ctx.provider.create(ctx.env.sandbox_spec(task))
+        async with sandbox:
+            timings["sandbox_create_s"] = time.perf_counter() - t0
+            await ctx.env.setup(task, sandbox)
+            t1 = time.perf_counter()
+            with anyio.move_on_after(ctx.episode_timeout_s) as scope:
+                result = await ctx.harness.run(task, sandbox, endpoint)
+            timings["harness_s"] = time.perf_counter() - t1
+            if scope.cancelled_caught:
+                result = HarnessResult(Status.TRUNCATED, [], f"episode wall time {ctx.episode_timeout_s}s exceeded")
+            assert result is not None
+            status, error = result.status, result.error
+            t2 = time.perf_counter()
+            reward = await ctx.env.verify(task, sandbox, result.transcript)
+            timings["verify_s"] = time.perf_counter() - t2
+    except anyio.get_cancelled_exc_class():
+        raise
+    except (MilesEnvError, OSError) as e:
+        status, error = Status.FAILED, f"{type(e).__name__}: {e}"
+    except Exception as e:  # a bad rollout is data, not a crash: record it, keep the run going
+        status, error = Status.FAILED, f"unexpected {type(e).__name__}: {e}"
+    finally:
+        timings["total_s"] = time.perf_counter() - t0
+    try:
+        samples = ctx.proxy.export(handle.session_id)
+    finally:
+        ctx.proxy.close_session(handle.session_id)
+    return Episode(
+        id=episode_id,
+        task_id=task.id,
+        env=task.env,
+        group_id=group_id or episode_id,
+        split=task.split,
+        harness=getattr(ctx.harness, "name", "unknown"),
+        status=status,
+        reward=reward,
+        samples=samples,
+        error=error,
+        timings=timings,
+        metadata={
+            "session_id": handle.session_id,
+            "harness": result.metadata if result else {},
+            "transcript": result.transcript if result else [],
+        },
+    )
+
+
+async def run_group(ctx: RolloutContext, task: Task, size: int) -> list[Episode]:
+    """`size` episodes of one task, concurrently, sharing one GRPO group id."""
+    group_id = f"{task.id}:{uuid.uuid4().hex[:8]}"
+    out: list[Episode | None] = [None] * size
+
+    async def one(i: int) -> None:
+        out[i] = await run_episode(ctx, task, group_id=group_id)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(size):
+            tg.start_soon(one, i)
+    return [e for e in out if e is not None]
+
+
+async def run_many(
+    ctx: RolloutContext,
+    tasks: Sequence[Task],
+    *,
+    rollouts_per_task: int = 1,
+    concurrency: int = 8,
+    on_episode: Callable[[Episode], Awaitable[None] | None] | None = None,
+) -> list[Episode]:
+    """Every task `rollouts_per_task` times, at most `concurrency` episodes at once, in task order."""
+    limiter = anyio.CapacityLimiter(concurrency)
+    results: list[list[Episode]] = [[] for _ in tasks]
+
+    async def one(i: int, task: Task, group_id: str) -> None:
+        async with limiter:
+            ep = await run_episode(ctx, task, group_id=group_id)
+        results[i].append(ep)
+        if on_episode is not None:
+            maybe = on_episode(ep)
+            if maybe is not None:
+                await maybe
+
+    async with anyio.create_task_group() as tg:
+        for i, task in enumerate(tasks):
+            group_id = f"{task.id}:{uuid.uuid4().hex[:8]}"
+            for _ in range(rollouts_per_task):
+                tg.start_soon(one, i, task, group_id)
+    return [e for group in results for e in group]

@@ -1,0 +1,70 @@
+"""The rollout stack: engine + TITO proxy (served on loopback) + sandbox provider.
+
+Lifecycle: `async with open_stack(cfg) as stack:` builds the engine, wraps it in
+a TitoProxy, serves the proxy's HTTP app on a free loopback port and builds the
+sandbox provider; everything is closed on exit, also on Ctrl-C. `eval` and
+`train` both run on it, so an episode is produced the same way in both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from miles_env.environment import Environment
+from miles_env.harness import Harness
+from miles_env.http import serve_app
+from miles_env.rollout import RolloutContext
+from miles_env.sandbox import SandboxProvider
+
+__all__ = ["StackConfig", "Stack", "open_stack"]
+
+
+class StackConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    engine: dict[str, Any] = Field(default_factory=dict)  # miles_env.engines.EngineConfig fields
+    tito: dict[str, Any] = Field(default_factory=dict)  # miles_env.tito.TitoConfig fields
+    sandbox: str = "local"
+    sandbox_config: dict[str, Any] = Field(default_factory=dict)
+    store_dir: Path | None = None  # where the proxy persists sessions
+
+
+@dataclass
+class Stack:
+    engine: Any  # miles_env.engines.base.Engine
+    proxy: Any  # miles_env.tito.TitoProxy
+    proxy_url: str
+    provider: SandboxProvider
+    tokenizer: Any
+
+    def rollout_context(self, env: Environment, harness: Harness, episode_timeout_s: float = 600.0) -> RolloutContext:
+        return RolloutContext(env, harness, self.provider, self.proxy, self.proxy_url, episode_timeout_s)
+
+
+@asynccontextmanager
+async def open_stack(cfg: StackConfig, *, engine: Any | None = None) -> AsyncIterator[Stack]:
+    """Build the stack; pass `engine` to reuse one that already exists (the trainer's, in process)."""
+    from miles_env.engines import EngineConfig, build_engine
+    from miles_env.models import load_tokenizer
+    from miles_env.sandboxes import get_provider
+    from miles_env.tito import TitoConfig, TitoProxy, create_app
+
+    engine_cfg = EngineConfig(**cfg.engine)
+    provider = get_provider(cfg.sandbox, **cfg.sandbox_config)  # fail fast on a missing bwrap
+    own_engine = engine is None
+    if engine is None:
+        engine = await build_engine(engine_cfg)
+    try:
+        tokenizer = load_tokenizer(engine_cfg.model)
+        proxy = TitoProxy(engine, tokenizer, TitoConfig(**cfg.tito), store_dir=cfg.store_dir)
+        async with serve_app(create_app(proxy)) as url:
+            yield Stack(engine, proxy, url, provider, tokenizer)
+    finally:
+        if own_engine:
+            await engine.close()
