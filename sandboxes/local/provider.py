@@ -1,0 +1,119 @@
+"""LocalSandboxProvider: builds LocalSandbox instances over bubblewrap.
+
+Lifecycle of create(spec): validate the spec, make `<root>/<id>/{work,tmp,run}`
+(mode 0700), create the pids cgroup if possible, place spec.files, and
+precompute the bwrap and limit argv prefixes so that each exec is one spawn. If
+any step fails, whatever was made is removed before the error propagates.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+import anyio
+
+from miles_env.errors import ConfigError, SandboxError, SandboxUnavailable
+from miles_env.types import NetworkPolicy, Resources, SandboxSpec
+
+from .cgroup import PidsCgroup
+from .config import LocalSandboxConfig, find_bwrap, host_root_binds
+from .sandbox import LocalSandbox
+
+__all__ = ["LocalSandboxProvider"]
+
+
+def _limit_prefix(res: Resources, cgroup: PidsCgroup | None, prlimit: str) -> list[str]:
+    """argv that joins the cgroup and sets rlimits, then execs the rest (no extra fork)."""
+    prefix: list[str] = []
+    if cgroup is not None:
+        # The shell writes its own pid before exec'ing bwrap, so every descendant is counted.
+        prefix += ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', cgroup.procs_file]
+    mem = res.memory_mb << 20
+    disk = res.disk_mb << 20
+    prefix += [
+        prlimit,
+        f"--as={mem}:{mem}",
+        # soft < hard: the kernel sends SIGXCPU first, which tells the cause apart from our SIGKILL
+        f"--cpu={res.cpu_seconds}:{res.cpu_seconds + 1}",
+        f"--fsize={disk}:{disk}",
+        "--core=0:0",
+    ]
+    if cgroup is None:
+        prefix.append(f"--nproc={res.max_procs}:{res.max_procs}")
+    prefix.append("--")
+    return prefix
+
+
+class LocalSandboxProvider:
+    """SandboxProvider "local": bubblewrap sandboxes on this host."""
+
+    name = "local"
+
+    def __init__(self, config: LocalSandboxConfig | None = None) -> None:
+        self.config = config or LocalSandboxConfig()
+        self.bwrap = find_bwrap(self.config.bwrap)
+        prlimit = shutil.which("prlimit")
+        if prlimit is None:
+            raise SandboxUnavailable("`prlimit` (util-linux) not found on PATH; the local sandbox needs it")
+        self._prlimit = prlimit
+        self.root = self.config.resolved_root()
+
+    def _bwrap_prefix(self, spec: SandboxSpec, host_dir: Path) -> list[str]:
+        args = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session"]
+        args += ["--hostname", self.config.hostname]
+        if spec.rootfs is not None:
+            args += ["--bind", spec.rootfs, "/"]
+        else:
+            args += host_root_binds(self.config.extra_ro_binds)
+        args += ["--bind", str(host_dir / "work"), spec.workdir, "--bind", str(host_dir / "tmp"), "/tmp"]
+        args += ["--proc", "/proc", "--dev", "/dev"]
+        if spec.rootfs is not None:
+            args += ["--remount-ro", "/"]
+        return args + ["--clearenv"]
+
+    def _validate(self, spec: SandboxSpec) -> None:
+        if not spec.workdir.startswith("/") or spec.workdir.rstrip("/") in ("", "/tmp", "/proc", "/dev"):
+            raise ConfigError(f"SandboxSpec.workdir={spec.workdir!r}: must be an absolute, dedicated directory")
+        if spec.rootfs is not None and not os.path.isdir(spec.rootfs):
+            raise ConfigError(f"SandboxSpec.rootfs={spec.rootfs!r}: not a directory on the host")
+        if spec.network is NetworkPolicy.HOST:
+            raise ConfigError("SandboxSpec.network='host' is not supported by the local provider")
+
+    async def create(self, spec: SandboxSpec) -> LocalSandbox:
+        if not isinstance(spec, SandboxSpec):
+            raise ConfigError(f"create(spec): expected a SandboxSpec, got {type(spec).__name__}")
+        self._validate(spec)
+        sandbox_id = secrets.token_hex(6)
+        host_dir = self.root / sandbox_id
+        cgroup: PidsCgroup | None = None
+        try:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            host_dir.mkdir(mode=0o700)
+            for sub in ("work", "tmp", "run"):
+                (host_dir / sub).mkdir(mode=0o755)
+            os.chmod(host_dir / "tmp", 0o1777)
+            if self.config.use_cgroup:
+                cgroup = PidsCgroup.create(f"miles-env-{sandbox_id}", spec.resources.max_procs)
+            sandbox = LocalSandbox(
+                sandbox_id=sandbox_id,
+                spec=spec,
+                host_dir=host_dir,
+                bwrap_prefix=self._bwrap_prefix(spec, host_dir),
+                limit_prefix=_limit_prefix(spec.resources, cgroup, self._prlimit),
+                cgroup=cgroup,
+                python=self.config.python,
+            )
+            for path, text in spec.files.items():
+                await sandbox.write_file(path, text)
+        except BaseException as e:
+            with anyio.CancelScope(shield=True):
+                if cgroup is not None:
+                    cgroup.remove()
+                shutil.rmtree(host_dir, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise SandboxError(f"creating sandbox under {self.root}: {e}") from e
+            raise
+        return sandbox

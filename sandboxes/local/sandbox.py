@@ -1,0 +1,205 @@
+"""The local sandbox: one bubblewrap invocation per exec over a persistent private directory.
+
+Concept: a sandbox is a host directory `<root>/<id>/` (workspace bound at
+spec.workdir, a private /tmp) plus, when the host allows it, a pids cgroup. Each
+exec is a single fresh `bwrap --unshare-all` (new user, mount, pid, net, ipc,
+uts, cgroup namespaces) that sees only the read-only system dirs and those two
+writable binds; so create and close are cheap directory operations and an exec
+is one process spawn. Files persist across execs; processes do not (the pid
+namespace dies with the exec).
+
+Invariants: nothing inside can reach the network (only `lo`); after `close()`
+no process of the sandbox is alive and its directory is gone. `close()` is
+idempotent and runs on `async with` exit, on cancellation and on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+from collections.abc import Mapping
+from pathlib import Path
+
+import anyio
+
+from miles_env.errors import SandboxError
+from miles_env.sandbox import Command
+from miles_env.types import ExecResult, Resources, SandboxSpec
+
+from .cgroup import PidsCgroup
+from .paths import safe_read, safe_write, split_inner_path
+from .process import RawResult, run_capped
+
+__all__ = ["LocalSandbox", "classify"]
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_MEMORY_HINTS = re.compile(
+    rb"MemoryError|Cannot allocate memory|std::bad_alloc|out of memory|memory exhausted"
+    rb"|failed to reserve",
+    re.IGNORECASE,
+)
+_FORK_HINTS = re.compile(rb"Cannot fork|fork: (retry|Resource temporarily unavailable)|can't fork")
+
+
+def classify(raw: RawResult, procs_refused: bool) -> tuple[int, str | None]:
+    """Turn bwrap's status into (exit_code, killed_by_limit).
+
+    bwrap reports a command killed by signal N as 128+N; we report -N (and -9
+    for our own kills), so callers see signals the way subprocess does.
+    """
+    code = raw.returncode
+    if 128 < code < 160:
+        code = -(code - 128)
+    if raw.timed_out:
+        return code, None
+    if raw.output_killed:
+        return code, "output"
+    if code == -signal.SIGXCPU:
+        return code, "cpu"
+    if code == -signal.SIGXFSZ:
+        return code, "disk"
+    if code != 0 and (procs_refused or _FORK_HINTS.search(raw.stderr)):
+        return code, "procs"
+    if code != 0 and _MEMORY_HINTS.search(raw.stderr):
+        return code, "memory"
+    return code, None
+
+
+class LocalSandbox:
+    """A Sandbox (miles_env.sandbox.Sandbox) backed by bubblewrap; built by LocalSandboxProvider."""
+
+    def __init__(
+        self,
+        *,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        host_dir: Path,
+        bwrap_prefix: list[str],
+        limit_prefix: list[str],
+        cgroup: PidsCgroup | None,
+        python: str,
+    ) -> None:
+        self.id = sandbox_id
+        self.workdir = spec.workdir
+        self.spec = spec
+        self.host_dir = host_dir
+        self._bwrap_prefix = bwrap_prefix
+        self._limit_prefix = limit_prefix
+        self._cgroup = cgroup
+        self._python = python
+        self._live: set[int] = set()
+        self._closed = False
+        self._bridge = None  # type: ignore[var-annotated]
+        self.mounts = {spec.workdir: str(host_dir / "work"), "/tmp": str(host_dir / "tmp")}
+
+    # -- exec ---------------------------------------------------------------------------
+    def _argv(self, cmd: Command, cwd: str | None, env: Mapping[str, str] | None) -> list[str]:
+        if isinstance(cmd, str):
+            argv = ["/bin/sh", "-c", cmd]
+        else:
+            argv = [str(a) for a in cmd]
+            if not argv:
+                raise SandboxError("exec: cmd is an empty argv list")
+        merged = {"PATH": DEFAULT_PATH, "HOME": self.workdir, "LANG": "C.UTF-8", **self.spec.env, **(env or {})}
+        out = list(self._limit_prefix)
+        if self._bridge is not None:
+            out += self._bridge.nsenter_prefix()
+        out += self._bwrap_prefix
+        if self._bridge is not None:
+            out.append("--share-net")
+        for key, value in merged.items():
+            out += ["--setenv", key, value]
+        chdir = self.workdir if cwd is None else (cwd if cwd.startswith("/") else f"{self.workdir}/{cwd}")
+        out += ["--chdir", chdir, "--", *argv]
+        return out
+
+    async def exec(
+        self,
+        cmd: Command,
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | str | None = None,
+    ) -> ExecResult:
+        self._check_open()
+        res: Resources = self.spec.resources
+        limit = res.timeout_s if timeout is None else timeout
+        if limit <= 0:
+            raise SandboxError(f"exec: timeout={timeout!r} must be > 0")
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        refused_before = self._cgroup.max_events() if self._cgroup else 0
+        raw = await run_capped(
+            self._argv(cmd, cwd, env), stdin=data, timeout=limit, output_cap=res.output_bytes, live=self._live
+        )
+        refused = self._cgroup is not None and self._cgroup.max_events() > refused_before
+        code, killed_by = classify(raw, refused)
+        if raw.timed_out:
+            code = -signal.SIGKILL
+        return ExecResult(
+            exit_code=code,
+            stdout=raw.stdout.decode("utf-8", "replace"),
+            stderr=raw.stderr.decode("utf-8", "replace"),
+            timed_out=raw.timed_out,
+            killed_by_limit=killed_by,
+            truncated=raw.truncated,
+            duration_s=raw.duration_s,
+        )
+
+    # -- files --------------------------------------------------------------------------
+    async def write_file(self, path: str, data: bytes | str) -> None:
+        self._check_open()
+        host, parts = split_inner_path(path, self.workdir, self.mounts)
+        safe_write(host, parts, data.encode() if isinstance(data, str) else bytes(data), path)
+
+    async def read_file(self, path: str) -> bytes:
+        self._check_open()
+        host, parts = split_inner_path(path, self.workdir, self.mounts)
+        return safe_read(host, parts, path)
+
+    # -- network ------------------------------------------------------------------------
+    async def expose(self, url: str) -> str:
+        self._check_open()
+        if self._bridge is None:
+            from .bridge import Bridge
+
+            self._bridge = Bridge(self.host_dir / "run", self._bwrap_prefix, self._limit_prefix, self._python)
+        return await self._bridge.expose(url, self._live)
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxError(f"sandbox {self.id} is closed")
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            self._kill_everything()
+            if self._bridge is not None:
+                await self._bridge.aclose()
+            self._kill_everything()
+            if self._cgroup is not None:
+                self._cgroup.remove()
+            shutil.rmtree(self.host_dir, ignore_errors=True)
+
+    def _kill_everything(self) -> None:
+        for pid in list(self._live):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self._cgroup is not None:
+            self._cgroup.kill_all()
+
+    async def __aenter__(self) -> LocalSandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"LocalSandbox(id={self.id!r}, workdir={self.workdir!r}, closed={self._closed})"
