@@ -1,0 +1,199 @@
+"""`miles-env env ...`: list, inspect, scaffold and oracle-check environments.
+
+A thin sync edge over miles_env.registry and miles_env.oracle. Errors from the
+registry (unknown name, bad task) print one clear line and exit 2; `eval --oracle`
+exits 1 unless every reference solution passes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import string
+from collections import Counter
+from importlib.resources import files as resource_files
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from miles_env.errors import MilesEnvError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="List, inspect, scaffold and check environments.")
+_out = Console()
+_err = Console(stderr=True)
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
+
+
+def _fail(err: Exception, code: int = 2) -> typer.Exit:
+    _err.print(f"[red]error:[/red] {err}", markup=True, highlight=False)
+    return typer.Exit(code)
+
+
+def _load(name: str) -> Any:
+    from miles_env.registry import load_environment
+
+    try:
+        return load_environment(name)
+    except MilesEnvError as e:
+        raise _fail(e) from None
+
+
+@app.command("list")
+def list_command(
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list.")] = False,
+    module: Annotated[list[str], typer.Option("--module", "-m", help="Also list a 'module.path:attr'.")] = [],  # noqa: B006
+) -> None:
+    """Installed environments: name, source and number of tasks per split."""
+    from miles_env.registry import list_environments
+
+    infos = list_environments(module)
+    if as_json:
+        print(json.dumps([i.to_dict() for i in infos], indent=2))
+        return
+    table = Table(title="miles-env environments")
+    for col in ("name", "source", "tasks", "description"):
+        table.add_column(col)
+    for i in infos:
+        counts = ", ".join(f"{s}: {n}" for s, n in i.n_tasks.items())
+        table.add_row(i.name, i.source, counts, f"[red]{i.error}[/red]" if i.error else i.description)
+    _out.print(table)
+
+
+def _info_dict(env: Any, n_examples: int) -> dict[str, Any]:
+    splits: dict[str, Any] = {}
+    for split in env.splits:
+        tasks = env.tasks(split)
+        tiers = Counter(str(t.metadata["tier"]) for t in tasks if "tier" in t.metadata)
+        splits[split] = {
+            "n_tasks": len(tasks),
+            "tiers": dict(sorted(tiers.items())),
+            "examples": [{"id": t.id, "instruction": t.instruction} for t in tasks[:n_examples]],
+        }
+    return {"name": env.name, "description": env.description, "splits": splits}
+
+
+@app.command("info")
+def info_command(
+    name: Annotated[str, typer.Argument(help="Environment name or 'module.path:attr'.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    examples: Annotated[int, typer.Option(help="Example tasks to show per split.")] = 3,
+) -> None:
+    """Description, splits, task counts (per tier when tasks have one) and example tasks."""
+    info = _info_dict(_load(name), examples)
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    _out.print(f"[bold]{info['name']}[/bold]: {info['description']}")
+    for split, s in info["splits"].items():
+        tiers = ", ".join(f"tier {k}: {v}" for k, v in s["tiers"].items())
+        _out.print(f"\n[bold]{split}[/bold]: {s['n_tasks']} tasks" + (f" ({tiers})" if tiers else ""))
+        for ex in s["examples"]:
+            _out.print(f"  [cyan]{ex['id']}[/cyan]  {ex['instruction']}", highlight=False)
+
+
+def scaffold(name: str, target: Path) -> list[Path]:
+    """Write a new environment package for `name` into `target`; return the files written."""
+    if not _NAME_RE.match(name):
+        raise typer.BadParameter(f"{name!r}: use lowercase letters, digits and single dashes", param_hint="NAME")
+    if target.exists() and any(target.iterdir()):
+        raise typer.BadParameter(f"{target} exists and is not empty", param_hint="--dir")
+    package = "miles_env_" + name.replace("-", "_")
+    values = {
+        "name": name,
+        "package": package,
+        "dist_name": f"miles-env-{name}",
+        "class_name": "".join(p.capitalize() for p in name.split("-")) + "Env",
+    }
+    src = resource_files("miles_env") / "templates" / "env"
+    layout = {"pyproject.toml.tmpl": "pyproject.toml", "README.md.tmpl": "README.md", "module.py.tmpl": f"{package}/__init__.py"}
+    written = []
+    for tmpl, rel in layout.items():
+        path = target / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(string.Template((src / tmpl).read_text()).substitute(values))
+        written.append(path)
+    return written
+
+
+@app.command("init")
+def init_command(
+    name: Annotated[str, typer.Argument(help="Name of the new environment, e.g. my-tasks.")],
+    dir: Annotated[Path | None, typer.Option("--dir", help="Where to create the package (default ./NAME).")] = None,
+) -> None:
+    """Scaffold a new environment package (pyproject with the entry point, module, README)."""
+    target = dir if dir is not None else Path(name)
+    for path in scaffold(name, target):
+        _out.print(f"created {path}", highlight=False)
+    _out.print(f"\nnext: pip install -e {target} && miles-env env list", highlight=False)
+
+
+def _first_reason(result: Any) -> str:
+    if result.error:
+        return result.error
+    for row in result.details.get("checks", []):
+        if not row["passed"]:
+            return f"{row['kind']} {row['target']}: {row['reason']}"
+    return f"score {result.score}"
+
+
+def _print_report(report: Any) -> None:
+    by_group: dict[tuple[str, str], list[bool]] = {}
+    for r in report.results:
+        by_group.setdefault((r.split, "" if r.tier is None else str(r.tier)), []).append(r.passed)
+    table = Table(title=f"oracle: {report.env}")
+    for col in ("split", "tier", "passed", "total"):
+        table.add_column(col)
+    for (split, tier), oks in sorted(by_group.items()):
+        table.add_row(split, tier or "-", str(sum(oks)), str(len(oks)))
+    _out.print(table)
+    for r in report.failures:
+        _out.print(f"[red]FAIL[/red] {r.task_id}: {_first_reason(r)}", highlight=False)
+    colour = "green" if not report.failures else "red"
+    _out.print(
+        f"[{colour}]pass rate {report.pass_rate:.1%}[/{colour}] ({report.n_passed}/{report.n_total}) "
+        f"in {report.duration_s:.1f}s"
+    )
+
+
+@app.command("eval")
+def eval_command(
+    name: Annotated[str, typer.Argument(help="Environment name or 'module.path:attr'.")],
+    oracle: Annotated[bool, typer.Option("--oracle", help="Run each task's reference solution.")] = False,
+    split: Annotated[str | None, typer.Option(help="Only this split (default: all).")] = None,
+    task: Annotated[list[str], typer.Option("--task", help="Only these task ids.")] = [],  # noqa: B006
+    concurrency: Annotated[int, typer.Option(min=1, help="Sandboxes at once.")] = 4,
+    provider: Annotated[str, typer.Option(help="Sandbox provider.")] = "local",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Check an environment end to end: reference solutions in real sandboxes, then verify()."""
+    if not oracle:
+        raise _fail(ValueError("env eval needs --oracle (to evaluate a model use `miles-env eval`)"))
+    import anyio
+
+    from miles_env.oracle import run_oracle
+    from miles_env.sandboxes import get_provider
+
+    env = _load(name)
+    if split is not None and split not in env.splits:
+        raise _fail(ValueError(f"--split {split!r}: environment {env.name!r} has splits {list(env.splits)}"))
+    tasks = env.tasks(split)
+    if task:
+        unknown = sorted(set(task) - {t.id for t in tasks})
+        if unknown:
+            raise _fail(ValueError(f"--task: unknown task ids {unknown}"))
+        tasks = [t for t in tasks if t.id in set(task)]
+    try:
+        prov = get_provider(provider)
+    except MilesEnvError as e:
+        raise _fail(e) from None
+    report = anyio.run(run_oracle, env, tasks, prov, concurrency)
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        _print_report(report)
+    if report.failures or not report.results:
+        raise typer.Exit(1)

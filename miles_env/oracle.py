@@ -1,0 +1,150 @@
+"""The oracle runner: reference solutions through real sandboxes and real verifiers.
+
+Concept: for each task, create a sandbox from `env.sandbox_spec(task)`, run
+`env.setup`, run `task.solution` (a shell script, `bash -c`) in the workdir, then
+grade with `env.verify`. An environment whose oracle does not pass 100% has a bug
+in a task, its solution or its verifier.
+
+Invariant: a failing task is data, never a crash: every task yields exactly one
+OracleResult (sandbox or verifier exceptions are recorded as `error`). Sandboxes
+are closed by `async with`, also on cancellation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from miles_env.environment import Environment
+from miles_env.sandbox import SandboxProvider
+from miles_env.types import Task
+
+__all__ = ["OracleResult", "OracleReport", "run_oracle", "run_solution"]
+
+_SOLUTION_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class OracleResult:
+    task_id: str
+    split: str
+    passed: bool
+    score: float
+    details: dict[str, Any] = field(default_factory=dict)
+    solution_exit_code: int | None = None
+    solution_stderr: str = ""
+    error: str | None = None  # infrastructure error (sandbox, verifier), if any
+    duration_s: float = 0.0
+    tier: Any = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "task_id": self.task_id,
+            "split": self.split,
+            "tier": self.tier,
+            "passed": self.passed,
+            "score": self.score,
+            "solution_exit_code": self.solution_exit_code,
+            "solution_stderr": self.solution_stderr,
+            "error": self.error,
+            "duration_s": round(self.duration_s, 3),
+            "details": self.details,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class OracleReport:
+    env: str
+    results: tuple[OracleResult, ...]
+    duration_s: float = 0.0
+
+    @property
+    def n_total(self) -> int:
+        return len(self.results)
+
+    @property
+    def n_passed(self) -> int:
+        return sum(r.passed for r in self.results)
+
+    @property
+    def pass_rate(self) -> float:
+        return self.n_passed / self.n_total if self.results else 0.0
+
+    @property
+    def failures(self) -> list[OracleResult]:
+        return [r for r in self.results if not r.passed]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "env": self.env,
+            "n_total": self.n_total,
+            "n_passed": self.n_passed,
+            "pass_rate": self.pass_rate,
+            "duration_s": round(self.duration_s, 3),
+            "failures": [r.to_dict() for r in self.failures],
+            "results": [r.to_dict() for r in self.results],
+        }
+
+
+async def run_solution(
+    env: Environment, task: Task, provider: SandboxProvider, solution: str | None = None
+) -> OracleResult:
+    """Run one script (default: the task's reference solution) and grade it."""
+    script = task.solution if solution is None else solution
+    t0 = time.monotonic()
+    tier = task.metadata.get("tier")
+    if script is None:
+        return OracleResult(task.id, task.split, False, 0.0, error="task has no reference solution", tier=tier)
+    try:
+        async with await provider.create(env.sandbox_spec(task)) as sb:
+            await env.setup(task, sb)
+            res = await sb.exec(["bash", "-c", script], timeout=_SOLUTION_TIMEOUT_S)
+            reward = await env.verify(task, sb, [])
+    except Exception as e:  # a bad rollout is data: record it, keep going
+        return OracleResult(
+            task.id, task.split, False, 0.0, error=f"{type(e).__name__}: {e}",
+            duration_s=time.monotonic() - t0, tier=tier,
+        )  # fmt: skip
+    return OracleResult(
+        task_id=task.id,
+        split=task.split,
+        passed=reward.passed,
+        score=reward.score,
+        details=dict(reward.details),
+        solution_exit_code=res.exit_code,
+        solution_stderr=res.stderr[-2000:],
+        duration_s=time.monotonic() - t0,
+        tier=tier,
+    )
+
+
+async def run_oracle(
+    env: Environment,
+    tasks: Sequence[Task],
+    provider: SandboxProvider,
+    concurrency: int = 4,
+    solution: str | None = None,
+) -> OracleReport:
+    """Run every task's reference solution (or `solution` for all) with bounded concurrency.
+
+    Results keep the order of `tasks`.
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
+    results: list[OracleResult | None] = [None] * len(tasks)
+    limiter = anyio.CapacityLimiter(concurrency)
+    t0 = time.monotonic()
+
+    async def one(i: int, task: Task) -> None:
+        async with limiter:
+            results[i] = await run_solution(env, task, provider, solution)
+
+    async with anyio.create_task_group() as tg:
+        for i, task in enumerate(tasks):
+            tg.start_soon(one, i, task)
+    done = tuple(r for r in results if r is not None)
+    return OracleReport(env=env.name, results=done, duration_s=time.monotonic() - t0)
