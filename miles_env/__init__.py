@@ -59,6 +59,7 @@ __all__ = [
     "Task",
     "TaskError",
     "Trajectory",
+    "Transcript",
     "Turn",
     "__version__",
 ]

@@ -25,7 +25,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @asynccontextmanager
-async def serve_app(app: Any, host: str = "127.0.0.1", port: int = 0, **uvicorn_kw: Any) -> AsyncIterator[str]:
+async def serve_app(
+    app: Any, host: str = "127.0.0.1", port: int = 0, **uvicorn_kw: Any
+) -> AsyncIterator[str]:
     import uvicorn
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -98,7 +98,9 @@ async def run_solution(
     t0 = time.monotonic()
     tier = task.metadata.get("tier")
     if script is None:
-        return OracleResult(task.id, task.split, False, 0.0, error="task has no reference solution", tier=tier)
+        return OracleResult(
+            task.id, task.split, False, 0.0, error="task has no reference solution", tier=tier
+        )
     try:
         async with await provider.create(env.sandbox_spec(task)) as sb:
             await env.setup(task, sb)

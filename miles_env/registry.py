@@ -157,7 +157,9 @@ def validate_environment(env: Environment) -> dict[str, int]:
             if task.env != env.name:
                 raise TaskError(f"task {task.id!r}: field 'env' is {task.env!r}, want {env.name!r}")
             if task.id in seen:
-                raise TaskError(f"task {task.id!r}: field 'id' is duplicated (splits {seen[task.id]!r}, {split!r})")
+                raise TaskError(
+                    f"task {task.id!r}: field 'id' is duplicated (splits {seen[task.id]!r}, {split!r})"
+                )
             seen[task.id] = split
             if "checks" in task.verifier:
                 parse_checks(task)

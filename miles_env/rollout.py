@@ -37,7 +37,9 @@ class RolloutContext:
 
 async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None = None) -> Episode:
     episode_id = uuid.uuid4().hex[:16]
-    handle = ctx.proxy.create_session(metadata={"task_id": task.id, "env": task.env, "episode_id": episode_id})
+    handle = ctx.proxy.create_session(
+        metadata={"task_id": task.id, "env": task.env, "episode_id": episode_id}
+    )
     endpoint = ctx.proxy.endpoint(handle.session_id, ctx.proxy_url)
     timings: dict[str, float] = {}
     result: HarnessResult | None = None
@@ -54,7 +56,9 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
                 result = await ctx.harness.run(task, sandbox, endpoint)
             timings["harness_s"] = time.perf_counter() - t1
             if scope.cancelled_caught:
-                result = HarnessResult(Status.TRUNCATED, [], f"episode wall time {ctx.episode_timeout_s}s exceeded")
+                result = HarnessResult(
+                    Status.TRUNCATED, [], f"episode wall time {ctx.episode_timeout_s}s exceeded"
+                )
             assert result is not None
             status, error = result.status, result.error
             t2 = time.perf_counter()

@@ -43,7 +43,9 @@ class Stack:
     provider: SandboxProvider
     tokenizer: Any
 
-    def rollout_context(self, env: Environment, harness: Harness, episode_timeout_s: float = 600.0) -> RolloutContext:
+    def rollout_context(
+        self, env: Environment, harness: Harness, episode_timeout_s: float = 600.0
+    ) -> RolloutContext:
         return RolloutContext(env, harness, self.provider, self.proxy, self.proxy_url, episode_timeout_s)
 
 

@@ -10,7 +10,7 @@ EXPECTED = {
     "BudgetExceeded", "ConfigError", "Endpoint", "EngineError", "Environment", "Episode", "ExecResult",
     "Harness", "HarnessError", "HarnessResult", "MilesEnvError", "NetworkPolicy", "RegistryError",
     "Resources", "Reward", "Sandbox", "SandboxError", "SandboxProvider", "SandboxSpec",
-    "SandboxUnavailable", "Status", "Task", "TaskError", "Trajectory", "Turn", "__version__",
+    "SandboxUnavailable", "Status", "Task", "TaskError", "Trajectory", "Transcript", "Turn", "__version__",
 }  # fmt: skip
 
 

@@ -65,9 +65,15 @@ async def _run(
     episodes: list[Episode] = []
     stack_cfg = StackConfig(engine=engine_cfg, sandbox=sandbox, store_dir=out / "sessions")
     async with open_stack(stack_cfg) as stack:
-        with Progress(
-            TextColumn("[bold]eval[/] {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
-        ) as progress, path.open("w") as fh:
+        with (
+            Progress(
+                TextColumn("[bold]eval[/] {task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+            ) as progress,
+            path.open("w") as fh,
+        ):
             bar = progress.add_task(env_name, total=len(tasks) * rollouts)
 
             def record(ep: Episode) -> None:

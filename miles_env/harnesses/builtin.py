@@ -112,9 +112,15 @@ class BuiltinHarness:
                         top_p=cfg.top_p,
                     )
                 except openai.BadRequestError as e:  # a session budget (context, tokens, turns) was hit
-                    return HarnessResult(Status.TRUNCATED, messages, f"budget: {e.message}", {"commands": commands})
-                except openai.APIError as e:  # engine died or stalled: the episode is aborted, the run goes on
-                    return HarnessResult(Status.ABORTED, messages, f"model call failed: {e}", {"commands": commands})
+                    return HarnessResult(
+                        Status.TRUNCATED, messages, f"budget: {e.message}", {"commands": commands}
+                    )
+                except (
+                    openai.APIError
+                ) as e:  # engine died or stalled: the episode is aborted, the run goes on
+                    return HarnessResult(
+                        Status.ABORTED, messages, f"model call failed: {e}", {"commands": commands}
+                    )
                 content = resp.choices[0].message.content or ""
                 messages.append({"role": "assistant", "content": content})
                 command = parse_command(content)
@@ -122,7 +128,9 @@ class BuiltinHarness:
                     return HarnessResult(Status.COMPLETED, messages, None, {"commands": commands})
                 result = await sandbox.exec(command, timeout=cfg.command_timeout_s)
                 commands += 1
-                messages.append({"role": "user", "content": format_observation(result, cfg.observation_chars)})
+                messages.append(
+                    {"role": "user", "content": format_observation(result, cfg.observation_chars)}
+                )
             return HarnessResult(Status.TRUNCATED, messages, "max turns reached", {"commands": commands})
         finally:
             await client.close()

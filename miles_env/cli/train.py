@@ -1,0 +1,35 @@
+"""`miles-env train CONFIG [--set key=value ...]`: the main job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import anyio
+import typer
+
+from miles_env.errors import MilesEnvError
+
+__all__ = ["train_command"]
+
+
+def train_command(
+    config: Annotated[Path, typer.Argument(help="run config (YAML or TOML)")],
+    overrides: Annotated[
+        list[str] | None, typer.Option("--set", help="override a config key, e.g. --set trainer.steps=4")
+    ] = None,
+) -> None:
+    """Agentic RL: rollouts through the TITO proxy into the replay queue, GRPO training, weight sync."""
+    from rich.console import Console
+
+    from miles_env.config import load_config
+    from miles_env.train import run_training
+
+    console = Console()
+    try:
+        cfg = load_config(config, overrides or [])
+        summary = anyio.run(run_training, cfg, console)
+    except MilesEnvError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from e
+    console.print(f"[green]done[/] {summary['steps']} steps; run directory {summary['run_dir']}")
