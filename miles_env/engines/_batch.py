@@ -1,0 +1,187 @@
+"""The running decode batch of the embedded engine (worker thread only).
+
+A request is prefilled alone (batch 1, no padding, on top of its session's
+cached prefix when the ids extend it), which samples its first token; it then
+joins the left-padded batch. `step()` feeds every row its last token, samples
+the next one and returns the rows that finished, already removed from the
+batch. Row order never affects a row's numbers beyond float rounding: each
+row has its own position ids, attention mask and generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from miles_env.engines._kv import KV, SessionEntry, common_prefix, crop, merge_rows, row_kv, select_rows
+from miles_env.engines._sampling import StopChecker, sample_token
+from miles_env.engines.base import SamplingParams
+
+__all__ = ["Row", "Batch"]
+
+
+@dataclass(slots=True, eq=False)
+class Row:
+    req: Any  # the engine's request record (input_ids, params, cancelled flag, ...)
+    input_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    stops: StopChecker
+    generator: torch.Generator | None
+    version: int
+    max_total: int  # context limit: input + output never exceeds it
+    cached: int = 0
+    ttft: float = 0.0
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str | None = None
+    matched: int | str | None = None
+    kv: KV | None = None  # only while the row is outside the batch (prefilled or finished)
+
+    @property
+    def n_real(self) -> int:
+        """Tokens whose KV exists: the prompt and every output token but the newest."""
+        return len(self.input_ids) + len(self.output) - 1
+
+    def accept(self, token: int, logprob: float) -> None:
+        self.output.append(token)
+        self.logprobs.append(logprob)
+        if self.req.cancelled:
+            self.finish = "abort"
+        elif token in self.stop_ids:
+            self.finish, self.matched = "stop", token
+        elif (hit := self.stops.matched(self.output)) is not None:
+            self.finish, self.matched = "stop", hit
+        elif (
+            len(self.output) >= self.params.max_new_tokens
+            or len(self.input_ids) + len(self.output) >= self.max_total
+        ):
+            self.finish = "length"
+
+    def session_entry(self) -> SessionEntry:
+        assert self.kv is not None
+        return SessionEntry(ids=self.input_ids + self.output[:-1], kv=self.kv)
+
+
+class Batch:
+    def __init__(
+        self,
+        model: Any,
+        device: torch.device,
+        cache_kw: str,
+        tokenizer: Any,
+        eos: tuple[int, ...],
+        seed: int | None,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.cache_kw = cache_kw
+        self.tokenizer = tokenizer
+        self.eos = frozenset(eos)
+        self.default_gen = torch.Generator(device=device)
+        self.default_gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
+        self.rows: list[Row] = []
+        self.kv: KV = []
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=device)
+
+    def clear(self) -> None:
+        self.rows, self.kv = [], []
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+
+    def _forward(
+        self, ids: torch.Tensor, kv: KV, mask: torch.Tensor | None, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, KV]:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(ddp_cache_data=kv) if kv else DynamicCache(config=self.model.config)
+        kwargs = {self.cache_kw: cache}
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kwargs
+        )
+        return out.logits[:, -1, :].float(), [(layer.keys, layer.values) for layer in cache.layers]
+
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.temperature == 0.0:
+            return None
+        if params.seed is None:
+            return self.default_gen
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(params.seed)
+        return gen
+
+    def prefill(
+        self,
+        req: Any,
+        ids: list[int],
+        params: SamplingParams,
+        entry: SessionEntry | None,
+        version: int,
+        max_total: int,
+    ) -> Row:
+        """Run the prompt (past the reusable cached prefix) and sample the first token."""
+        import time
+
+        t0 = time.perf_counter()
+        reuse = 0
+        kv: KV = []
+        if entry is not None:
+            # keep at least one prompt token to feed: its logits give the first sample
+            reuse = min(common_prefix(entry.ids, ids), len(ids) - 1)
+            kv = crop(entry.kv, reuse) if reuse > 0 else []
+        tail = torch.tensor([ids[reuse:]], dtype=torch.long, device=self.device)
+        pos = torch.arange(reuse, len(ids), device=self.device).unsqueeze(0)
+        logits, kv = self._forward(tail, kv, None, pos)
+        row = Row(
+            req=req,
+            input_ids=ids,
+            params=params,
+            stop_ids=self.eos | frozenset(params.stop_token_ids),
+            stops=StopChecker(self.tokenizer, params.stop),
+            generator=self._generator(params),
+            version=version,
+            max_total=max_total,
+            cached=reuse,
+            kv=kv,
+        )
+        row.accept(*sample_token(logits[0], params, row.generator))
+        row.ttft = time.perf_counter() - t0
+        return row
+
+    def join(self, row: Row) -> None:
+        assert row.kv is not None
+        mask = torch.ones(1, row.n_real, dtype=torch.long, device=self.device)
+        if self.rows:
+            self.kv, self.mask = merge_rows(self.kv, self.mask, row.kv, mask)
+        else:
+            self.kv, self.mask = row.kv, mask
+        row.kv = None
+        self.rows.append(row)
+
+    def step(self) -> list[Row]:
+        """One decode step for every row; return the rows that finished (removed from the batch)."""
+        rows = self.rows
+        ids = torch.tensor([[r.output[-1]] for r in rows], dtype=torch.long, device=self.device)
+        pos = torch.tensor([[r.n_real] for r in rows], dtype=torch.long, device=self.device)
+        mask = torch.cat([self.mask, self.mask.new_ones(len(rows), 1)], dim=1)
+        padded = bool((mask == 0).any())
+        logits, self.kv = self._forward(ids, self.kv, mask if padded else None, pos)
+        self.mask = mask
+        done: list[int] = []
+        for i, row in enumerate(rows):
+            row.accept(*sample_token(logits[i], row.params, row.generator))
+            if row.finish is not None:
+                done.append(i)
+        if not done:
+            return []
+        finished = [rows[i] for i in done]
+        for i, row in zip(done, finished, strict=True):
+            row.kv = row_kv(self.kv, i, row.n_real)
+        keep = [i for i in range(len(rows)) if i not in set(done)]
+        self.rows = [rows[i] for i in keep]
+        if self.rows:
+            self.kv, self.mask = select_rows(self.kv, self.mask, keep)
+        else:
+            self.clear()
+        return finished

@@ -1,0 +1,375 @@
+"""The embedded engine: a transformers causal LM behind the Engine contract.
+
+Concept: one worker thread owns the model and runs a continuous-batching loop.
+`generate()` (any asyncio loop, any thread) enqueues a request and awaits a
+future. The worker prefills each new request alone (reusing its session's KV
+prefix when the new ids extend it), then lets it join the running decode batch
+at a step boundary; a decode step feeds one token per row of a left-padded
+batch. Finished rows leave the batch and their KV becomes the session's
+cached prefix (LRU, token budget).
+
+Invariants: every Generation was sampled under one weight version. A weight
+update stops admission, waits for the running rows to finish (drain), swaps
+the tensors, flushes every cached KV, bumps the version and resumes; requests
+that arrive meanwhile wait and run under the new weights.
+
+Lifecycle: `HFEngine(cfg)` loads the model and starts the worker (blocking,
+seconds; `build_engine` runs it in a thread); `close()` fails pending requests
+with EngineError and joins the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+from pydantic import BaseModel, ConfigDict, Field
+
+from miles_env.engines._batch import Batch, Row
+from miles_env.engines._kv import SessionStore
+from miles_env.engines.base import EngineInfo, Generation, SamplingParams
+from miles_env.errors import ConfigError, EngineError
+
+__all__ = ["HFEngineConfig", "HFEngine", "load_safetensors"]
+
+_CONTEXT_CAP = 8192
+
+
+class HFEngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "smollm2"  # a name known to miles_env.models or a local HF checkpoint dir
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = the checkpoint's dtype
+    device: str = "auto"  # auto = cuda when available, else cpu
+    max_batch_size: int = Field(16, ge=1)
+    max_context: int | None = Field(None, ge=2)  # default: model's max positions, capped at 8192
+    kv_cache_tokens: int = Field(32768, ge=0)  # budget of the per-session KV prefix store
+    kv_cache_sessions: int = Field(256, ge=0)
+    threads: int | None = Field(None, ge=1)  # torch intra-op threads (process-wide)
+    seed: int | None = None  # seed of the generator used by requests without their own seed
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    input_ids: list[int]
+    params: SamplingParams
+    session_id: str | None
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+    t0: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Command:
+    kind: Literal["update", "flush", "close"]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+    state_dict: Mapping[str, Any] | None = None
+    weight_version: int | None = None
+
+
+def _resolve(
+    loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], value: Any, exc: BaseException | None
+) -> None:
+    def _set() -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
+
+    try:
+        loop.call_soon_threadsafe(_set)
+    except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+        pass
+
+
+def load_safetensors(path: str | Path) -> dict[str, Any]:
+    """Read a .safetensors file, or every *.safetensors file of a directory, into one state dict."""
+    from safetensors.torch import load_file
+
+    p = Path(path).expanduser()
+    if p.is_file():
+        files = [p]
+    elif p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise EngineError(f"update_weights_from_disk: no *.safetensors file in {str(p)!r}")
+    else:
+        raise EngineError(f"update_weights_from_disk: path {str(p)!r} does not exist")
+    state: dict[str, Any] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:
+            raise EngineError(f"update_weights_from_disk: cannot read {str(f)!r}: {e}") from e
+    return state
+
+
+class HFEngine:
+    """transformers engine with continuous batching, session KV reuse and in-place weight updates."""
+
+    name = "hf"
+
+    def __init__(self, config: HFEngineConfig | None = None) -> None:
+        self.config = config or HFEngineConfig()
+        self._load()
+        self.weight_version = 0
+        self._inbox: queue.SimpleQueue[_Request | _Command] = queue.SimpleQueue()
+        self._waiting: deque[_Request] = deque()
+        self._pending: list[_Command] = []
+        self._closed = False
+        self._dead: BaseException | None = None
+        self.sessions = SessionStore(self.config.kv_cache_tokens, self.config.kv_cache_sessions)
+        self._thread = threading.Thread(target=self._run, name="miles-env-hf-engine", daemon=True)
+        self._thread.start()
+
+    # ---- loading -------------------------------------------------------------------------------
+    def _load(self) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from miles_env.models import resolve_model
+
+        cfg = self.config
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)
+        self.model_path = resolve_model(cfg.model)
+        device = cfg.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        dtype: Any = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(self.model_path), dtype=dtype)
+        except Exception as e:
+            raise ConfigError(f"model {str(self.model_path)!r}: cannot load with transformers: {e}") from e
+        model.to(self.device).eval()
+        model.requires_grad_(False)
+        self.model = model
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        positions = int(getattr(model.config, "max_position_embeddings", _CONTEXT_CAP) or _CONTEXT_CAP)
+        self.max_context = cfg.max_context or min(positions, _CONTEXT_CAP)
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.eos_token_ids = self._eos_ids()
+        cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._batch = Batch(model, self.device, cache_kw, self.tokenizer, self.eos_token_ids, cfg.seed)
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        for source in (getattr(gen, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, list):
+                ids.update(int(i) for i in source)
+        im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id:
+            ids.add(im_end)
+        return tuple(sorted(ids))
+
+    # ---- public API ----------------------------------------------------------------------------
+    async def generate(
+        self, input_ids: Sequence[int], sampling: SamplingParams, *, session_id: str | None = None
+    ) -> Generation:
+        ids = self._validate(input_ids)
+        loop = asyncio.get_running_loop()
+        req = _Request(ids, sampling, session_id, loop, loop.create_future())
+        self._submit(req)
+        try:
+            result: Generation = await req.future
+        except asyncio.CancelledError:
+            req.cancelled = True  # the worker drops the row at its next step
+            raise
+        return result
+
+    async def update_weights(self, state_dict: Mapping[str, Any], weight_version: int | None = None) -> int:
+        """Copy `state_dict` (full or partial) into the model after in-flight requests finish."""
+        return int(await self._command("update", state_dict=state_dict, weight_version=weight_version))
+
+    async def update_weights_from_disk(self, path: str | Path, weight_version: int | None = None) -> int:
+        state = await anyio.to_thread.run_sync(load_safetensors, path)
+        return await self.update_weights(state, weight_version)
+
+    async def flush_cache(self) -> None:
+        """Drop every cached session KV prefix (running requests keep theirs)."""
+        await self._command("flush")
+
+    async def info(self) -> EngineInfo:
+        return EngineInfo(
+            name="hf",
+            model=str(self.model_path),
+            weight_version=self.weight_version,
+            max_context=self.max_context,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        if self._thread.is_alive():
+            await self._command("close")
+            await anyio.to_thread.run_sync(self._thread.join)
+        self._closed = True
+
+    # ---- caller side helpers -------------------------------------------------------------------
+    def _validate(self, input_ids: Sequence[int]) -> list[int]:
+        ids = [int(i) for i in input_ids]
+        if not ids:
+            raise EngineError("generate: input_ids is empty")
+        if len(ids) >= self.max_context:
+            raise EngineError(
+                f"generate: prompt of {len(ids)} tokens does not fit the context of {self.max_context} "
+                "tokens (it must leave room for at least one generated token)"
+            )
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise EngineError(
+                f"generate: input_ids contains ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+            )
+        return ids
+
+    def _submit(self, item: _Request | _Command) -> None:
+        if self._closed or (isinstance(item, _Request) and not self._thread.is_alive()):
+            raise EngineError(f"hf engine is closed{f' (worker died: {self._dead!r})' if self._dead else ''}")
+        self._inbox.put(item)
+
+    async def _command(self, kind: Literal["update", "flush", "close"], **kw: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        cmd = _Command(kind, loop, loop.create_future(), **kw)
+        self._submit(cmd)
+        return await cmd.future
+
+    # ---- worker thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        import torch
+
+        try:
+            with torch.inference_mode():
+                while self._serve_once():
+                    pass
+        except BaseException as e:  # never die silently: fail everyone who waits
+            self._dead = e
+            self._fail_all(EngineError(f"hf engine worker failed: {e!r}"))
+            raise
+
+    def _serve_once(self) -> bool:
+        idle = not self._batch.rows and not self._waiting and not self._pending
+        self._drain_inbox(block=idle)
+        for cmd in [c for c in self._pending if c.kind in ("flush", "close")]:
+            self._pending.remove(cmd)
+            if cmd.kind == "close":
+                self._fail_all(EngineError("hf engine closed"))
+                _resolve(cmd.loop, cmd.future, None, None)
+                return False
+            self.sessions.clear()
+            _resolve(cmd.loop, cmd.future, None, None)
+        if self._pending and not self._batch.rows:
+            self._apply_updates()
+        if not self._pending:
+            self._admit()
+        if self._batch.rows:
+            self._finish(self._batch.step())
+        return True
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(block=block)
+            while True:
+                if isinstance(item, _Request):
+                    self._waiting.append(item)
+                else:
+                    self._pending.append(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._batch.rows) < self.config.max_batch_size:
+            req = self._waiting.popleft()
+            if req.cancelled:
+                continue
+            entry = self.sessions.take(req.session_id) if req.session_id else None
+            try:
+                row = self._batch.prefill(
+                    req, req.input_ids, req.params, entry, self.weight_version, self.max_context
+                )
+            except Exception as e:
+                _resolve(req.loop, req.future, None, EngineError(f"hf engine: prefill failed: {e!r}"))
+                continue
+            if row.finish is not None:
+                self._finish([row])
+            else:
+                self._batch.join(row)
+
+    def _finish(self, rows: list[Row]) -> None:
+        for row in rows:
+            req: _Request = row.req
+            if req.session_id and row.kv is not None and row.finish != "abort":
+                self.sessions.put(req.session_id, row.session_entry())
+            gen = Generation(
+                output_ids=list(row.output),
+                logprobs=list(row.logprobs),
+                finish_reason=row.finish or "abort",
+                weight_version=row.version,
+                prompt_len=len(req.input_ids),
+                cached_tokens=row.cached,
+                latency_s=time.perf_counter() - req.t0,
+                meta={"matched": row.matched, "ttft_s": row.ttft},
+            )
+            _resolve(req.loop, req.future, gen, None)
+
+    def _apply_updates(self) -> None:
+        for cmd in [c for c in self._pending if c.kind == "update"]:
+            self._pending.remove(cmd)
+            try:
+                assert cmd.state_dict is not None
+                self._copy_weights(cmd.state_dict)
+            except Exception as e:
+                err = e if isinstance(e, EngineError) else EngineError(f"update_weights failed: {e!r}")
+                _resolve(cmd.loop, cmd.future, None, err)
+                continue
+            self.sessions.clear()  # cached KV was computed by the old weights
+            self.weight_version = (
+                cmd.weight_version if cmd.weight_version is not None else self.weight_version + 1
+            )
+            _resolve(cmd.loop, cmd.future, self.weight_version, None)
+
+    def _copy_weights(self, state_dict: Mapping[str, Any]) -> None:
+        import torch
+
+        params = self.model.state_dict(keep_vars=True)
+        for name, tensor in state_dict.items():
+            target = params.get(name)
+            if target is None:
+                raise EngineError(f"update_weights: unknown parameter {name!r}")
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise EngineError(
+                    f"update_weights: parameter {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}"
+                )
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                params[name].data.copy_(tensor.to(device=self.device, dtype=params[name].dtype))
+
+    def _fail_all(self, err: EngineError) -> None:
+        self._drain_inbox(block=False)
+        for req in list(self._waiting) + [r.req for r in self._batch.rows]:
+            _resolve(req.loop, req.future, None, err)
+        for cmd in self._pending:
+            _resolve(cmd.loop, cmd.future, None, err)
+        self._waiting.clear()
+        self._pending.clear()
+        self._batch.clear()
