@@ -1,0 +1,66 @@
+"""`miles-env proxy serve`: run the TITO proxy as a standalone HTTP server.
+
+The engine is built from `--engine` (hf embedded, a sglang server at `--url`, or
+the scripted test engine); sessions persist under `--store`, so a restarted
+server answers `GET /admin/sessions/{id}/trajectory` for sessions it served
+before. The admin token comes from `--admin-token`, else MILES_ENV_ADMIN_TOKEN,
+else a random one printed at start.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Annotated, Literal
+
+import anyio
+import typer
+
+__all__ = ["app"]
+
+app = typer.Typer(no_args_is_help=True, help="The TITO (token-in-token-out) proxy.")
+
+EngineKind = Literal["hf", "sglang", "scripted"]
+
+
+async def _serve(
+    engine_kind: str, model: str, url: str | None, host: str, port: int, store: Path, admin_token: str
+) -> None:
+    import uvicorn
+
+    from miles_env.engines import EngineConfig, build_engine
+    from miles_env.models import load_tokenizer
+    from miles_env.tito import TitoConfig, TitoProxy, create_app
+
+    engine = await build_engine(EngineConfig(kind=engine_kind, model=model, url=url))  # type: ignore[arg-type]
+    try:
+        tokenizer = await anyio.to_thread.run_sync(load_tokenizer, model)
+        proxy = TitoProxy(engine, tokenizer, TitoConfig(admin_token=admin_token), store_dir=store)
+        config = uvicorn.Config(create_app(proxy), host=host, port=port, log_level="warning", lifespan="off")
+        typer.echo(f"TITO proxy on http://{host}:{port} ({engine_kind} engine, store {store})")
+        await uvicorn.Server(config).serve()
+    finally:
+        await engine.close()
+
+
+@app.command("serve")
+def serve(
+    port: Annotated[int, typer.Option(help="TCP port on --host")],
+    store: Annotated[Path, typer.Option(help="directory holding one journal per session")],
+    engine: Annotated[str, typer.Option(help="hf | sglang | scripted")] = "hf",
+    model: Annotated[str, typer.Option(help="model name or HF checkpoint path (tokenizer too)")] = "smollm2",
+    url: Annotated[str | None, typer.Option(help="sglang: the engine server URL")] = None,
+    host: Annotated[str, typer.Option(help="interface to listen on")] = "127.0.0.1",
+    admin_token: Annotated[
+        str | None, typer.Option(help="admin API token (default: env MILES_ENV_ADMIN_TOKEN, else random)")
+    ] = None,
+) -> None:
+    """Serve the proxy until interrupted."""
+    if engine not in ("hf", "sglang", "scripted"):
+        raise typer.BadParameter(f"--engine {engine!r}: choose hf, sglang or scripted")
+    token = admin_token or os.environ.get("MILES_ENV_ADMIN_TOKEN")
+    if not token:
+        token = secrets.token_urlsafe(24)
+        typer.echo(f"admin token: {token}")
+    anyio.run(_serve, engine, model, url, host, port, store, token)

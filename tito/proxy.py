@@ -1,0 +1,258 @@
+"""TitoProxy: the dialect-neutral token-in-token-out core.
+
+Concept: `chat(session_id, ChatRequest)` matches the request's messages against
+the session's branches (`message_key` per message), reuses the stored ids of a
+fully matched branch (sampled assistant turns verbatim, stop token included),
+renders and tokenizes only the new tail, asks the engine to generate from the
+ids, and records prompt tail (mask 0) + sampled ids (mask 1, their logprobs) as
+one event. A history that extends no branch (edited, truncated, retried, new
+tools) is rendered in full onto a new branch: never an error, never a rewrite.
+
+Invariants: nothing is stored unless the engine returned a generation; every
+mask-1 token is an engine output id with the engine's logprob; requests of one
+session run one at a time (per-session lock), sessions share nothing.
+Lifecycle: create_session -> chat* -> export -> close_session; with a store_dir
+the event journal makes all of it survive a restart.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+from miles_env.tito.config import Budget, TitoConfig
+from miles_env.tito.errors import ProxyError, budget_exceeded, context_exceeded, not_found, unauthorized
+from miles_env.tito.messages import ChatRequest, ChatResult, Message, message_key, tools_key
+from miles_env.tito.render import Renderer
+from miles_env.tito.session import Session, SessionInfo
+from miles_env.tito.store import Journal, load_sessions
+from miles_env.tito.toolparse import parse_tool_calls
+
+from miles_env.engines.base import Engine, EngineInfo, SamplingParams
+from miles_env.harness import Endpoint
+from miles_env.types import Trajectory
+
+__all__ = ["TitoProxy", "SessionHandle"]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionHandle:
+    session_id: str
+    api_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    branch: int
+    new_branch: bool
+    prompt: list[int]  # the full prompt sent to the engine
+    delta: list[int]  # the part of `prompt` not yet stored on the branch
+    keys: list[str]  # message keys the delta adds
+    tools_key: str
+
+
+class TitoProxy:
+    def __init__(
+        self, engine: Engine, tokenizer: Any, config: TitoConfig | None = None, store_dir: Path | None = None
+    ) -> None:
+        self.engine = engine
+        self.config = config or TitoConfig()
+        self.renderer = Renderer(
+            tokenizer, tool_mode=self.config.tool_mode, stop_token=self.config.stop_token
+        )
+        self._journal = Journal(Path(store_dir)) if store_dir is not None else None
+        self._sessions: dict[str, Session] = {}
+        if store_dir is not None:
+            self._sessions = {k: s for k, s in load_sessions(Path(store_dir)).items() if not s.closed}
+        self._info: EngineInfo | None = None
+
+    # -- sessions -----------------------------------------------------------------------------------
+    def create_session(
+        self, metadata: dict[str, Any] | None = None, budget: Budget | None = None
+    ) -> SessionHandle:
+        sid = secrets.token_hex(8)
+        key = "tito-" + secrets.token_urlsafe(24)
+        s = Session(sid, key, dict(metadata or {}), self.config.budget.merged(budget), time.time())
+        self._sessions[sid] = s
+        if self._journal is not None:
+            self._journal.append(sid, s.header())
+        return SessionHandle(sid, key)
+
+    def _session(self, session_id: str) -> Session:
+        s = self._sessions.get(session_id)
+        if s is None:
+            raise not_found(f"session {session_id!r} does not exist")
+        return s
+
+    def get_session(self, session_id: str) -> SessionInfo:
+        return self._session(session_id).info()
+
+    def authenticate(self, session_id: str, api_key: str | None) -> None:
+        s = self._session(session_id)
+        if api_key is None or not secrets.compare_digest(api_key.encode(), s.api_key.encode()):
+            raise unauthorized()
+
+    def export(self, session_id: str) -> list[Trajectory]:
+        """One Trajectory per branch, in branch order."""
+        return self._session(session_id).trajectories()
+
+    def close_session(self, session_id: str) -> None:
+        """Forget the session in memory; its journal stays on disk, marked closed."""
+        s = self._sessions.pop(session_id, None)
+        if s is None:
+            raise not_found(f"session {session_id!r} does not exist")
+        s.apply({"kind": "closed"})
+        if self._journal is not None:
+            self._journal.append(session_id, {"kind": "closed"})
+
+    def endpoint(self, session_id: str, base_url: str) -> Endpoint:
+        s = self._session(session_id)
+        root = f"{base_url.rstrip('/')}/s/{session_id}"
+        return Endpoint(f"{root}/v1", s.api_key, session_id, self.config.model_name, root)
+
+    def session_ids(self) -> list[str]:
+        return list(self._sessions)
+
+    async def engine_info(self) -> EngineInfo:
+        if self._info is None:
+            self._info = await self.engine.info()
+        return self._info
+
+    # -- the core turn --------------------------------------------------------------------------------
+    def _record(self, s: Session, event: dict[str, Any]) -> None:
+        s.apply(event)
+        if self._journal is not None:
+            self._journal.append(s.id, event)
+
+    def _truncate(self, s: Session, reason: str) -> None:
+        if s.truncated is None:
+            self._record(s, {"kind": "truncated", "reason": reason})
+
+    def _check_budget(self, s: Session) -> None:
+        b = s.budget
+        if b.max_turns is not None and s.n_turns >= b.max_turns:
+            self._truncate(s, "max_turns")
+            raise budget_exceeded("max_turns", f"{s.n_turns} of {b.max_turns} turns used")
+        if b.max_tokens is not None and s.sampled_tokens >= b.max_tokens:
+            self._truncate(s, "max_tokens")
+            raise budget_exceeded("max_tokens", f"{s.sampled_tokens} of {b.max_tokens} tokens sampled")
+        if b.wall_time_s is not None and s.elapsed() >= b.wall_time_s:
+            self._truncate(s, "wall_time_s")
+            raise budget_exceeded("wall_time_s", f"{s.elapsed():.1f}s of {b.wall_time_s}s elapsed")
+
+    def _plan(self, s: Session, req: ChatRequest) -> _Plan:
+        keys = [message_key(m) for m in req.messages]
+        tkey = tools_key(req.tools)
+        r = self.renderer
+        for b in reversed(s.branches):
+            n = len(b.keys)
+            if b.tools_key != tkey or n > len(keys) or keys[:n] != b.keys:
+                continue
+            suffix = r.render_suffix(req.messages[n:], req.tools, tkey)
+            if suffix is None:
+                break  # the template does not render this tail as a pure suffix: re-render on a new branch
+            ended = bool(b.loss_mask) and b.loss_mask[-1] == 1 and b.token_ids[-1] == r.stop_id
+            delta = r.encode(r.assistant_close(req.tools, tkey, ended) + suffix)
+            return _Plan(b.index, False, b.token_ids + delta, delta, keys[n:], tkey)
+        ids = r.encode(r.render_full(req.messages, req.tools))
+        return _Plan(len(s.branches), True, ids, ids, keys, tkey)
+
+    def _max_new(
+        self, s: Session, req: ChatRequest, prompt_len: int, info: EngineInfo
+    ) -> tuple[int, str | None]:
+        limits = [x for x in (s.budget.max_context, info.max_context) if x]
+        limit = min(limits) if limits else None
+        if limit is not None and prompt_len >= limit:
+            self._truncate(s, "max_context")
+            raise context_exceeded(
+                f"prompt of {prompt_len} tokens leaves no room in the context of {limit} tokens "
+                "(max_context: min of the session budget and the engine)"
+            )
+        want = req.max_tokens or self.config.default_max_tokens
+        caps: list[tuple[int, str | None]] = [(want, None)]
+        if limit is not None:
+            caps.append((limit - prompt_len, "max_context"))
+        if s.budget.max_tokens is not None:
+            caps.append((s.budget.max_tokens - s.sampled_tokens, "max_tokens"))
+        return min(caps, key=lambda c: c[0])
+
+    def _sampling(self, req: ChatRequest, max_new: int, info: EngineInfo) -> SamplingParams:
+        stops = tuple(dict.fromkeys((self.renderer.stop_id, *info.eos_token_ids)))
+        return SamplingParams(
+            max_new_tokens=max_new,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            stop_token_ids=stops,
+            stop=req.stop,
+            seed=req.seed,
+        )
+
+    async def chat(self, session_id: str, req: ChatRequest) -> ChatResult:
+        s = self._session(session_id)
+        async with s.lock:
+            if s.closed:
+                raise not_found(f"session {session_id!r} is closed")
+            self._check_budget(s)
+            info = await self.engine_info()
+            plan = self._plan(s, req)
+            max_new, capped_by = self._max_new(s, req, len(plan.prompt), info)
+            sampling = self._sampling(req, max_new, info)
+            # Shielded: a client that disconnects must not lose a turn the engine has sampled.
+            with anyio.CancelScope(shield=True):
+                return await self._generate(s, req, plan, sampling, info, capped_by)
+
+    async def _generate(
+        self,
+        s: Session,
+        req: ChatRequest,
+        plan: _Plan,
+        sampling: SamplingParams,
+        info: EngineInfo,
+        capped_by: str | None,
+    ) -> ChatResult:
+        t0 = time.perf_counter()
+        try:
+            gen = await self.engine.generate(plan.prompt, sampling, session_id=s.id)
+        except Exception as e:  # an engine failure is reported to the client; nothing is stored
+            raise ProxyError(502, f"engine failed: {e}", type="server_error", code="engine_error") from e
+        latency = time.perf_counter() - t0
+        out = list(gen.output_ids)
+        body = out[:-1] if out and out[-1] in sampling.stop_token_ids else out
+        text = self.renderer.decode(body)
+        content, calls = parse_tool_calls(text) if req.tools else (text, ())
+        finish = "tool_calls" if calls else gen.finish_reason
+        assistant = Message("assistant", content or "", calls)
+        event = {
+            "kind": "turn",
+            "branch": plan.branch,
+            "new_branch": plan.new_branch,
+            "tools_key": plan.tools_key,
+            "prompt_ids": plan.delta,
+            "output_ids": out,
+            "logprobs": list(gen.logprobs),
+            "keys": [*plan.keys, message_key(assistant)],
+            "turn": {
+                "finish_reason": finish,
+                "weight_version": gen.weight_version,
+                "latency_s": latency,
+                "engine": info.name,
+            },
+        }
+        self._record(s, event)
+        if gen.finish_reason == "length" and capped_by is not None:
+            self._truncate(s, capped_by)
+        return ChatResult(
+            text=text,
+            content=content,
+            tool_calls=calls,
+            finish_reason=finish,
+            prompt_tokens=len(plan.prompt),
+            completion_tokens=len(out),
+            cached_tokens=len(plan.prompt) - len(plan.delta),
+            branch=plan.branch,
+        )

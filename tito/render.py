@@ -1,0 +1,148 @@
+"""Render normalized messages to text and ids with the model's chat template.
+
+Concept: a full render is `apply_chat_template(messages, tools)`; a *suffix*
+render costs only the tail: render(anchor + tail) minus render(anchor), where the
+anchor is a fixed three-message conversation (system, user, assistant). The diff
+is used only when render(anchor) is a true string prefix of render(anchor + tail);
+otherwise `render_suffix` returns None and the caller re-renders everything on a
+new branch. After a stored assistant turn the template's closing text (for chatml
+`<|im_end|>\n`) follows; when the sampled ids already end with the stop token,
+only the rest of that closing (`\n`) is new.
+
+Tools: templates that mention `tools` get them natively. Others (plain chatml,
+e.g. SmolLM2) get the text-action fallback: the schemas go into the system prompt
+with an instruction to answer with `<tool_call>{json}</tool_call>` blocks;
+assistant tool calls render as those blocks; a tool result becomes a *user*
+message wrapping the result in `<tool_response>...</tool_response>` (hermes style,
+which is what Qwen-family templates produce too).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from miles_env.tito.messages import Message
+
+__all__ = ["Renderer"]
+
+_ANCHOR_TEXT = "zqxanchorzqx"
+_ANCHOR = (
+    Message("system", _ANCHOR_TEXT),
+    Message("user", _ANCHOR_TEXT),
+    Message("assistant", _ANCHOR_TEXT),
+)
+_TOOLS_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def tools_prompt(tools: tuple[dict[str, Any], ...]) -> str:
+    return _TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+
+
+class Renderer:
+    """Template rendering and tokenization for one tokenizer (thread-safe, stateless but for caches)."""
+
+    def __init__(self, tokenizer: Any, *, tool_mode: str = "auto", stop_token: str | None = None) -> None:
+        self.tok = tokenizer
+        self._fast = getattr(tokenizer, "_tokenizer", None)  # the `tokenizers` backend: faster encode
+        template = tokenizer.chat_template or ""
+        self.native_tools = tool_mode == "template" or (tool_mode == "auto" and "tools" in template)
+        stop_id = tokenizer.convert_tokens_to_ids(stop_token) if stop_token else None
+        if not isinstance(stop_id, int) or stop_id < 0 or stop_id == getattr(tokenizer, "unk_token_id", None):
+            stop_id = tokenizer.eos_token_id
+        self.stop_id: int = int(stop_id)
+        self.stop_text: str = tokenizer.decode([self.stop_id])
+        self._anchor: dict[str, tuple[str, str]] = {}  # tools key -> (render(anchor), assistant close)
+
+    # -- text ------------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        if not text:
+            return []
+        if self._fast is not None:
+            return list(self._fast.encode(text, add_special_tokens=False).ids)
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tok.decode(ids, skip_special_tokens=False))
+
+    # -- messages -> template dicts ----------------------------------------------------------------
+    def _assistant(self, m: Message) -> dict[str, Any]:
+        if self.native_tools and m.tool_calls:
+            calls = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_obj()}}
+                for c in m.tool_calls
+            ]
+            return {"role": "assistant", "content": m.content, "tool_calls": calls}
+        blocks = [
+            "<tool_call>\n" + json.dumps({"name": c.name, "arguments": c.arguments_obj()}, ensure_ascii=False)
+            for c in m.tool_calls
+        ]
+        text = "\n".join([m.content, *(b + "\n</tool_call>" for b in blocks)] if blocks else [m.content])
+        return {"role": "assistant", "content": text.strip() if blocks else text}
+
+    def _dicts(self, messages: tuple[Message, ...] | list[Message]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for m in messages:
+            if m.role == "assistant":
+                out.append(self._assistant(m))
+            elif m.role == "tool":
+                if self.native_tools:
+                    d: dict[str, Any] = {"role": "tool", "content": m.content}
+                    if m.tool_call_id:
+                        d["tool_call_id"] = m.tool_call_id
+                    if m.name:
+                        d["name"] = m.name
+                    out.append(d)
+                else:
+                    out.append({"role": "user", "content": f"<tool_response>\n{m.content}\n</tool_response>"})
+            else:
+                out.append({"role": m.role, "content": m.content})
+        return out
+
+    def _apply(self, dicts: list[dict[str, Any]], tools: tuple[dict[str, Any], ...], gen: bool) -> str:
+        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": gen}
+        if tools and self.native_tools:
+            kwargs["tools"] = list(tools)
+        return str(self.tok.apply_chat_template(dicts, **kwargs))
+
+    # -- rendering ----------------------------------------------------------------------------------
+    def render_full(self, messages: tuple[Message, ...], tools: tuple[dict[str, Any], ...]) -> str:
+        dicts = self._dicts(messages)
+        if tools and not self.native_tools:
+            text = tools_prompt(tools)
+            if dicts and dicts[0]["role"] == "system":
+                dicts[0] = {"role": "system", "content": dicts[0]["content"] + "\n\n" + text}
+            else:
+                dicts.insert(0, {"role": "system", "content": text})
+        return self._apply(dicts, tools, gen=True)
+
+    def _anchor_parts(self, tools: tuple[dict[str, Any], ...], tkey: str) -> tuple[str, str]:
+        cached = self._anchor.get(tkey)
+        if cached is None:
+            base = self._apply(self._dicts(_ANCHOR), tools, gen=False)
+            close = base[base.rindex(_ANCHOR_TEXT) + len(_ANCHOR_TEXT) :]
+            cached = self._anchor[tkey] = (base, close)
+        return cached
+
+    def assistant_close(self, tools: tuple[dict[str, Any], ...], tkey: str, ended_with_stop: bool) -> str:
+        """Template text that follows a stored assistant turn's sampled ids."""
+        close = self._anchor_parts(tools, tkey)[1]
+        if ended_with_stop and close.startswith(self.stop_text):
+            return close[len(self.stop_text) :]
+        return close
+
+    def render_suffix(
+        self, tail: tuple[Message, ...], tools: tuple[dict[str, Any], ...], tkey: str
+    ) -> str | None:
+        """Text the template adds for `tail` (and the generation prompt) after an assistant turn."""
+        base = self._anchor_parts(tools, tkey)[0]
+        full = self._apply(self._dicts(_ANCHOR + tail), tools, gen=True)
+        if not full.startswith(base):
+            return None
+        return full[len(base) :]

@@ -1,0 +1,70 @@
+"""Durable session state: one append-only JSON-lines journal per session.
+
+Concept: `<store_dir>/<session_id>.jsonl` holds the session header, then one
+event per line (turn, truncated, closed), exactly the events `Session.apply`
+consumes. Each event is written with a single `write` on an O_APPEND descriptor
+after its turn, so the cost per turn is proportional to the turn, not to the
+history; a torn last line (crash mid-write) is detected and dropped on load.
+Lifecycle: written by the proxy as it goes, replayed by `load_sessions` at start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from miles_env.tito.session import Session
+
+__all__ = ["Journal", "load_sessions"]
+
+
+class Journal:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, session_id: str) -> Path:
+        return self.root / f"{session_id}.jsonl"
+
+    def append(self, session_id: str, event: dict[str, Any]) -> None:
+        line = (json.dumps(event, separators=(",", ":")) + "\n").encode()
+        fd = os.open(self.path(session_id), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+    def delete(self, session_id: str) -> None:
+        self.path(session_id).unlink(missing_ok=True)
+
+
+def _load_one(path: Path) -> Session | None:
+    lines = path.read_bytes().split(b"\n")
+    session: Session | None = None
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        try:
+            event = json.loads(raw)
+        except json.JSONDecodeError:
+            if i >= len(lines) - 2:
+                break  # a torn last line: the turn was never acknowledged to the client
+            raise ValueError(f"{path}: line {i + 1} is not JSON") from None
+        if session is None:
+            session = Session.from_header(event)
+        else:
+            session.apply(event)
+    return session
+
+
+def load_sessions(root: Path) -> dict[str, Session]:
+    out: dict[str, Session] = {}
+    if not root.is_dir():
+        return out
+    for path in sorted(root.glob("*.jsonl")):
+        s = _load_one(path)
+        if s is not None:
+            out[s.id] = s
+    return out
