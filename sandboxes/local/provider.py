@@ -26,24 +26,28 @@ __all__ = ["LocalSandboxProvider"]
 
 
 def _limit_prefix(res: Resources, cgroup: PidsCgroup | None, prlimit: str) -> list[str]:
-    """argv that joins the cgroup and sets rlimits, then execs the rest (no extra fork)."""
-    prefix: list[str] = []
+    """argv that joins the cgroup and sets rlimits in one shell, then execs bwrap (no extra fork).
+
+    The shell writes its own pid into cgroup.procs before exec'ing bwrap, so
+    every descendant is counted. ulimit units are POSIX (-f in 512-byte blocks)
+    or shared by dash and bash (-v in KiB, -t in seconds). CPU soft < hard: the
+    kernel sends SIGXCPU first, which tells the cause apart from our SIGKILL.
+    """
+    steps = []
     if cgroup is not None:
-        # The shell writes its own pid before exec'ing bwrap, so every descendant is counted.
-        prefix += ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', cgroup.procs_file]
-    mem = res.memory_mb << 20
-    disk = res.disk_mb << 20
-    prefix += [
-        prlimit,
-        f"--as={mem}:{mem}",
-        # soft < hard: the kernel sends SIGXCPU first, which tells the cause apart from our SIGKILL
-        f"--cpu={res.cpu_seconds}:{res.cpu_seconds + 1}",
-        f"--fsize={disk}:{disk}",
-        "--core=0:0",
+        steps.append('echo $$ > "$0"')
+    steps += [
+        f"ulimit -S -t {res.cpu_seconds}",
+        f"ulimit -H -t {res.cpu_seconds + 1}",
+        f"ulimit -v {res.memory_mb << 10}",
+        f"ulimit -f {res.disk_mb << 11}",
+        "ulimit -c 0",
     ]
+    script = " && ".join(steps) + ' || exit 125; exec "$@"'
+    prefix = ["/bin/sh", "-c", script, cgroup.procs_file if cgroup is not None else "sh"]
     if cgroup is None:
-        prefix.append(f"--nproc={res.max_procs}:{res.max_procs}")
-    prefix.append("--")
+        # Without a pids cgroup, RLIMIT_NPROC is the fallback (it does not bind root).
+        prefix += [prlimit, f"--nproc={res.max_procs}:{res.max_procs}", "--"]
     return prefix
 
 
