@@ -1,0 +1,158 @@
+"""TorchTrainer on a tiny random Llama (fast): parity, learning direction, accumulation, checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from miles_env.trainer.config import TrainerConfig
+from miles_env.trainer.torch_backend import TorchTrainer
+
+from miles_env.types import Episode, Reward, Status, Trajectory, Turn
+
+VOCAB = 96
+
+
+def make_tiny_model(path: Path, seed: int = 0) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(str(path))
+    return path
+
+
+@torch.no_grad()
+def sample_trajectory(
+    model, prompt: list[int], n: int, temperature: float, seed: int, version: int = 0
+) -> Trajectory:
+    """A plain HF forward loop; logprob convention log_softmax(logits / T) of the sampled id."""
+    gen = torch.Generator().manual_seed(seed)
+    ids, lps = list(prompt), []
+    for _ in range(n):
+        logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        lp = torch.log_softmax(logits / temperature, dim=-1)
+        tok = int(torch.multinomial(lp.exp(), 1, generator=gen))
+        ids.append(tok)
+        lps.append(float(lp[tok]))
+    p = len(prompt)
+    return Trajectory(
+        token_ids=ids,
+        loss_mask=[0] * p + [1] * n,
+        logprobs=[0.0] * p + lps,
+        turns=[Turn(start=p, prompt_len=p, completion_len=n, finish_reason="length", weight_version=version)],
+    )
+
+
+def episode(eid: str, group: str, traj: Trajectory, score: float) -> Episode:
+    return Episode(
+        id=eid, task_id=group, env="toy", group_id=group, status=Status.COMPLETED,
+        reward=Reward(score=score), samples=[traj],
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def rollouts(model_dir: Path, temperature: float = 1.0) -> tuple[Trajectory, Trajectory]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    a = sample_trajectory(model, [1, 2, 3, 4, 5], 12, temperature, seed=1)
+    b = sample_trajectory(model, [1, 2, 3, 4, 5], 9, temperature, seed=2)
+    return a, b
+
+
+def masked_sum(lp: torch.Tensor, traj: Trajectory) -> float:
+    return float((lp * torch.tensor(traj.loss_mask, dtype=torch.float32)).sum())
+
+
+def test_zero_kl_and_positive_advantage_raises_logprob(tiny: Path) -> None:
+    a, b = rollouts(tiny, temperature=0.7)
+    trainer = TorchTrainer(tiny, TrainerConfig(lr=1e-2, temperature=0.7, grad_clip=None))
+    for traj, lp in zip((a, b), trainer.logprobs([a, b]), strict=True):
+        on = torch.tensor(traj.loss_mask).bool()
+        diff = (lp[on] - torch.tensor(traj.logprobs)[on]).abs()
+        assert float(diff.max()) < 1e-5
+    before = [masked_sum(lp, t) for lp, t in zip(trainer.logprobs([a, b]), (a, b), strict=True)]
+    m = trainer.train_step([[episode("a", "g", a, 1.0), episode("b", "g", b, 0.0)]])
+    assert m["logprob_diff_max"] < 1e-4 and m["loss_tokens"] == 21 and m["reward_mean"] == 0.5
+    assert m["tis_mean"] == pytest.approx(1.0, abs=1e-4) and m["clip_frac"] == 0.0
+    after = [masked_sum(lp, t) for lp, t in zip(trainer.logprobs([a, b]), (a, b), strict=True)]
+    assert after[0] > before[0] and after[1] < before[1]
+    assert trainer.step == 1
+
+
+def test_microbatch_budget_gives_same_gradient(tiny: Path) -> None:
+    a, b = rollouts(tiny)
+    groups = [[episode("a", "g", a, 1.0), episode("b", "g", b, 0.0)]]
+    norms = {}
+    for agg in ("token-mean", "seq-mean-token-mean", "dr_grpo"):
+        for budget in (10_000, 17):  # one microbatch vs one sample per microbatch
+            t = TorchTrainer(tiny, TrainerConfig(max_tokens_per_microbatch=budget, loss_agg=agg))
+            m = t.train_step(groups)
+            norms[(agg, budget)] = (m["grad_norm"], m["pg_loss"])
+        assert norms[(agg, 17)] == pytest.approx(norms[(agg, 10_000)], rel=1e-4, abs=1e-7)
+    assert norms[("token-mean", 17)][0] != pytest.approx(norms[("dr_grpo", 17)][0], rel=1e-3)
+
+
+def test_masked_tokens_carry_no_gradient(tiny: Path) -> None:
+    a, b = rollouts(tiny)
+    # trailing tokens with mask 0 (say, a tool result after the last sampled token) change nothing
+    tail = Trajectory(
+        token_ids=a.token_ids + [7, 8, 9], loss_mask=a.loss_mask + [0, 0, 0], logprobs=a.logprobs + [0.0] * 3,
+        turns=a.turns,
+    )  # fmt: skip
+    out = []
+    for traj in (a, tail):
+        t = TorchTrainer(tiny, TrainerConfig())
+        out.append(t.train_step([[episode("a", "g", traj, 1.0), episode("b", "g", b, 0.0)]])["grad_norm"])
+    assert out[0] == pytest.approx(out[1], rel=1e-5)
+
+
+def test_kl_to_reference(tiny: Path) -> None:
+    a, b = rollouts(tiny)
+    groups = [[episode("a", "g", a, 1.0), episode("b", "g", b, 0.0)]]
+    t = TorchTrainer(tiny, TrainerConfig(lr=1e-2, kl_coef=0.5))
+    assert t.train_step(groups)["kl"] == pytest.approx(0.0, abs=1e-7)  # policy == reference
+    m = t.train_step(groups)
+    assert m["kl"] > 1e-6 and m["loss"] == pytest.approx(m["pg_loss"] + 0.5 * m["kl"], rel=1e-5)
+
+
+def test_checkpoint_roundtrip_and_export(tiny: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    a, b = rollouts(tiny)
+    groups = [[episode("a", "g", a, 1.0), episode("b", "g", b, 0.0)]]
+    t = TorchTrainer(tiny, TrainerConfig(lr=1e-2, keep_checkpoints=2))
+    assert t.load_checkpoint(tmp_path / "ckpt") is None
+    for i in range(3):
+        t.train_step(groups)
+        t.save_checkpoint(tmp_path / "ckpt", {"trained_episode_ids": [f"s{i}"]})
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002", "step_00000003"]
+    expected = t.train_step(groups)
+
+    t2 = TorchTrainer(tiny, TrainerConfig(lr=1e-2))
+    assert t2.load_checkpoint(tmp_path / "ckpt") == {"trained_episode_ids": ["s2"]} and t2.step == 3
+    again = t2.train_step(groups)  # same weights, same optimizer moments -> same step
+    assert again["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-6)
+    assert again["pg_loss"] == pytest.approx(expected["pg_loss"], rel=1e-6)
+
+    out = t2.export_weights(tmp_path / "export")
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    mine = t2.state_dict()
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, mine[name]), name
+    assert dict(t2.named_parameters()).keys() <= mine.keys()

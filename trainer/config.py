@@ -1,0 +1,46 @@
+"""TrainerConfig: every knob of the policy-gradient step, validated once.
+
+The defaults are GRPO with PPO clipping, truncated importance sampling against
+the rollout logprobs, no KL term, fp32, and a token budget per microbatch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["TrainerConfig", "LossAgg", "AdvantageKind"]
+
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "dr_grpo"]
+AdvantageKind = Literal["grpo", "dr_grpo"]
+
+
+class TrainerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lr: float = Field(1e-6, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_eps: float = Field(1e-8, gt=0)
+    clip_eps_low: float = Field(0.2, ge=0)
+    clip_eps_high: float = Field(0.2, ge=0)  # > clip_eps_low is DAPO's "clip higher"
+    loss_agg: LossAgg = "token-mean"
+    advantage: AdvantageKind = "grpo"  # grpo: (r - mean) / (std + eps); dr_grpo: r - mean
+    adv_eps: float = Field(1e-6, gt=0)
+    loss_norm_tokens: int = Field(4096, ge=1, description="dr_grpo's constant normaliser (tokens per sample)")
+    tis_cap: float | None = Field(2.0, gt=0, description="truncated importance sampling cap; None = off")
+    kl_coef: float = Field(0.0, ge=0, description="k3 KL to the frozen initial model; 0 = no reference model")
+    max_tokens_per_microbatch: int = Field(4096, ge=1, description="padded tokens per forward/backward")
+    grad_clip: float | None = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, description="logprobs are log_softmax(logits / T), as the engine")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    seed: int = 0
+    keep_checkpoints: int = Field(2, ge=1)
+
+    @model_validator(mode="after")
+    def _clip_range(self) -> TrainerConfig:
+        if self.clip_eps_low >= 1.0:
+            raise ValueError(f"clip_eps_low={self.clip_eps_low}: must be < 1")
+        return self
