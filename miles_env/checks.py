@@ -198,7 +198,7 @@ def _target(check: Any) -> str:
 async def run_checks(task: Task, sandbox: Sandbox) -> Reward:
     """Run every check of `task` in `sandbox`; score 1.0 only when all pass."""
     spec = parse_checks(task)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for check in spec.checks:  # sequential: later checks may read what earlier ones saw
         passed, reason = await _run_one(check, sandbox)
         rows.append({"kind": check.kind, "target": _target(check), "passed": passed, "reason": reason})

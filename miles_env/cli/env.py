@@ -21,7 +21,9 @@ from rich.table import Table
 
 from miles_env.errors import MilesEnvError
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="List, inspect, scaffold and check environments.")
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help="List, inspect, scaffold and check environments."
+)
 _out = Console()
 _err = Console(stderr=True)
 
@@ -98,7 +100,9 @@ def info_command(
 def scaffold(name: str, target: Path) -> list[Path]:
     """Write a new environment package for `name` into `target`; return the files written."""
     if not _NAME_RE.match(name):
-        raise typer.BadParameter(f"{name!r}: use lowercase letters, digits and single dashes", param_hint="NAME")
+        raise typer.BadParameter(
+            f"{name!r}: use lowercase letters, digits and single dashes", param_hint="NAME"
+        )
     if target.exists() and any(target.iterdir()):
         raise typer.BadParameter(f"{target} exists and is not empty", param_hint="--dir")
     package = "miles_env_" + name.replace("-", "_")
@@ -109,7 +113,11 @@ def scaffold(name: str, target: Path) -> list[Path]:
         "class_name": "".join(p.capitalize() for p in name.split("-")) + "Env",
     }
     src = resource_files("miles_env") / "templates" / "env"
-    layout = {"pyproject.toml.tmpl": "pyproject.toml", "README.md.tmpl": "README.md", "module.py.tmpl": f"{package}/__init__.py"}
+    layout = {
+        "pyproject.toml.tmpl": "pyproject.toml",
+        "README.md.tmpl": "README.md",
+        "module.py.tmpl": f"{package}/__init__.py",
+    }
     written = []
     for tmpl, rel in layout.items():
         path = target / rel
@@ -122,7 +130,9 @@ def scaffold(name: str, target: Path) -> list[Path]:
 @app.command("init")
 def init_command(
     name: Annotated[str, typer.Argument(help="Name of the new environment, e.g. my-tasks.")],
-    dir: Annotated[Path | None, typer.Option("--dir", help="Where to create the package (default ./NAME).")] = None,
+    dir: Annotated[
+        Path | None, typer.Option("--dir", help="Where to create the package (default ./NAME).")
+    ] = None,
 ) -> None:
     """Scaffold a new environment package (pyproject with the entry point, module, README)."""
     target = dir if dir is not None else Path(name)

@@ -17,7 +17,6 @@ from functools import cache
 from miles_env.checks import ChecksEnvironment
 from miles_env.registry import make_task
 from miles_env.types import SandboxSpec, Task
-
 from miles_env_terminal_basics.templates import TEMPLATES
 
 __all__ = ["TerminalBasics", "build_tasks"]

@@ -13,7 +13,6 @@ from functools import cache
 from miles_env.checks import ChecksEnvironment
 from miles_env.registry import make_task
 from miles_env.types import SandboxSpec, Task
-
 from miles_env_terminal_hard.tasks import TASKS
 
 __all__ = ["TerminalHard", "build_tasks"]

@@ -105,7 +105,11 @@ A dog and one cat. The end, THE last.
 
 _EMAILS = "zoe@x.org\nann@x.org\nzoe@x.org\nbob@x.org\nann@x.org\ncy@x.org\n"
 
-_PROJECT = {"project/main.py": "print('hi')\n", "project/README.md": "# demo\n", "project/lib/util.py": "X = 1\n"}
+_PROJECT = {
+    "project/main.py": "print('hi')\n",
+    "project/README.md": "# demo\n",
+    "project/lib/util.py": "X = 1\n",
+}
 
 _ORGANIZE = {"a.txt": "a\n", "b.txt": "b\n", "c.log": "c\n", "d.csv": "d\n", "e.log": "e\n"}
 
