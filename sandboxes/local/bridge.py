@@ -136,11 +136,15 @@ class Bridge:
 
     async def _start_forwarder(self, inner_port: int, inner_sock: str, live: set[int]) -> None:
         first = self.ns_pid is None
-        argv = [*self.limit_prefix, *self.nsenter_prefix(), *self.bwrap_prefix]
+        bwrap = list(self.bwrap_prefix)
+        # Mount points must be made before the root is remounted read-only.
+        at = bwrap.index("--remount-ro")
+        bwrap[at:at] = ["--bind", str(self.run_dir), _INNER_RUN]
+        argv = [*self.limit_prefix, *self.nsenter_prefix(), *bwrap]
         if not first:
             argv.append("--share-net")
         read_fd, write_fd = os.pipe()
-        argv += ["--info-fd", str(write_fd), "--bind", str(self.run_dir), _INNER_RUN, "--"]
+        argv += ["--info-fd", str(write_fd), "--"]
         argv += [self.python, "-u", f"{_INNER_RUN}/forwarder.py", str(inner_port), inner_sock]
         try:
             proc = await anyio.open_process(
@@ -153,13 +157,20 @@ class Bridge:
         with os.fdopen(read_fd, "rb") as info_pipe:
             info = await anyio.to_thread.run_sync(info_pipe.read)
         assert proc.stdout is not None
+        line = b""
         with anyio.move_on_after(20):
-            line = await proc.stdout.receive()
+            try:
+                line = await proc.stdout.receive()
+            except anyio.EndOfStream:
+                pass
         if not line.startswith(b"READY"):
             err = b""
             if proc.stderr is not None:
                 with anyio.move_on_after(1):
-                    err = await proc.stderr.receive()
+                    try:
+                        err = await proc.stderr.receive()
+                    except anyio.EndOfStream:
+                        pass
             raise SandboxError(f"expose: the in-sandbox forwarder did not start: {(line + err)[-500:]!r}")
         if first:
             self.ns_pid = int(json.loads(info)["child-pid"])

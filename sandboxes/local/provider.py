@@ -74,9 +74,8 @@ class LocalSandboxProvider:
             args += host_root_binds(self.config.extra_ro_binds)
         args += ["--bind", str(host_dir / "work"), spec.workdir, "--bind", str(host_dir / "tmp"), "/tmp"]
         args += ["--proc", "/proc", "--dev", "/dev"]
-        if spec.rootfs is not None:
-            args += ["--remount-ro", "/"]
-        return args + ["--clearenv"]
+        # The root itself (bwrap's tmpfs, or the rootfs) is read-only: writes go to the binds only.
+        return args + ["--remount-ro", "/", "--clearenv"]
 
     def _validate(self, spec: SandboxSpec) -> None:
         if not spec.workdir.startswith("/") or spec.workdir.rstrip("/") in ("", "/tmp", "/proc", "/dev"):
