@@ -1,0 +1,182 @@
+"""An Engine client of the SGLang native HTTP API.
+
+Concept: `generate()` posts token ids to `/generate` with `return_logprob`
+and reads the sampled ids and logprobs from `meta_info.output_token_logprobs`,
+so it works against a real SGLang server and against our embedded server
+(`sglang_server.create_app`) alike.
+
+Invariant: requests of one session always go to the same server (consistent
+hash over the URLs), so that server's prefix cache serves the session's next
+turn; requests without a session rotate over the servers. Every transport or
+HTTP failure becomes an EngineError naming the URL.
+
+Lifecycle: one httpx.AsyncClient per engine; `close()` closes it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from miles_env.engines.base import EngineInfo, Generation, SamplingParams
+from miles_env.engines.sglang_server import SESSION_HEADER
+from miles_env.errors import ConfigError, EngineError
+
+__all__ = ["SGLangEngine", "HashRing"]
+
+_VNODES = 64
+
+
+def _hash(key: str) -> int:
+    return int.from_bytes(hashlib.sha1(key.encode()).digest()[:8], "big")
+
+
+class HashRing:
+    """Consistent hashing: adding or removing a URL moves only that URL's sessions."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        points = sorted((_hash(f"{url}#{i}"), url) for url in urls for i in range(_VNODES))
+        self._keys = [p for p, _ in points]
+        self._urls = [u for _, u in points]
+
+    def pick(self, key: str) -> str:
+        i = bisect.bisect(self._keys, _hash(key)) % len(self._keys)
+        return self._urls[i]
+
+
+def _wire_sampling(s: SamplingParams) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "max_new_tokens": s.max_new_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+    }
+    if s.stop:
+        out["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        out["stop_token_ids"] = list(s.stop_token_ids)
+    if s.seed is not None:
+        out["sampling_seed"] = s.seed
+    return out
+
+
+class SGLangEngine:
+    """Engine over one or more SGLang-compatible servers."""
+
+    name = "sglang"
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        timeout_s: float = 600.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else list(urls))]
+        if not self.urls:
+            raise ConfigError("sglang engine: urls is empty")
+        self._ring = HashRing(self.urls)
+        self._rotation = itertools.cycle(self.urls)
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport)
+        self.weight_version = 0  # last known; a server reporting a non-integer version leaves it as is
+
+    def url_for(self, session_id: str | None) -> str:
+        return self._ring.pick(session_id) if session_id else next(self._rotation)
+
+    async def _request(self, method: str, url: str, **kw: Any) -> httpx.Response:
+        try:
+            resp = await self._client.request(method, url, **kw)
+        except httpx.TimeoutException as e:
+            raise EngineError(f"sglang {url}: timed out ({type(e).__name__})") from e
+        except httpx.HTTPError as e:
+            raise EngineError(f"sglang {url}: {type(e).__name__}: {e}") from e
+        if resp.status_code >= 400:
+            raise EngineError(f"sglang {url}: HTTP {resp.status_code}: {resp.text[:500]}")
+        return resp
+
+    def _version(self, raw: Any) -> int:
+        try:
+            self.weight_version = int(raw)
+        except (TypeError, ValueError):
+            pass
+        return self.weight_version
+
+    async def generate(
+        self, input_ids: Sequence[int], sampling: SamplingParams, *, session_id: str | None = None
+    ) -> Generation:
+        base = self.url_for(session_id)
+        payload = {
+            "input_ids": list(input_ids),
+            "sampling_params": _wire_sampling(sampling),
+            "return_logprob": True,
+        }
+        headers = {SESSION_HEADER: session_id} if session_id else None
+        resp = await self._request("POST", f"{base}/generate", json=payload, headers=headers)
+        try:
+            body = resp.json()
+            if isinstance(body, list):  # a batch-shaped answer to a single request
+                body = body[0]
+            meta = body["meta_info"]
+            pairs = meta.get("output_token_logprobs") or []
+            output_ids = [int(p[1]) for p in pairs] if pairs else [int(i) for i in body.get("output_ids", [])]
+            logprobs = [float(p[0]) for p in pairs]
+            finish = meta.get("finish_reason") or {}
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise EngineError(f"sglang {base}/generate: malformed response: {e!r}: {resp.text[:300]}") from e
+        if len(logprobs) != len(output_ids):
+            raise EngineError(
+                f"sglang {base}/generate: {len(output_ids)} output ids but {len(logprobs)} logprobs"
+            )
+        kind = finish.get("type", "abort") if isinstance(finish, dict) else str(finish)
+        return Generation(
+            output_ids=output_ids,
+            logprobs=logprobs,
+            finish_reason=kind if kind in ("stop", "length", "abort") else "abort",
+            weight_version=self._version(meta.get("weight_version")),
+            prompt_len=int(meta.get("prompt_tokens", len(input_ids))),
+            cached_tokens=int(meta.get("cached_tokens", 0) or 0),
+            latency_s=float(meta.get("e2e_latency", 0.0) or 0.0),
+            meta={
+                "matched": finish.get("matched") if isinstance(finish, dict) else None,
+                "url": base,
+                "id": meta.get("id"),
+            },
+        )
+
+    async def update_weights_from_disk(self, path: str | Path, weight_version: int | None = None) -> int:
+        """Ask every server to load `path`; SGLang bumps nothing by itself, so the version is sent along."""
+        version = weight_version if weight_version is not None else self.weight_version + 1
+        payload = {"model_path": str(path), "weight_version": str(version)}
+        for base in self.urls:
+            resp = await self._request("POST", f"{base}/update_weights_from_disk", json=payload)
+            body = resp.json()
+            if not body.get("success", False):
+                raise EngineError(f"sglang {base}/update_weights_from_disk: {body.get('message')}")
+        self.weight_version = version
+        return version
+
+    async def flush_cache(self) -> None:
+        for base in self.urls:
+            await self._request("POST", f"{base}/flush_cache")
+
+    async def info(self) -> EngineInfo:
+        base = self.urls[0]
+        model = (await self._request("GET", f"{base}/get_model_info")).json()
+        server = (await self._request("GET", f"{base}/get_server_info")).json()
+        eos = server.get("eos_token_ids") or ()
+        return EngineInfo(
+            name="sglang",
+            model=str(model.get("model_path", "")),
+            weight_version=self._version(model.get("weight_version")),
+            max_context=int(server.get("context_length") or server.get("max_req_input_len") or 8192),
+            eos_token_ids=tuple(int(i) for i in eos),
+        )
+
+    async def close(self) -> None:
+        await self._client.aclose()
