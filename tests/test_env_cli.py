@@ -56,6 +56,9 @@ def test_list_table_and_explicit_module(wrong_env):
     assert res.exit_code == 0, res.output
     assert "terminal-basics" in res.stdout and "terminal-hard" in res.stdout
     assert wrong_env in res.stdout and "module" in res.stdout
+    res = runner.invoke(app, ["list", "-m", "no_such_mod_q:x"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0 and "failed to load" in res.stdout
+    assert "no_such_mod_q:x: environment 'no_such_mod_q:x' failed to load: ModuleNotFoundError" in res.stderr
 
 
 def test_info_json_has_splits_tiers_and_examples():

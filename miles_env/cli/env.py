@@ -17,6 +17,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from miles_env.errors import MilesEnvError
@@ -24,14 +25,14 @@ from miles_env.errors import MilesEnvError
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="List, inspect, scaffold and check environments."
 )
-_out = Console()
-_err = Console(stderr=True)
+_out = Console(emoji=False)  # ":x:" in "module:x" must not become an emoji
+_err = Console(stderr=True, emoji=False)
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 
 
 def _fail(err: Exception, code: int = 2) -> typer.Exit:
-    _err.print(f"[red]error:[/red] {err}", markup=True, highlight=False)
+    _err.print(f"[red]error:[/red] {escape(str(err))}", highlight=False)
     return typer.Exit(code)
 
 
@@ -57,12 +58,15 @@ def list_command(
         print(json.dumps([i.to_dict() for i in infos], indent=2))
         return
     table = Table(title="miles-env environments")
-    for col in ("name", "source", "tasks", "description"):
+    for col in ("name", "source", "tasks"):
         table.add_column(col)
     for i in infos:
         counts = ", ".join(f"{s}: {n}" for s, n in i.n_tasks.items())
-        table.add_row(i.name, i.source, counts, f"[red]{i.error}[/red]" if i.error else i.description)
+        table.add_row(i.name, i.source, "[red]failed to load[/red]" if i.error else counts)
     _out.print(table)
+    for i in infos:
+        if i.error:
+            _err.print(f"[red]{escape(i.name)}:[/red] {escape(i.error)}", highlight=False)
 
 
 def _info_dict(env: Any, n_examples: int) -> dict[str, Any]:
@@ -94,7 +98,7 @@ def info_command(
         tiers = ", ".join(f"tier {k}: {v}" for k, v in s["tiers"].items())
         _out.print(f"\n[bold]{split}[/bold]: {s['n_tasks']} tasks" + (f" ({tiers})" if tiers else ""))
         for ex in s["examples"]:
-            _out.print(f"  [cyan]{ex['id']}[/cyan]  {ex['instruction']}", highlight=False)
+            _out.print(f"  [cyan]{escape(ex['id'])}[/cyan]  {escape(ex['instruction'])}", highlight=False)
 
 
 def scaffold(name: str, target: Path) -> list[Path]:
@@ -161,7 +165,7 @@ def _print_report(report: Any) -> None:
         table.add_row(split, tier or "-", str(sum(oks)), str(len(oks)))
     _out.print(table)
     for r in report.failures:
-        _out.print(f"[red]FAIL[/red] {r.task_id}: {_first_reason(r)}", highlight=False)
+        _out.print(f"[red]FAIL[/red] {escape(r.task_id)}: {escape(_first_reason(r))}", highlight=False)
     colour = "green" if not report.failures else "red"
     _out.print(
         f"[{colour}]pass rate {report.pass_rate:.1%}[/{colour}] ({report.n_passed}/{report.n_total}) "
