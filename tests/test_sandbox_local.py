@@ -9,11 +9,11 @@ import time
 
 import anyio
 import pytest
+from miles_env.sandboxes import get_provider
+from miles_env.sandboxes.local import LocalSandboxConfig, LocalSandboxProvider
 from sandbox_contract import FETCH, SandboxContract, host_http_server  # noqa: F401
 
 from miles_env.errors import ConfigError, SandboxError, SandboxUnavailable
-from miles_env.sandboxes import get_provider
-from miles_env.sandboxes.local import LocalSandboxConfig, LocalSandboxProvider
 from miles_env.types import Resources, SandboxSpec
 
 pytestmark = pytest.mark.anyio
@@ -140,11 +140,14 @@ async def test_cannot_read_another_sandbox(provider):
     async with await provider.create(SandboxSpec(files={"secret.txt": "s3cret"})) as a:
         async with await provider.create(SandboxSpec()) as b:
             host_secret = a.host_dir / "work" / "secret.txt"
-            r = await b.exec(f"cat {host_secret}; grep -rs s3cret / --exclude-dir=proc --exclude-dir=sys -l")
+            r = await b.exec(
+                f"cat {host_secret}; cat {a.host_dir}/work/*; grep -rsl s3cret /workspace /tmp /etc"
+            )
             assert "s3cret" not in r.stdout
+            assert (await a.exec("cat secret.txt")).stdout == "s3cret"
 
 
-async def test_no_network_but_expose_works(provider, host_http_server):
+async def test_no_network_but_expose_works(provider, host_http_server):  # noqa: F811
     async with await provider.create(SandboxSpec()) as sb:
         r = await sb.exec("cat /proc/net/dev")
         assert [ln.split(":")[0].strip() for ln in r.stdout.splitlines()[2:]] == ["lo"]
@@ -206,7 +209,7 @@ async def test_cancelled_exec_leaves_no_process(provider):
         assert (await sb.exec("echo still usable")).ok
 
 
-async def test_close_kills_everything_and_removes_files(provider, host_http_server):
+async def test_close_kills_everything_and_removes_files(provider, host_http_server):  # noqa: F811
     sb = await provider.create(SandboxSpec(files={"f.txt": "x"}))
     await sb.expose(f"http://127.0.0.1:{host_http_server}/")
     async with anyio.create_task_group() as tg:

@@ -137,4 +137,3 @@ async def run_capped(
         truncated=out.truncated or err.truncated,
         duration_s=time.perf_counter() - start,
     )
-

@@ -13,8 +13,6 @@ import secrets
 import shutil
 from pathlib import Path
 
-import anyio
-
 from miles_env.errors import ConfigError, SandboxError, SandboxUnavailable
 from miles_env.types import NetworkPolicy, Resources, SandboxSpec
 
@@ -79,7 +77,9 @@ class LocalSandboxProvider:
 
     def _validate(self, spec: SandboxSpec) -> None:
         if not spec.workdir.startswith("/") or spec.workdir.rstrip("/") in ("", "/tmp", "/proc", "/dev"):
-            raise ConfigError(f"SandboxSpec.workdir={spec.workdir!r}: must be an absolute, dedicated directory")
+            raise ConfigError(
+                f"SandboxSpec.workdir={spec.workdir!r}: must be an absolute, dedicated directory"
+            )
         if spec.rootfs is not None and not os.path.isdir(spec.rootfs):
             raise ConfigError(f"SandboxSpec.rootfs={spec.rootfs!r}: not a directory on the host")
         if spec.network is NetworkPolicy.HOST:
@@ -112,10 +112,9 @@ class LocalSandboxProvider:
             for path, text in spec.files.items():
                 await sandbox.write_file(path, text)
         except BaseException as e:
-            with anyio.CancelScope(shield=True):
-                if cgroup is not None:
-                    cgroup.remove()
-                shutil.rmtree(host_dir, ignore_errors=True)
+            if cgroup is not None:
+                cgroup.remove()
+            shutil.rmtree(host_dir, ignore_errors=True)
             if isinstance(e, OSError):
                 raise SandboxError(f"creating sandbox under {self.root}: {e}") from e
             raise

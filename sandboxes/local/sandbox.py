@@ -21,6 +21,7 @@ import shutil
 import signal
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -31,6 +32,9 @@ from miles_env.types import ExecResult, Resources, SandboxSpec
 from .cgroup import PidsCgroup
 from .paths import safe_read, safe_write, split_inner_path
 from .process import RawResult, run_capped
+
+if TYPE_CHECKING:
+    from .bridge import Bridge
 
 __all__ = ["LocalSandbox", "classify"]
 
@@ -91,7 +95,7 @@ class LocalSandbox:
         self._python = python
         self._live: set[int] = set()
         self._closed = False
-        self._bridge = None  # type: ignore[var-annotated]
+        self._bridge: Bridge | None = None
         self.mounts = {spec.workdir: str(host_dir / "work"), "/tmp": str(host_dir / "tmp")}
 
     # -- exec ---------------------------------------------------------------------------
@@ -102,7 +106,13 @@ class LocalSandbox:
             argv = [str(a) for a in cmd]
             if not argv:
                 raise SandboxError("exec: cmd is an empty argv list")
-        merged = {"PATH": DEFAULT_PATH, "HOME": self.workdir, "LANG": "C.UTF-8", **self.spec.env, **(env or {})}
+        merged = {
+            "PATH": DEFAULT_PATH,
+            "HOME": self.workdir,
+            "LANG": "C.UTF-8",
+            **self.spec.env,
+            **(env or {}),
+        }
         out = list(self._limit_prefix)
         if self._bridge is not None:
             out += self._bridge.nsenter_prefix()

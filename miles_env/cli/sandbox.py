@@ -1,0 +1,67 @@
+"""`miles-env sandbox`: debug commands for the local sandbox.
+
+`miles-env sandbox exec [--timeout S] [--file host:inner] -- CMD...` runs one
+command in a fresh local sandbox, prints its stdout and stderr, and exits with
+its exit code (128+N when killed by signal N, 124 on timeout).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, help="Run commands in a local bubblewrap sandbox (debugging).")
+
+
+def _parse_files(pairs: list[str]) -> dict[str, str]:
+    files: dict[str, str] = {}
+    for pair in pairs:
+        host, sep, inner = pair.partition(":")
+        if not sep or not host or not inner:
+            raise typer.BadParameter(f"--file {pair!r}: expected HOST_PATH:INNER_PATH")
+        try:
+            with open(host) as f:
+                files[inner] = f.read()
+        except OSError as e:
+            raise typer.BadParameter(f"--file {pair!r}: cannot read {host}: {e.strerror}") from e
+    return files
+
+
+@app.command("exec", context_settings={"allow_interspersed_args": False})
+def exec_command(
+    cmd: Annotated[list[str], typer.Argument(help="the command and its arguments (after --)")],
+    timeout: Annotated[float, typer.Option(help="wall-clock limit in seconds")] = 60.0,
+    file: Annotated[
+        list[str] | None, typer.Option("--file", help="HOST:INNER file to place (repeatable)")
+    ] = None,
+) -> None:
+    """Run CMD in a fresh local sandbox and exit with its exit code."""
+    import anyio
+
+    from miles_env.errors import MilesEnvError
+    from miles_env.sandboxes.local import LocalSandboxProvider
+    from miles_env.types import SandboxSpec
+
+    spec = SandboxSpec(files=_parse_files(file or []))
+
+    async def run() -> int:
+        async with await LocalSandboxProvider().create(spec) as sb:
+            argv: str | list[str] = cmd[0] if len(cmd) == 1 else cmd
+            result = await sb.exec(argv, timeout=timeout)
+        sys.stdout.write(result.stdout)
+        sys.stderr.write(result.stderr)
+        if result.timed_out:
+            sys.stderr.write(f"[sandbox] timed out after {timeout}s\n")
+            return 124
+        if result.killed_by_limit or result.truncated:
+            sys.stderr.write(f"[sandbox] limit={result.killed_by_limit} truncated={result.truncated}\n")
+        return 128 - result.exit_code if result.exit_code < 0 else result.exit_code
+
+    try:
+        code = anyio.run(run)
+    except MilesEnvError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    raise typer.Exit(code)
