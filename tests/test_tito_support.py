@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from miles_env.tito import TitoConfig, TitoProxy, create_app
+from openai import AsyncOpenAI
+
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.http import serve_app
-from miles_env.tito import TitoConfig, TitoProxy, create_app
 from miles_env.types import Trajectory
 
 ADMIN = "admin-secret"
@@ -20,7 +22,11 @@ TOOLS = [
         "function": {
             "name": "bash",
             "description": "Run a shell command",
-            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string"}},
+                "required": ["command"],
+            },
         },
     }
 ]
@@ -31,6 +37,14 @@ class Served:
     proxy: TitoProxy
     engine: ScriptedEngine
     url: str
+    clients: list[AsyncOpenAI] = field(default_factory=list)
+
+    def client(self, session_id: str) -> AsyncOpenAI:
+        """An official openai client on the session's endpoint, closed when `served` exits."""
+        ep = self.proxy.endpoint(session_id, self.url)
+        c = AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        self.clients.append(c)
+        return c
 
 
 @asynccontextmanager
@@ -40,7 +54,12 @@ async def served(
     engine = engine or ScriptedEngine(tokenizer)
     proxy = TitoProxy(engine, tokenizer, TitoConfig(admin_token=ADMIN, **cfg), store_dir=store_dir)
     async with serve_app(create_app(proxy)) as url:
-        yield Served(proxy, engine, url)
+        s = Served(proxy, engine, url)
+        try:
+            yield s
+        finally:
+            for c in s.clients:
+                await c.close()
 
 
 def check_fidelity(trajs: list[Trajectory], engine: ScriptedEngine, session_id: str) -> None:

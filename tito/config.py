@@ -17,10 +17,10 @@ __all__ = ["Budget", "TitoConfig"]
 class Budget(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_turns: int | None = Field(None, ge=1, description="engine generations per session")
-    max_tokens: int | None = Field(None, ge=1, description="sampled tokens per session, all branches")
-    max_context: int | None = Field(None, ge=2, description="prompt + completion tokens per request")
-    wall_time_s: float | None = Field(None, gt=0, description="seconds since the session was created")
+    max_turns: int | None = Field(default=None, ge=1, description="engine generations per session")
+    max_tokens: int | None = Field(default=None, ge=1, description="sampled tokens per session, all branches")
+    max_context: int | None = Field(default=None, ge=2, description="prompt + completion tokens per request")
+    wall_time_s: float | None = Field(default=None, gt=0, description="seconds since the session was created")
 
     def merged(self, override: Budget | None) -> Budget:
         if override is None:
@@ -35,7 +35,7 @@ class TitoConfig(BaseModel):
 
     model_name: str = "policy"  # what /v1/models lists and responses echo when a client sends none
     default_max_tokens: int = Field(1024, ge=1)  # when a request gives no max_tokens
-    budget: Budget = Field(default_factory=Budget)
+    budget: Budget = Budget()
     admin_token: str | None = None  # None: the admin HTTP API refuses every call
     # "auto": the chat template's own `tools` support when it has one, else the text-action fallback
     tool_mode: Literal["auto", "template", "text"] = "auto"

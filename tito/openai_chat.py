@@ -68,14 +68,14 @@ class ChatCompletionRequest(_In):
     model: str | None = None
     messages: list[ChatMessageIn] = Field(min_length=1)
     tools: list[ToolIn] | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
     stop: str | list[str] | None = None
     seed: int | None = None
-    n: int | None = Field(None, ge=1, le=1)
+    n: int | None = Field(default=None, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
 

@@ -4,7 +4,7 @@ Concept: `<store_dir>/<session_id>.jsonl` holds the session header, then one
 event per line (turn, truncated, closed), exactly the events `Session.apply`
 consumes. Each event is written with a single `write` on an O_APPEND descriptor
 after its turn, so the cost per turn is proportional to the turn, not to the
-history; a torn last line (crash mid-write) is detected and dropped on load.
+history; a torn last line (crash mid-write, so no trailing newline) is cut off on load.
 Lifecycle: written by the proxy as it goes, replayed by `load_sessions` at start.
 """
 
@@ -41,21 +41,25 @@ class Journal:
 
 
 def _load_one(path: Path) -> Session | None:
-    lines = path.read_bytes().split(b"\n")
+    data = path.read_bytes()
     session: Session | None = None
-    for i, raw in enumerate(lines):
-        if not raw.strip():
-            continue
+    pos = 0
+    while pos < len(data):
+        end = data.find(b"\n", pos)
+        raw = data[pos:] if end < 0 else data[pos:end]
         try:
-            event = json.loads(raw)
+            event = json.loads(raw) if end >= 0 else None
         except json.JSONDecodeError:
-            if i >= len(lines) - 2:
-                break  # a torn last line: the turn was never acknowledged to the client
-            raise ValueError(f"{path}: line {i + 1} is not JSON") from None
+            raise ValueError(f"{path}: byte {pos}: a journal line is not JSON") from None
+        if event is None:  # a torn last line (crash mid-write): never acknowledged, so cut it off
+            with path.open("r+b") as f:
+                f.truncate(pos)  # the next append then starts on a clean line
+            break
         if session is None:
             session = Session.from_header(event)
         else:
             session.apply(event)
+        pos = end + 1
     return session
 
 

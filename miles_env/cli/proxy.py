@@ -33,7 +33,7 @@ async def _serve(
     from miles_env.models import load_tokenizer
     from miles_env.tito import TitoConfig, TitoProxy, create_app
 
-    engine = await build_engine(EngineConfig(kind=engine_kind, model=model, url=url))  # type: ignore[arg-type]
+    engine = await build_engine(EngineConfig.model_validate({"kind": engine_kind, "model": model, "url": url}))
     try:
         tokenizer = await anyio.to_thread.run_sync(load_tokenizer, model)
         proxy = TitoProxy(engine, tokenizer, TitoConfig(admin_token=admin_token), store_dir=store)
