@@ -62,7 +62,8 @@ def build_trainer(cfg: RunConfig, model_path: Path) -> Any:
 
     if cfg.trainer.backend != "torch":
         raise ConfigError(f"trainer.backend={cfg.trainer.backend!r}: known backends: torch")
-    from miles_env.trainer import TorchTrainer, TrainerConfig
+    from miles_env.trainer.config import TrainerConfig
+    from miles_env.trainer.torch_backend import TorchTrainer
 
     options = {
         "seed": cfg.seed,
@@ -250,12 +251,9 @@ def _write_resolved(cfg: RunConfig) -> None:
 
 
 def _resume(job: _Job, trainer: Any) -> dict[str, Any] | None:
-    from miles_env.trainer import latest_checkpoint
-
-    ckpt = latest_checkpoint(job.cfg.run_dir / "checkpoints")
-    if ckpt is None:
+    extra: dict[str, Any] | None = trainer.load_checkpoint(job.cfg.run_dir / "checkpoints")
+    if extra is None:
         return None
-    extra: dict[str, Any] = trainer.load_checkpoint(ckpt)
     job.state.step = int(extra["step"])
     job.state.trained_ids = list(extra.get("trained_ids", []))
     if "rng" in extra:
@@ -313,7 +311,7 @@ async def run_training(cfg: RunConfig, console: Any) -> dict[str, Any]:
         if job.state.step > 0:  # the engine must serve the weights the trainer resumed with
             await job._sync_weights(trainer, engine)
         stack_cfg = StackConfig(
-            engine=cfg.engine,
+            engine=engine_cfg.model_dump(),
             tito=cfg.tito,
             sandbox=provider,
             sandbox_config=sandbox_opts,

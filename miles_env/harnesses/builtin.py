@@ -28,7 +28,7 @@ SYSTEM_PROMPT = (
 
 # One worked example, given as prior turns: small models copy its format.
 FEW_SHOT: tuple[dict[str, str], ...] = (
-    {"role": "user", "content": "Write the word cat to the file pet.txt."},
+    {"role": "user", "content": "Create a file named pet.txt containing the word cat."},
     {"role": "assistant", "content": "```sh\necho cat > pet.txt\n```"},
     {"role": "user", "content": "Exit code: 0\nOutput:\n(none)"},
     {"role": "assistant", "content": "DONE"},
