@@ -27,15 +27,15 @@ class EngineConfig(BaseModel):
     model: str = "smollm2"
     url: str | None = None  # sglang: one server
     urls: list[str] = Field(default_factory=list)  # sglang: several servers, sticky by session id
-    timeout_s: float = Field(600.0, gt=0)  # sglang: per request
+    timeout_s: float = Field(default=600.0, gt=0)  # sglang: per request
     # hf settings (see hf.HFEngineConfig)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"
-    max_batch_size: int = Field(16, ge=1)
-    max_context: int | None = Field(None, ge=2)
-    kv_cache_tokens: int = Field(32768, ge=0)
-    kv_cache_sessions: int = Field(256, ge=0)
-    threads: int | None = Field(None, ge=1)
+    max_batch_size: int = Field(default=16, ge=1)
+    max_context: int | None = Field(default=None, ge=2)
+    kv_cache_tokens: int = Field(default=32768, ge=0)
+    kv_cache_sessions: int = Field(default=256, ge=0)
+    threads: int | None = Field(default=None, ge=1)
     seed: int | None = None
 
 

@@ -100,7 +100,8 @@ class Batch:
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kwargs
         )
-        return out.logits[:, -1, :].float(), [(layer.keys, layer.values) for layer in cache.layers]
+        layers: list[Any] = list(cache.layers)
+        return out.logits[:, -1, :].float(), [(layer.keys, layer.values) for layer in layers]
 
     def _generator(self, params: SamplingParams) -> torch.Generator | None:
         if params.temperature == 0.0:

@@ -51,11 +51,11 @@ class HFEngineConfig(BaseModel):
     model: str = "smollm2"  # a name known to miles_env.models or a local HF checkpoint dir
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = the checkpoint's dtype
     device: str = "auto"  # auto = cuda when available, else cpu
-    max_batch_size: int = Field(16, ge=1)
-    max_context: int | None = Field(None, ge=2)  # default: model's max positions, capped at 8192
-    kv_cache_tokens: int = Field(32768, ge=0)  # budget of the per-session KV prefix store
-    kv_cache_sessions: int = Field(256, ge=0)
-    threads: int | None = Field(None, ge=1)  # torch intra-op threads (process-wide)
+    max_batch_size: int = Field(default=16, ge=1)
+    max_context: int | None = Field(default=None, ge=2)  # default: model's max positions, capped at 8192
+    kv_cache_tokens: int = Field(default=32768, ge=0)  # budget of the per-session KV prefix store
+    kv_cache_sessions: int = Field(default=256, ge=0)
+    threads: int | None = Field(default=None, ge=1)  # torch intra-op threads (process-wide)
     seed: int | None = None  # seed of the generator used by requests without their own seed
 
 
@@ -154,7 +154,7 @@ class HFEngine:
         self.device = torch.device(device)
         dtype: Any = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(self.model_path), dtype=dtype)
+            model: Any = AutoModelForCausalLM.from_pretrained(str(self.model_path), dtype=dtype)
         except Exception as e:
             raise ConfigError(f"model {str(self.model_path)!r}: cannot load with transformers: {e}") from e
         model.to(self.device).eval()

@@ -44,10 +44,10 @@ class WireSamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_new_tokens: int = Field(128, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
+    max_new_tokens: int = Field(default=128, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     sampling_seed: int | None = None
@@ -100,7 +100,7 @@ class GenerateRequest(BaseModel):
     sampling_params: WireSamplingParams = Field(default_factory=WireSamplingParams)
     return_logprob: bool = False
     logprob_start_len: int = -1
-    top_logprobs_num: int = Field(0, ge=0, le=0)
+    top_logprobs_num: int = Field(default=0, ge=0, le=0)
     return_text_in_logprobs: bool = False
     stream: Literal[False] = False  # streaming is not served
     rid: str | None = None
@@ -254,7 +254,7 @@ def create_app(engine: Engine) -> FastAPI:
     async def health_generate() -> PlainTextResponse:
         t0 = time.perf_counter()
         try:
-            await engine.generate([0], SamplingParams(max_new_tokens=1, temperature=0.0))
+            await engine.generate([0], SamplingParams(max_new_tokens=1, temperature=0.0, top_p=1.0, top_k=-1))
         except EngineError as e:
             return PlainTextResponse(str(e), status_code=503)
         return PlainTextResponse(f"ok {time.perf_counter() - t0:.3f}s\n")
