@@ -252,3 +252,67 @@ async def test_native_tool_template_renders_tools_and_stitches(tok) -> None:
     assert text.startswith('<|im_start|>system\nsys\n<tools>{"type": "function"')  # rendered by the template
     assert "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n/w\n</tool_response>" in text
     check_fidelity(trajs, engine, h.session_id)
+
+
+_COUNTING_TEMPLATE = (
+    "<|im_start|>system\nmessages={{ messages | length }}<|im_end|>\n"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+async def test_a_template_whose_render_is_not_a_prefix_falls_back_to_new_branches(tok) -> None:
+    import copy
+
+    ctok = copy.deepcopy(tok)
+    ctok.chat_template = _COUNTING_TEMPLATE  # the header changes with every message: no suffix diff exists
+    engine = ScriptedEngine(ctok, ["one", "two"])
+    async with served(ctok, engine) as s:
+        h = s.proxy.create_session()
+        c = s.client(h.session_id)
+        msgs: list = [{"role": "user", "content": "a"}]
+        r = await c.chat.completions.create(model="policy", messages=msgs)
+        msgs += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": "b"},
+        ]
+        await c.chat.completions.create(model="policy", messages=msgs)
+        trajs = s.proxy.export(h.session_id)
+    assert len(trajs) == 2
+    assert ctok.decode(trajs[1].token_ids).startswith("<|im_start|>system\nmessages=3<|im_end|>")
+    check_fidelity(trajs, engine, h.session_id)
+
+
+async def test_several_tool_calls_in_one_turn(tok) -> None:
+    two = (
+        'I will run two.\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "bash", "arguments": "{\\"command\\": \\"pwd\\"}"}\n</tool_call>'
+    )
+    engine = ScriptedEngine(tok, [two, "both done"])
+    async with served(tok, engine) as s:
+        h = s.proxy.create_session()
+        c = s.client(h.session_id)
+        msgs: list = [{"role": "user", "content": "go"}]
+        r = await c.chat.completions.create(model="policy", messages=msgs, tools=TOOLS)
+        m = r.choices[0].message
+        assert m.content == "I will run two." and m.tool_calls is not None and len(m.tool_calls) == 2
+        assert [json.loads(t.function.arguments)["command"] for t in m.tool_calls] == ["ls", "pwd"]
+        assert len({t.id for t in m.tool_calls}) == 2
+        msgs.append(m.model_dump(exclude_none=True))
+        msgs += [
+            {"role": "tool", "tool_call_id": t.id, "content": f"out{i}"} for i, t in enumerate(m.tool_calls)
+        ]
+        r2 = await c.chat.completions.create(model="policy", messages=msgs, tools=TOOLS)
+        assert r2.choices[0].message.content == "both done"
+        trajs = s.proxy.export(h.session_id)
+    assert len(trajs) == 1
+    check_fidelity(trajs, engine, h.session_id)
+
+
+def test_public_surface_is_locked() -> None:
+    import miles_env.tito as tito
+
+    assert set(tito.__all__) == {
+        "Budget", "ChatRequest", "ChatResult", "Message", "ProxyError", "SessionHandle", "SessionInfo",
+        "TitoConfig", "TitoProxy", "ToolCall", "create_app",
+    }  # fmt: skip

@@ -2,7 +2,8 @@
 
 A `ProxyError` carries an HTTP status and the OpenAI error fields; the app turns
 it into `{"error": {"message", "type", "code", "param"}}`. Raising one never
-changes stored session state: state is committed only after a generation.
+loses or rewrites stored tokens: turns are committed only after a generation
+(a budget error may additionally mark the session truncated).
 """
 
 from __future__ import annotations
