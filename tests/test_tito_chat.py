@@ -37,6 +37,7 @@ async def test_multi_turn_tool_session_is_token_exact(tok) -> None:
         assert r1.choices[0].message.content == "Let me look."
         assert r1.choices[0].finish_reason == "stop"
         msgs += [r1.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+        assert await engine.update_weights_from_disk("unused") == 1  # later turns record the new version
         r2 = await c.chat.completions.create(model="policy", messages=msgs, tools=TOOLS)
         m2 = r2.choices[0].message
         assert r2.choices[0].finish_reason == "tool_calls"
@@ -53,6 +54,8 @@ async def test_multi_turn_tool_session_is_token_exact(tok) -> None:
     assert len(trajs) == 1  # one branch: every request extended the stored history
     check_fidelity(trajs, engine, h.session_id)
     t = trajs[0]
+    assert t.weight_versions == [0, 1, 1]
+    assert [x.finish_reason for x in t.turns] == ["stop", "tool_calls", "stop"]
     # the engine saw exactly the stored prefix each time: stitched ids are what the model was fed
     for call_, turn in zip(engine.calls, t.turns, strict=True):
         assert list(call_.input_ids) == t.token_ids[: turn.start]
