@@ -210,3 +210,22 @@ async def test_real_hf_engine_session_is_token_exact(tok) -> None:
         await engine.close()
     assert len(trajs) == 1 and len(trajs[0].turns) == 2
     check_fidelity(trajs, engine, h.session_id)  # type: ignore[arg-type]
+
+
+async def test_aux_requests_are_served_but_never_stored_and_count_tokens_matches(tok) -> None:
+    from miles_env.tito.messages import ChatRequest, Message
+
+    engine = ScriptedEngine(tok, ["real answer", "A title", "next"])
+    proxy = TitoProxy(engine, tok, TitoConfig())
+    h = proxy.create_session()
+    first = (Message("user", "q"),)
+    await proxy.chat(h.session_id, ChatRequest(first))
+    title = await proxy.chat(h.session_id, ChatRequest((Message("user", "title this"),), aux=True))
+    assert title.text == "A title" and title.meta == {"aux": True}
+    before = proxy.export(h.session_id)
+    assert len(before) == 1 and len(before[0].turns) == 1
+    nxt = ChatRequest((*first, Message("assistant", "real answer"), Message("user", "more")))
+    n = await proxy.count_tokens(h.session_id, nxt)
+    res = await proxy.chat(h.session_id, nxt)
+    assert res.prompt_tokens == n and res.cached_tokens == len(before[0].token_ids)
+    assert len(proxy.export(h.session_id)) == 1 and proxy.get_session(h.session_id).n_turns == 2

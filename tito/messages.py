@@ -53,6 +53,7 @@ class ChatRequest:
     top_k: int = -1
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    aux: bool = False  # auxiliary call (title generation, ...): served, never stored or trained on
 
 
 @dataclass(frozen=True, slots=True)

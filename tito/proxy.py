@@ -192,11 +192,35 @@ class TitoProxy:
             seed=req.seed,
         )
 
+    async def count_tokens(self, session_id: str, req: ChatRequest) -> int:
+        """The prompt length a request would have, stitched as `chat` would; nothing is generated."""
+        s = self._session(session_id)
+        async with s.lock:
+            return len(self._plan(s, req).prompt)
+
+    async def _aux(self, s: Session, req: ChatRequest) -> ChatResult:
+        """An auxiliary call: rendered in full, generated, answered, and not recorded anywhere."""
+        info = await self.engine_info()
+        ids = self.renderer.encode(self.renderer.render_full(req.messages, req.tools))
+        max_new, _ = self._max_new(s, req, len(ids), info)
+        try:
+            gen = await self.engine.generate(ids, self._sampling(req, max_new, info), session_id=None)
+        except Exception as e:
+            raise ProxyError(502, f"engine failed: {e}", type="server_error", code="engine_error") from e
+        out = list(gen.output_ids)
+        body = out[:-1] if out and out[-1] == self.renderer.stop_id else out
+        text = self.renderer.decode(body)
+        content, calls = parse_tool_calls(text) if req.tools else (text, ())
+        finish = "tool_calls" if calls else gen.finish_reason
+        return ChatResult(text, content, calls, finish, len(ids), len(out), 0, -1, {"aux": True})
+
     async def chat(self, session_id: str, req: ChatRequest) -> ChatResult:
         s = self._session(session_id)
         async with s.lock:
             if s.closed:
                 raise not_found(f"session {session_id!r} is closed")
+            if req.aux:
+                return await self._aux(s, req)
             self._check_budget(s)
             info = await self.engine_info()
             plan = self._plan(s, req)
