@@ -35,7 +35,7 @@ class EngineConfig(BaseModel):
     max_context: int | None = Field(default=None, ge=2)
     kv_cache_tokens: int = Field(default=32768, ge=0)
     kv_cache_sessions: int = Field(default=256, ge=0)
-    threads: int | None = Field(default=None, ge=1)
+    threads: int | None = Field(default=None, ge=0)
     seed: int | None = None
 
 

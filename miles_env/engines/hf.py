@@ -55,7 +55,9 @@ class HFEngineConfig(BaseModel):
     max_context: int | None = Field(default=None, ge=2)  # default: model's max positions, capped at 8192
     kv_cache_tokens: int = Field(default=32768, ge=0)  # budget of the per-session KV prefix store
     kv_cache_sessions: int = Field(default=256, ge=0)
-    threads: int | None = Field(default=None, ge=1)  # torch intra-op threads (process-wide)
+    # torch intra-op threads of the worker. None: half the CPU cores (at least 1): on a shared CPU an
+    # oversubscribed OpenMP pool is several times slower per step than one thread; 0: torch's setting.
+    threads: int | None = Field(default=None, ge=0)
     seed: int | None = None  # seed of the generator used by requests without their own seed
 
 
@@ -145,8 +147,7 @@ class HFEngine:
         from miles_env.models import resolve_model
 
         cfg = self.config
-        if cfg.threads is not None:
-            torch.set_num_threads(cfg.threads)
+        self.threads = cfg.threads if cfg.threads is not None else max(1, (os.cpu_count() or 2) // 2)
         self.model_path = resolve_model(cfg.model)
         device = cfg.device
         if device == "auto":
@@ -257,6 +258,8 @@ class HFEngine:
     def _run(self) -> None:
         import torch
 
+        if self.threads > 0 and self.device.type == "cpu":
+            torch.set_num_threads(self.threads)  # OpenMP pools are per thread: set it where the model runs
         try:
             with torch.inference_mode():
                 while self._serve_once():
