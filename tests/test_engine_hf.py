@@ -214,3 +214,37 @@ async def test_update_waits_for_in_flight_generation(engine: HFEngine) -> None:
     assert await update == v0 + 1
     assert (await later).weight_version == v0 + 1  # queued behind the update, run with the new weights
     await engine.update_weights({name: original})
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_update_with_abort_in_flight_ends_running_generations(engine: HFEngine) -> None:
+    prompt = chat(engine, "Tell me a long story about a knight.")
+    name = "model.norm.weight"
+    original = engine.model.state_dict()[name].clone()
+    v0 = engine.weight_version
+    sp = SamplingParams(max_new_tokens=200, temperature=0.0, stop_token_ids=())
+    running = asyncio.ensure_future(engine.generate(prompt, sp))
+    await asyncio.sleep(0.5)
+    assert await engine.update_weights({name: original * 1.5}, abort_in_flight=True) == v0 + 1
+    gen = await running
+    assert gen.finish_reason == "abort" and gen.weight_version == v0
+    assert 0 < len(gen.output_ids) < 200 and len(gen.logprobs) == len(gen.output_ids)
+    await engine.update_weights({name: original})
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_cancelled_request_leaves_the_batch(engine: HFEngine) -> None:
+    prompt = chat(engine, "Describe the ocean.")
+    sp = SamplingParams(max_new_tokens=200, temperature=0.0, stop_token_ids=())
+    doomed = asyncio.ensure_future(engine.generate(prompt, sp))
+    other = asyncio.ensure_future(engine.generate(prompt, GREEDY))
+    await asyncio.sleep(0.3)
+    doomed.cancel()
+    assert (await other).finish_reason in ("stop", "length")
+    for _ in range(100):  # the worker drops the cancelled row at its next step
+        if not engine._batch.rows:
+            break
+        await asyncio.sleep(0.05)
+    assert not engine._batch.rows

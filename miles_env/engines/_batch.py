@@ -160,6 +160,14 @@ class Batch:
         row.kv = None
         self.rows.append(row)
 
+    def abort_all(self) -> list[Row]:
+        """End every running row now (finish "abort", output so far); the batch becomes empty."""
+        rows = self.rows
+        for row in rows:
+            row.finish = "abort"
+        self.clear()
+        return rows
+
     def step(self) -> list[Row]:
         """One decode step for every row; return the rows that finished (removed from the batch)."""
         rows = self.rows

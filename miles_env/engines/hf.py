@@ -79,6 +79,7 @@ class _Command:
     future: asyncio.Future[Any]
     state_dict: Mapping[str, Any] | None = None
     weight_version: int | None = None
+    abort_in_flight: bool = False
 
 
 def _resolve(
@@ -197,13 +198,34 @@ class HFEngine:
             raise
         return result
 
-    async def update_weights(self, state_dict: Mapping[str, Any], weight_version: int | None = None) -> int:
-        """Copy `state_dict` (full or partial) into the model after in-flight requests finish."""
-        return int(await self._command("update", state_dict=state_dict, weight_version=weight_version))
+    async def update_weights(
+        self,
+        state_dict: Mapping[str, Any],
+        weight_version: int | None = None,
+        *,
+        abort_in_flight: bool = False,
+    ) -> int:
+        """Copy `state_dict` (full or partial) into the model; return the new weight version.
 
-    async def update_weights_from_disk(self, path: str | Path, weight_version: int | None = None) -> int:
+        By default the update waits for the running generations to finish (they keep the old
+        version); requests that arrive meanwhile run after it. With `abort_in_flight` the running
+        generations end at once with finish_reason "abort" and their partial, old-version output.
+        """
+        return int(
+            await self._command(
+                "update",
+                state_dict=state_dict,
+                weight_version=weight_version,
+                abort_in_flight=abort_in_flight,
+            )
+        )
+
+    async def update_weights_from_disk(
+        self, path: str | Path, weight_version: int | None = None, *, abort_in_flight: bool = False
+    ) -> int:
+        """Load a .safetensors file or a directory of them (an HF checkpoint dir) in place."""
         state = await anyio.to_thread.run_sync(load_safetensors, path)
-        return await self.update_weights(state, weight_version)
+        return await self.update_weights(state, weight_version, abort_in_flight=abort_in_flight)
 
     async def flush_cache(self) -> None:
         """Drop every cached session KV prefix (running requests keep theirs)."""
@@ -280,6 +302,8 @@ class HFEngine:
                 return False
             self.sessions.clear()
             _resolve(cmd.loop, cmd.future, None, None)
+        if self._batch.rows and any(c.abort_in_flight for c in self._pending):
+            self._finish(self._batch.abort_all())
         if self._pending and not self._batch.rows:
             self._apply_updates()
         if not self._pending:
@@ -331,7 +355,8 @@ class HFEngine:
                 prompt_len=len(req.input_ids),
                 cached_tokens=row.cached,
                 latency_s=time.perf_counter() - req.t0,
-                meta={"matched": row.matched, "ttft_s": row.ttft},
+                meta={"matched": row.matched, "ttft_s": row.ttft}
+                | ({"message": "aborted: weight update or cancel"} if row.finish == "abort" else {}),
             )
             _resolve(req.loop, req.future, gen, None)
 

@@ -19,6 +19,7 @@ it on a loopback port for the duration of an `async with` block.
 
 from __future__ import annotations
 
+import inspect
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -202,8 +203,10 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(req: UpdateFromDiskRequest) -> JSONResponse:
         version = int(req.weight_version) if req.weight_version is not None else None
+        can_abort = "abort_in_flight" in inspect.signature(engine.update_weights_from_disk).parameters
+        kw = {"abort_in_flight": True} if req.abort_all_requests and can_abort else {}
         try:
-            new = await engine.update_weights_from_disk(req.model_path, version)
+            new = await engine.update_weights_from_disk(req.model_path, version, **kw)
         except (EngineError, ValueError) as e:
             return JSONResponse(
                 {"success": False, "message": str(e), "num_paused_requests": 0}, status_code=400
