@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from miles_env.engines._batch import Batch, Row
 from miles_env.engines._kv import SessionStore
+from miles_env.engines._weights import copy_weights, load_safetensors
 from miles_env.engines.base import EngineInfo, Generation, SamplingParams
 from miles_env.errors import ConfigError, EngineError
 
@@ -97,28 +98,6 @@ def _resolve(
         loop.call_soon_threadsafe(_set)
     except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
         pass
-
-
-def load_safetensors(path: str | Path) -> dict[str, Any]:
-    """Read a .safetensors file, or every *.safetensors file of a directory, into one state dict."""
-    from safetensors.torch import load_file
-
-    p = Path(path).expanduser()
-    if p.is_file():
-        files = [p]
-    elif p.is_dir():
-        files = sorted(p.glob("*.safetensors"))
-        if not files:
-            raise EngineError(f"update_weights_from_disk: no *.safetensors file in {str(p)!r}")
-    else:
-        raise EngineError(f"update_weights_from_disk: path {str(p)!r} does not exist")
-    state: dict[str, Any] = {}
-    for f in files:
-        try:
-            state.update(load_file(str(f)))
-        except Exception as e:
-            raise EngineError(f"update_weights_from_disk: cannot read {str(f)!r}: {e}") from e
-    return state
 
 
 class HFEngine:
@@ -365,7 +344,7 @@ class HFEngine:
             self._pending.remove(cmd)
             try:
                 assert cmd.state_dict is not None
-                self._copy_weights(cmd.state_dict)
+                copy_weights(self.model, cmd.state_dict)
             except Exception as e:
                 err = e if isinstance(e, EngineError) else EngineError(f"update_weights failed: {e!r}")
                 _resolve(cmd.loop, cmd.future, None, err)
@@ -375,22 +354,6 @@ class HFEngine:
                 cmd.weight_version if cmd.weight_version is not None else self.weight_version + 1
             )
             _resolve(cmd.loop, cmd.future, self.weight_version, None)
-
-    def _copy_weights(self, state_dict: Mapping[str, Any]) -> None:
-        import torch
-
-        params = self.model.state_dict(keep_vars=True)
-        for name, tensor in state_dict.items():
-            target = params.get(name)
-            if target is None:
-                raise EngineError(f"update_weights: unknown parameter {name!r}")
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise EngineError(
-                    f"update_weights: parameter {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}"
-                )
-        with torch.no_grad():
-            for name, tensor in state_dict.items():
-                params[name].data.copy_(tensor.to(device=self.device, dtype=params[name].dtype))
 
     def _fail_all(self, err: EngineError) -> None:
         self._drain_inbox(block=False)
