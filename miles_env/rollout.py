@@ -74,6 +74,9 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
         timings["total_s"] = time.perf_counter() - t0
     try:
         samples = ctx.proxy.export(handle.session_id)
+        budget_hit = ctx.proxy.get_session(handle.session_id).truncated
+        if budget_hit and status is Status.COMPLETED:  # the proxy cut a turn short (tokens, context)
+            status, error = Status.TRUNCATED, f"session budget: {budget_hit}"
     finally:
         ctx.proxy.close_session(handle.session_id)
     return Episode(

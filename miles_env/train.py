@@ -182,7 +182,10 @@ class _Job:
         leases: list[Any] = []
         while len(leases) < n:
             got = await queue.take(
-                n - len(leases), current_version=version, max_staleness=self.cfg.rollout.max_staleness
+                n - len(leases),
+                current_version=version,
+                max_staleness=self.cfg.rollout.max_staleness,
+                lease_s=24 * 3600.0,  # acked after the checkpoint; a restart recovers, not the lease timer
             )
             leases.extend(got)
             if len(leases) < n:
@@ -299,7 +302,7 @@ async def run_training(cfg: RunConfig, console: Any) -> dict[str, Any]:
         group_size=cfg.rollout.group_size,
         max_pending_groups=2 * cfg.rollout.groups_per_step,
     )
-    queue = queue_sync.aio()
+    queue = queue_sync.aio
     resumed = _resume(job, trainer)
     if resumed is not None:
         acked, released = await queue.recover(job.state.trained_ids)
