@@ -179,3 +179,23 @@ async def test_update_weights_from_disk_through_the_api(engine: HFEngine, tmp_pa
             assert (await client.generate(prompt, GREEDY)).output_ids == before.output_ids
         finally:
             await client.close()
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_build_engine_kinds() -> None:
+    hf = await build_engine(EngineConfig(kind="hf", max_batch_size=2, max_context=256))
+    try:
+        info = await hf.info()
+        assert isinstance(hf, HFEngine) and info.name == "hf" and info.max_context == 256
+        assert (await hf.generate([1, 2, 3], GREEDY)).output_ids
+    finally:
+        await hf.close()
+    with pytest.raises(EngineError, match="closed"):
+        await hf.generate([1, 2, 3], GREEDY)
+    client = await build_engine(EngineConfig(kind="sglang", urls=["http://a:1", "http://b:2"]))
+    assert isinstance(client, SGLangEngine) and client.urls == ["http://a:1", "http://b:2"]
+    await client.close()
+    scripted = await build_engine(EngineConfig(kind="scripted"))
+    assert (await scripted.info()).name == "scripted"
+    await scripted.close()

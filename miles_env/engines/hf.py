@@ -288,7 +288,15 @@ class HFEngine:
         if not self._pending:
             self._admit()
         if self._batch.rows:
-            self._finish(self._batch.step())
+            try:
+                finished = self._batch.step()
+            except Exception as e:  # e.g. out of memory: fail this batch, keep serving
+                err = EngineError(f"hf engine: decode step failed: {e!r}")
+                for row in self._batch.rows:
+                    _resolve(row.req.loop, row.req.future, None, err)
+                self._batch.clear()
+                return True
+            self._finish(finished)
         return True
 
     def _drain_inbox(self, block: bool) -> None:
