@@ -116,9 +116,19 @@ def _load_reference(ref: str) -> Environment:
     return env
 
 
+def _is_adapter_name(name: str) -> bool:
+    from miles_env.adapters import is_adapter_name
+
+    return is_adapter_name(name)
+
+
 def load_environment(name: str, *, validate: bool = True) -> Environment:
     """An environment by entry-point name or by "module.path:attr"."""
-    if ":" in name:
+    if _is_adapter_name(name):  # "verifiers:<env>", "harbor:/path": a framework adapter
+        from miles_env.adapters import load_adapter_environment
+
+        env = load_adapter_environment(name)
+    elif ":" in name:
         env = _load_reference(name)
     else:
         eps = _entry_points()
@@ -194,5 +204,12 @@ def list_environments(extra: Sequence[str] = ()) -> list[EnvInfo]:
         _info(name, _source(ep), lambda ep=ep: _load_entry_point(ep))
         for name, ep in sorted(_entry_points().items())
     ]
-    infos += [_info(ref, "module", lambda ref=ref: _load_reference(ref)) for ref in extra]
+    infos += [
+        _info(
+            ref,
+            "adapter" if _is_adapter_name(ref) else "module",
+            lambda ref=ref: load_environment(ref, validate=False),
+        )
+        for ref in extra
+    ]
     return infos

@@ -20,6 +20,7 @@ _GROUPS = [
     ("miles_env.cli.proxy", "app", "proxy"),
     ("miles_env.cli.queue", "app", "queue"),
     ("miles_env.cli.tito", "app", "tito"),
+    ("miles_env.cli.adapters", "app", "adapters"),
 ]
 _COMMANDS = [
     ("miles_env.cli.eval", "eval_command", "eval"),

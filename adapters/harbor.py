@@ -1,0 +1,208 @@
+"""Harbor task directories, read natively and run in our sandboxes (no harbor package needed).
+
+Concept: a Harbor task is a directory with `task.toml`, `instruction.md`,
+`environment/` (a Dockerfile and the files it copies), `tests/test.sh` (writes
+`/logs/verifier/reward.txt` or `reward.json`) and `solution/solve.sh`. The
+environment `harbor:/path` lists every task directory at or below `/path` (one
+level) as a test-split Task; any harness can act on it; `verify` uploads `tests/`
+after the agent is done (the agent never sees tests or solution), runs
+`test.sh` and reads the reward file, as Harbor's verifier does.
+
+Invariant: Harbor's absolute paths `/logs`, `/tests`, `/solution` are rebased
+under `/tmp/harbor` (the only absolute place every sandbox can write, since the
+local sandbox's root is read-only); the verifier clears `/tmp/harbor/logs`
+before it runs, so nothing the agent wrote there can fake a reward. From the
+Dockerfile only `WORKDIR` and `COPY`/`ADD` of text files are honoured; `RUN`
+steps are not executed (a docker-backed provider gets `docker_image` instead).
+
+Lifecycle: stateless; task directories are re-read on each `tasks()` call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from miles_env.environment import Environment, Transcript
+from miles_env.errors import TaskError
+from miles_env.sandbox import Sandbox
+from miles_env.types import Resources, Reward, SandboxSpec, Task
+
+__all__ = ["HarborTasksEnvironment", "HARBOR_ROOT", "rebase_paths", "read_task_dir", "find_task_dirs"]
+
+HARBOR_ROOT = "/tmp/harbor"
+_ABS = re.compile(r"(?<![\w.~/-])/(logs|tests|solution)(?=/|\b)")
+_TEXT_LIMIT = 1 << 20
+
+
+def rebase_paths(text: str, root: str = HARBOR_ROOT) -> str:
+    """`/logs/x` -> `/tmp/harbor/logs/x` (and /tests, /solution), leaving other paths alone."""
+    return _ABS.sub(lambda m: f"{root}/{m.group(1)}", text)
+
+
+def find_task_dirs(path: Path) -> list[Path]:
+    if (path / "task.toml").is_file():
+        return [path]
+    if not path.is_dir():
+        raise TaskError(f"harbor path {str(path)!r}: not a directory")
+    dirs = sorted(p for p in path.iterdir() if (p / "task.toml").is_file())
+    if not dirs:
+        raise TaskError(f"harbor path {str(path)!r}: no task directories (with task.toml) found")
+    return dirs
+
+
+def _read_text_tree(root: Path) -> dict[str, str]:
+    """Relative path -> text for every UTF-8 file under root (binary files are skipped)."""
+    out: dict[str, str] = {}
+    if not root.is_dir():
+        return out
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.stat().st_size <= _TEXT_LIMIT:
+            try:
+                out[str(p.relative_to(root))] = p.read_text()
+            except UnicodeDecodeError:
+                continue
+    return out
+
+
+def _dockerfile(env_dir: Path) -> tuple[str, dict[str, str]]:
+    """WORKDIR and the files COPY/ADD place, from environment/Dockerfile."""
+    workdir, files = "/app", {}
+    df = env_dir / "Dockerfile"
+    if not df.is_file():
+        return workdir, files
+    tree = _read_text_tree(env_dir)
+    for raw in df.read_text().splitlines():
+        parts = raw.strip().split()
+        if len(parts) >= 2 and parts[0].upper() == "WORKDIR":
+            workdir = parts[1] if parts[1].startswith("/") else f"{workdir.rstrip('/')}/{parts[1]}"
+        elif len(parts) >= 3 and parts[0].upper() in ("COPY", "ADD") and not parts[1].startswith("--"):
+            *srcs, dst = parts[1:]
+            dst_abs = dst if dst.startswith("/") else f"{workdir.rstrip('/')}/{dst}"
+            for src in srcs:
+                src = src.strip("./") if src not in (".", "./") else ""
+                for rel, text in tree.items():
+                    if rel == "Dockerfile" or not (src == "" or rel == src or rel.startswith(src + "/")):
+                        continue
+                    tail = (
+                        rel[len(src) :].lstrip("/")
+                        if src and rel != src
+                        else (Path(rel).name if rel == src else rel)
+                    )
+                    into_dir = dst.endswith("/") or len(srcs) > 1 or src == "" or rel != src
+                    files[f"{dst_abs.rstrip('/')}/{tail}" if into_dir else dst_abs] = text
+    return workdir, files
+
+
+def _heredocs(base: str, files: dict[str, str]) -> str:
+    lines = []
+    for rel, text in files.items():
+        target = f"{base}/{rel}"
+        lines.append(f"mkdir -p {shlex.quote(str(Path(target).parent))}")
+        lines.append(f"cat > {shlex.quote(target)} <<'MILES_ENV_EOF'\n{text.rstrip(chr(10))}\nMILES_ENV_EOF")
+    return "\n".join(lines)
+
+
+def read_task_dir(task_dir: Path, env_name: str) -> Task:
+    try:
+        cfg = tomllib.loads((task_dir / "task.toml").read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise TaskError(f"{task_dir / 'task.toml'}: {e}") from e
+    instruction_path = task_dir / "instruction.md"
+    if not instruction_path.is_file():
+        raise TaskError(f"{instruction_path}: missing")
+    if not (task_dir / "tests" / "test.sh").is_file():
+        raise TaskError(f"{task_dir / 'tests' / 'test.sh'}: missing")
+    env_cfg, agent_cfg, ver_cfg = cfg.get("environment", {}), cfg.get("agent", {}), cfg.get("verifier", {})
+    workdir, files = _dockerfile(task_dir / "environment")
+    abs_files = {k: v for k, v in files.items() if k.startswith(workdir.rstrip("/") + "/")}
+    resources = Resources(
+        memory_mb=int(env_cfg.get("memory_mb", 1024)),
+        timeout_s=float(agent_cfg.get("timeout_sec", 60.0)),
+    )
+    solution_files = {k: rebase_paths(v) for k, v in _read_text_tree(task_dir / "solution").items()}
+    solution = None
+    if "solve.sh" in solution_files:
+        sol_dir = f"{HARBOR_ROOT}/solution"
+        solution = (
+            f"{_heredocs(sol_dir, solution_files)}\ncd {shlex.quote(workdir)} && bash {sol_dir}/solve.sh"
+        )
+    return Task(
+        id=task_dir.name,
+        env=env_name,
+        instruction=instruction_path.read_text().strip() or task_dir.name,
+        split="test",
+        sandbox=SandboxSpec(
+            image=env_cfg.get("docker_image"), files=abs_files, workdir=workdir, resources=resources
+        ),
+        verifier={"task_dir": str(task_dir), "timeout_s": float(ver_cfg.get("timeout_sec", 120.0))},
+        solution=solution,
+        metadata={"harbor": {"metadata": cfg.get("metadata", {}), "version": cfg.get("version")}},
+    )
+
+
+def parse_reward(txt: str | None, js: str | None) -> tuple[float, dict[str, Any]]:
+    """Harbor's reward files: reward.txt holds one number; reward.json a dict of named numbers."""
+    if txt is not None and txt.strip():
+        return float(txt.strip().split()[0]), {"reward.txt": txt.strip()}
+    if js is not None:
+        data = json.loads(js)
+        if isinstance(data, (int, float)):
+            return float(data), {"reward.json": data}
+        nums = {k: float(v) for k, v in data.items() if isinstance(v, (int, float))}
+        score = nums["reward"] if "reward" in nums else (sum(nums.values()) / len(nums) if nums else 0.0)
+        return score, {"reward.json": data}
+    raise TaskError("verifier wrote neither /logs/verifier/reward.txt nor reward.json")
+
+
+class HarborTasksEnvironment(Environment):
+    """`harbor:/path`: a Harbor task directory, or a directory of them."""
+
+    splits = ("test",)
+
+    def __init__(self, path: str | Path, name: str | None = None) -> None:
+        self.path = Path(path).expanduser().resolve()
+        self.name = name or f"harbor:{path}"
+        self.description = f"Harbor tasks in {self.path}"
+
+    def tasks(self, split: str | None = None) -> list[Task]:
+        if split not in (None, "test"):
+            return []
+        return [read_task_dir(d, self.name) for d in find_task_dirs(self.path)]
+
+    async def verify(self, task: Task, sandbox: Sandbox, transcript: Transcript) -> Reward:
+        tests = {
+            k: rebase_paths(v) for k, v in _read_text_tree(Path(task.verifier["task_dir"]) / "tests").items()
+        }
+        script = (
+            f"rm -rf {HARBOR_ROOT}/logs {HARBOR_ROOT}/tests && mkdir -p {HARBOR_ROOT}/logs/verifier "
+            f"{HARBOR_ROOT}/logs/agent\n{_heredocs(HARBOR_ROOT + '/tests', tests)}\n"
+        )
+        prep = await sandbox.exec(script, timeout=60)
+        if not prep.ok:
+            raise TaskError(f"task {task.id!r}: could not upload tests: {prep.stderr[-500:]}")
+        res = await sandbox.exec(
+            f"bash {HARBOR_ROOT}/tests/test.sh",
+            timeout=task.verifier.get("timeout_s", 120.0),
+            cwd=sandbox.workdir,
+        )
+        txt = await _maybe_read(sandbox, f"{HARBOR_ROOT}/logs/verifier/reward.txt")
+        js = await _maybe_read(sandbox, f"{HARBOR_ROOT}/logs/verifier/reward.json")
+        details: dict[str, Any] = {
+            "test_exit_code": res.exit_code,
+            "test_output": (res.stdout + res.stderr)[-2000:],
+        }
+        try:
+            score, more = parse_reward(txt, js)
+        except (TaskError, ValueError) as e:
+            return Reward(score=0.0, details={**details, "error": str(e)})
+        return Reward(score=score, details={**details, **more})
+
+
+async def _maybe_read(sandbox: Sandbox, path: str) -> str | None:
+    res = await sandbox.exec(f"cat {shlex.quote(path)}", timeout=30)
+    return res.stdout if res.exit_code == 0 else None

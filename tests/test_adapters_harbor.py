@@ -1,0 +1,118 @@
+"""Harbor task directories read natively and run in the real local sandbox (no harbor package)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+from miles_env.adapters.harbor import HarborTasksEnvironment, parse_reward, rebase_paths
+
+from miles_env.harnesses.builtin import BuiltinHarness
+from miles_env.oracle import run_solution
+from miles_env.registry import load_environment, validate_environment
+from miles_env.types import Status
+
+TEST_SH = """#!/bin/bash
+mkdir -p /logs/verifier
+if [ "$(cat /app/out/hello.txt 2>/dev/null)" = "hello harbor" ] && grep -q seed /app/data/seed.txt; then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi
+"""
+
+
+def make_task(root: Path, name: str = "hello") -> Path:
+    d = root / name
+    (d / "environment" / "data").mkdir(parents=True)
+    (d / "tests").mkdir()
+    (d / "solution").mkdir()
+    (d / "task.toml").write_text(
+        'version = "1.0"\n[metadata]\ndifficulty = "easy"\n[verifier]\ntimeout_sec = 30.0\n'
+        "[agent]\ntimeout_sec = 30.0\n[environment]\nmemory_mb = 512\n"
+    )
+    (d / "instruction.md").write_text("Write 'hello harbor' to /app/out/hello.txt.\n")
+    (d / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\nCOPY data/ /app/data/\n")
+    (d / "environment" / "data" / "seed.txt").write_text("seed\n")
+    (d / "tests" / "test.sh").write_text(TEST_SH)
+    (d / "solution" / "solve.sh").write_text(
+        "#!/bin/bash\nmkdir -p /app/out\ncat /solution/msg.txt > /app/out/hello.txt\n"
+    )
+    (d / "solution" / "msg.txt").write_text("hello harbor\n")
+    return d
+
+
+def test_rebase_and_reward_files() -> None:
+    assert (
+        rebase_paths("echo 1 > /logs/verifier/reward.txt") == "echo 1 > /tmp/harbor/logs/verifier/reward.txt"
+    )
+    assert rebase_paths("bash /tests/test.sh; cat /solution/x") == (
+        "bash /tmp/harbor/tests/test.sh; cat /tmp/harbor/solution/x"
+    )
+    assert rebase_paths("/app/logs/x /usr/tests") == "/app/logs/x /usr/tests"
+    assert parse_reward("0.5\n", None)[0] == 0.5
+    assert parse_reward(None, '{"reward": 1, "style": 0}')[0] == 1.0
+    assert parse_reward(None, '{"a": 1, "b": 0}')[0] == 0.5
+
+
+def test_task_dir_is_read(tmp_path: Path) -> None:
+    make_task(tmp_path)
+    env = load_environment(f"harbor:{tmp_path}")
+    assert isinstance(env, HarborTasksEnvironment)
+    assert validate_environment(env) == {"test": 1}
+    (task,) = env.tasks("test")
+    assert task.id == "hello" and task.sandbox.workdir == "/app"
+    assert task.sandbox.files == {"/app/data/seed.txt": "seed\n"}
+    assert "/tmp/harbor/solution/msg.txt" in (task.solution or "")
+    assert "test.sh" not in str(task.sandbox.files)  # tests are uploaded only at verify time
+
+
+@pytest.mark.parametrize(("solution", "score"), [(None, 1.0), ("true", 0.0)])  # oracle, nop
+def test_oracle_and_nop(tmp_path: Path, solution: str | None, score: float) -> None:
+    from miles_env.sandboxes import get_provider
+
+    make_task(tmp_path)
+    env = load_environment(f"harbor:{tmp_path / 'hello'}")
+    (task,) = env.tasks("test")
+    res = anyio.run(run_solution, env, task, get_provider("local"), solution)
+    assert res.error is None, res.error
+    assert res.score == score, res.details
+
+
+def test_agent_cannot_fake_the_reward(tmp_path: Path) -> None:
+    from miles_env.sandboxes import get_provider
+
+    make_task(tmp_path)
+    env = load_environment(f"harbor:{tmp_path}")
+    (task,) = env.tasks("test")
+    cheat = "mkdir -p /tmp/harbor/logs/verifier && echo 1 > /tmp/harbor/logs/verifier/reward.txt"
+    res = anyio.run(run_solution, env, task, get_provider("local"), cheat)
+    assert res.score == 0.0
+
+
+def test_builtin_harness_episode(tmp_path: Path) -> None:
+    """A real episode: ScriptedEngine -> TITO -> builtin harness -> sandbox -> Harbor's test.sh."""
+    from miles_env.engines.scripted import ScriptedEngine
+    from miles_env.models import load_tokenizer
+    from miles_env.rollout import run_episode
+    from miles_env.stack import StackConfig, open_stack
+
+    make_task(tmp_path)
+    env = load_environment(f"harbor:{tmp_path}")
+    (task,) = env.tasks("test")
+
+    async def main() -> tuple[object, ScriptedEngine]:
+        tok = load_tokenizer("smollm2")
+        engine = ScriptedEngine(
+            tok, ["```sh\nmkdir -p out && echo 'hello harbor' > out/hello.txt\n```", "DONE"]
+        )
+        async with open_stack(StackConfig(), engine=engine) as stack:
+            ep = await run_episode(stack.rollout_context(env, BuiltinHarness()), task)
+        return ep, engine
+
+    ep, engine = anyio.run(main)
+    assert ep.status is Status.COMPLETED, ep.error
+    assert ep.score == 1.0
+    sampled = [t for s in ep.samples for t, m in zip(s.token_ids, s.loss_mask, strict=True) if m]
+    assert sampled == [t for g in engine.generations for t in g.output_ids]
