@@ -13,6 +13,7 @@ __all__ = [
     "TaskError",
     "SandboxError",
     "SandboxUnavailable",
+    "SandboxThrottled",
     "EngineError",
     "HarnessError",
     "BudgetExceeded",
@@ -53,3 +54,14 @@ class HarnessError(MilesEnvError):
 
 class BudgetExceeded(MilesEnvError):
     """A session budget (turns, tokens, context, wall time) was hit."""
+
+
+class SandboxThrottled(SandboxError):
+    """The sandbox backend refused for now (rate limit, quota, capacity): retrying later may work.
+
+    `retry_after` is the backend's hint in seconds, when it gave one.
+    """
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
