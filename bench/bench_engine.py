@@ -79,6 +79,7 @@ async def follow_up_ttft(
         )
         follow = first + turn1.output_ids + tail
         reused = await engine.generate(follow, one, session_id=sid)
+        await engine.flush_cache()  # a truly cold prefill: no prefix of any session is reused
         fresh = await engine.generate(follow, one)
         warm.append(reused.meta["ttft_s"])
         cold.append(fresh.meta["ttft_s"])

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-from miles_env.engines._kv import SessionEntry, SessionStore
+from miles_env.engines._kv import SessionEntry, SessionStore, common_prefix
 from miles_env.engines.base import SamplingParams
 from miles_env.engines.hf import HFEngine, HFEngineConfig
 from miles_env.errors import EngineError
@@ -51,11 +51,26 @@ def test_session_store_is_bounded_lru() -> None:
     store = SessionStore(max_tokens=10, max_sessions=2)
     for name, n in [("a", 4), ("b", 4), ("c", 4)]:
         store.put(name, SessionEntry(ids=list(range(n)), kv=[]))
-    assert store.take("a") is None  # evicted: 12 tokens > 10 and 3 sessions > 2
+    assert store.get("a") is None  # evicted: 12 tokens > 10 and 3 sessions > 2
     assert store.tokens == 8 and len(store) == 2
     store.put("huge", SessionEntry(ids=list(range(11)), kv=[]))  # larger than the whole budget: not kept
-    assert store.take("huge") is None
-    assert store.take("b") is not None and store.tokens == 4
+    assert store.get("huge") is None
+    store.remove("b")
+    assert store.get("b") is None and store.tokens == 4
+
+
+def test_session_store_lookup_finds_the_longest_shared_prefix() -> None:
+    store = SessionStore(max_tokens=100, max_sessions=10)
+    store.put("own", SessionEntry(ids=[1, 2, 3, 9], kv=[]))
+    store.put("other", SessionEntry(ids=[1, 2, 3, 4, 5, 6], kv=[]))
+    store.put("unrelated", SessionEntry(ids=[7, 7, 7], kv=[]))
+    entry, n = store.lookup([1, 2, 3, 4, 5, 8], "own")
+    assert entry is store.get("other") and n == 5
+    entry, n = store.lookup([1, 2, 3, 9, 9], "own")
+    assert entry is store.get("own") and n == 4
+    assert store.lookup([5, 5], None) == (None, 0)
+    assert common_prefix([1, 2, 3], [1, 2, 3]) == 3 and common_prefix([1, 2], [2]) == 0
+    assert common_prefix(list(range(1000)), list(range(537)) + [-1]) == 537
 
 
 @pytest.mark.slow
@@ -89,12 +104,14 @@ async def test_batched_greedy_equals_unbatched(engine: HFEngine) -> None:
 @pytest.mark.slow
 @pytest.mark.anyio
 async def test_prefix_reuse_equals_no_reuse(engine: HFEngine) -> None:
+    await engine.flush_cache()  # every chat prompt shares the template's system prompt
     first = chat(engine, "Tell me a fact about cats.")
     turn1 = await engine.generate(first, GREEDY, session_id="reuse")
     assert turn1.cached_tokens == 0
     tail = "\n<|im_start|>user\nAnd about dogs?<|im_end|>\n<|im_start|>assistant\n"
     follow = first + turn1.output_ids + engine.tokenizer.encode(tail, add_special_tokens=False)
     reused = await engine.generate(follow, GREEDY, session_id="reuse")
+    await engine.flush_cache()
     cold = await engine.generate(follow, GREEDY)
     assert reused.cached_tokens == len(first) + len(turn1.output_ids) - 1
     assert cold.cached_tokens == 0
@@ -103,7 +120,23 @@ async def test_prefix_reuse_equals_no_reuse(engine: HFEngine) -> None:
     edited = first[:-3] + chat(engine, "Something else entirely?")
     partial = await engine.generate(edited, GREEDY, session_id="reuse")
     assert 0 < partial.cached_tokens <= len(first) - 3
+    await engine.flush_cache()
     assert partial.output_ids == (await engine.generate(edited, GREEDY)).output_ids
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_a_cold_prompt_is_shared_across_sessions(engine: HFEngine) -> None:
+    await engine.flush_cache()
+    prompt = chat(engine, "You are a helpful assistant. Please list five fruits and their colours.")
+    assert len(prompt) >= 32
+    first = await engine.generate(prompt, GREEDY, session_id="group-0")
+    siblings = await asyncio.gather(
+        *(engine.generate(prompt, GREEDY, session_id=f"group-{i}") for i in (1, 2))
+    )
+    assert first.cached_tokens == 0
+    for sib in siblings:
+        assert sib.cached_tokens == len(prompt) - 1 and sib.output_ids == first.output_ids
 
 
 @pytest.mark.slow

@@ -130,7 +130,7 @@ class Batch:
         if entry is not None:
             # keep at least one prompt token to feed: its logits give the first sample
             reuse = min(common_prefix(entry.ids, ids), len(ids) - 1)
-            kv = crop(entry.kv, reuse) if reuse > 0 else []
+            kv = crop(entry.kv, reuse) if reuse > 0 else []  # views: stored tensors are never written
         tail = torch.tensor([ids[reuse:]], dtype=torch.long, device=self.device)
         pos = torch.arange(reuse, len(ids), device=self.device).unsqueeze(0)
         logits, kv = self._forward(tail, kv, None, pos)

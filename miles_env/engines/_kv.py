@@ -6,9 +6,9 @@ row's real tokens are contiguous at the right end and a [batch, length] mask
 marks them, so a decode step appends one column to every row.
 
 `SessionStore` keeps, per session id, the token ids whose KV is cached and
-that KV (batch 1, no padding), bounded by an LRU token budget. An entry is
-taken out when a request uses it and put back when the request finishes, so
-two requests never extend the same tensors.
+that KV (batch 1, no padding), bounded by an LRU token budget; cold prompts
+are kept too, so the rollouts of a GRPO group and episodes sharing a system
+prompt prefill the shared part once.
 """
 
 from __future__ import annotations
@@ -65,11 +65,17 @@ def crop(kv: KV, length: int) -> KV:
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    """Length of the common prefix (binary search over slice comparisons, which run in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    if list(a[:hi]) == list(b[:hi]):
+        return hi
+    while lo < hi:  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
+        mid = (lo + hi + 1) // 2
+        if list(a[:mid]) == list(b[:mid]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @dataclass(slots=True)
@@ -79,7 +85,11 @@ class SessionEntry:
 
 
 class SessionStore:
-    """LRU store of one KV prefix per session, bounded by a total token budget."""
+    """LRU store of KV prefixes by key (a session id, or a shared prompt), bounded by a token budget.
+
+    Stored tensors are never written in place (a forward pass concatenates into new tensors), so
+    any number of requests may start from views of the same entry.
+    """
 
     def __init__(self, max_tokens: int, max_sessions: int) -> None:
         self.max_tokens = max_tokens
@@ -94,17 +104,37 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def take(self, session_id: str) -> SessionEntry | None:
-        entry = self._entries.pop(session_id, None)
+    def get(self, key: str) -> SessionEntry | None:
+        return self._entries.get(key)
+
+    def lookup(self, ids: Sequence[int], session_id: str | None) -> tuple[SessionEntry | None, int]:
+        """The entry sharing the longest prefix with `ids` (the session's own first, then any other)."""
+        best: tuple[str | None, SessionEntry | None, int] = (None, None, 0)
+        own = self._entries.get(session_id) if session_id else None
+        if own is not None:
+            best = (session_id, own, common_prefix(own.ids, ids))
+        for key, entry in reversed(self._entries.items()):
+            if best[2] >= len(ids) - 1:
+                break
+            if entry is not own and entry.ids and entry.ids[0] == ids[0]:
+                n = common_prefix(entry.ids, ids)
+                if n > best[2]:
+                    best = (key, entry, n)
+        if best[0] is not None and best[2] > 0:
+            self._entries.move_to_end(best[0])
+            return best[1], best[2]
+        return None, 0
+
+    def remove(self, key: str) -> None:
+        entry = self._entries.pop(key, None)
         if entry is not None:
             self._tokens -= len(entry.ids)
-        return entry
 
-    def put(self, session_id: str, entry: SessionEntry) -> None:
-        self.take(session_id)
+    def put(self, key: str, entry: SessionEntry) -> None:
+        self.remove(key)
         if len(entry.ids) > self.max_tokens or self.max_sessions <= 0:
             return
-        self._entries[session_id] = entry
+        self._entries[key] = entry
         self._tokens += len(entry.ids)
         while self._tokens > self.max_tokens or len(self._entries) > self.max_sessions:
             _, old = self._entries.popitem(last=False)

@@ -36,7 +36,7 @@ import anyio
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles_env.engines._batch import Batch, Row
-from miles_env.engines._kv import SessionStore
+from miles_env.engines._kv import SessionEntry, SessionStore
 from miles_env.engines._weights import copy_weights, load_safetensors
 from miles_env.engines.base import EngineInfo, Generation, SamplingParams
 from miles_env.errors import ConfigError, EngineError
@@ -44,6 +44,7 @@ from miles_env.errors import ConfigError, EngineError
 __all__ = ["HFEngineConfig", "HFEngine", "load_safetensors"]
 
 _CONTEXT_CAP = 8192
+_SHARE_MIN_TOKENS = 32  # a prompt prefilled with at least this many uncached tokens is shared
 
 
 class HFEngineConfig(BaseModel):
@@ -316,7 +317,7 @@ class HFEngine:
             req = self._waiting.popleft()
             if req.cancelled:
                 continue
-            entry = self.sessions.take(req.session_id) if req.session_id else None
+            entry, _ = self.sessions.lookup(req.input_ids, req.session_id)
             try:
                 row = self._batch.prefill(
                     req, req.input_ids, req.params, entry, self.weight_version, self.max_context
@@ -324,6 +325,10 @@ class HFEngine:
             except Exception as e:
                 _resolve(req.loop, req.future, None, EngineError(f"hf engine: prefill failed: {e!r}"))
                 continue
+            if len(req.input_ids) - row.cached >= _SHARE_MIN_TOKENS and row.kv is not None:
+                # a cold prompt: later requests that start the same way (GRPO siblings, a shared
+                # system prompt) reuse it from any session
+                self.sessions.put(f"prompt:{hash(tuple(req.input_ids))}", SessionEntry(req.input_ids, row.kv))
             if row.finish is not None:
                 self._finish([row])
             else:
