@@ -20,13 +20,14 @@ same event loop, closed by `aclose()` (kill after a short grace period).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,7 @@ class WorkerClient:
         self.ready_info: dict[str, Any] = {}
         self.start_s = 0.0
         self._proc: anyio.abc.Process | None = None
-        self._tg: anyio.abc.TaskGroup | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
         self._pending: dict[int, tuple[anyio.Event, list[Any]]] = {}
         self._next = 0
         self._stderr: deque[str] = deque(maxlen=40)
@@ -92,10 +93,8 @@ class WorkerClient:
         self._stderr.clear()
         self._proc = await anyio.open_process(self.argv, env=self.env, start_new_session=True)
         self._loop = _loop_id()
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        self._tg.start_soon(self._read_stdout)
-        self._tg.start_soon(self._read_stderr)
+        self._spawn(self._read_stdout())
+        self._spawn(self._read_stderr())
         with anyio.move_on_after(self.start_timeout_s):
             await self._ready.wait()
         if not self.ready_info:
@@ -141,8 +140,7 @@ class WorkerClient:
             self.ready_info = msg
             self._ready.set()
         elif "cb" in msg:
-            assert self._tg is not None
-            self._tg.start_soon(self._answer_callback, msg)
+            self._spawn(self._answer_callback(msg))
         elif (
             isinstance(msg.get("id"), int)
             and msg["id"] in self._pending
@@ -221,8 +219,8 @@ class WorkerClient:
 
     async def _kill(self, reason: str) -> None:
         self._fail(reason)
-        proc, tg = self._proc, self._tg
-        self._proc, self._tg, self.ready_info = None, None, {}
+        proc, tasks = self._proc, list(self._tasks)
+        self._proc, self.ready_info = None, {}
         if proc is not None:
             with anyio.CancelScope(shield=True):
                 try:
@@ -235,13 +233,17 @@ class WorkerClient:
                         await proc.wait()
                 except (OSError, anyio.BrokenResourceError):
                     pass
-        if tg is not None:
-            tg.cancel_scope.cancel()
-            with anyio.CancelScope(shield=True):
-                try:
-                    await tg.__aexit__(None, None, None)
-                except BaseException:  # the reader tasks end with the process; nothing to keep
-                    pass
+        current = asyncio.current_task()
+        for task in tasks:
+            if task is not current:
+                task.cancel()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        # Why bare asyncio tasks: the readers outlive any one call, and an anyio task
+        # group cannot be entered by one call and left by another.
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def aclose(self) -> None:
         async with self._lock:
@@ -250,8 +252,6 @@ class WorkerClient:
 
 def _loop_id() -> object:
     try:
-        import asyncio
-
         return id(asyncio.get_running_loop())
     except RuntimeError:
         return None

@@ -64,7 +64,10 @@ class FrameworkSpec:
 FRAMEWORKS: dict[str, FrameworkSpec] = {
     "verifiers": FrameworkSpec("verifiers", ("verifiers==0.4.0",), import_name="verifiers"),
     "openenv": FrameworkSpec(
-        "openenv", ("openenv-core==0.3.0", "websockets"), min_python=(3, 11), import_name="openenv"
+        "openenv",
+        ("openenv-core==0.3.0", "websockets"),
+        import_name="openenv",
+        env={"ENABLE_WEB_INTERFACE": "false"},
     ),
     "hud": FrameworkSpec(
         "hud",

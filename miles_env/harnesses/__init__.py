@@ -17,6 +17,7 @@ __all__ = ["HARNESSES", "get_harness"]
 # name -> "module:factory"
 HARNESSES: dict[str, str] = {
     "builtin": "miles_env.harnesses.builtin:BuiltinHarness",
+    "framework": "miles_env.adapters.harness:FrameworkHarness",  # a framework adapter's own agent loop
 }
 
 

@@ -1,0 +1,78 @@
+"""The framework harness: an episode whose agent loop belongs to an adapter.
+
+Concept: `FrameworkHarness` (`--harness framework`) dispatches on
+`task.metadata["adapter"]` to that adapter's `run_episode(task, endpoint)`,
+which asks its worker to run the framework's own agent loop against the TITO
+session URL (or, for OpenEnv, runs our loop over the env's reset/step). The
+framework's reward travels back in the transcript as one final message
+`{"role": "framework", "reward": ..., ...}`, which the adapter environment's
+`verify` reads (`framework_reward`).
+
+Invariant: a worker crash, hang or garbage answer never raises out of `run`; it
+is an episode with Status.FAILED and the error kept. Workers are pooled per
+(adapter, target) and per event loop (`worker_for`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from miles_env.adapters.base import WorkerClient, WorkerError, python_argv
+from miles_env.adapters.venv import get_spec, venv_python
+
+from miles_env.environment import Transcript
+from miles_env.errors import MilesEnvError
+from miles_env.harness import Endpoint, HarnessResult
+from miles_env.sandbox import Sandbox
+from miles_env.types import Reward, Status, Task
+
+__all__ = ["FrameworkHarness", "worker_for", "framework_reward", "FRAMEWORK_ROLE"]
+
+FRAMEWORK_ROLE = "framework"
+_POOL: dict[tuple[str, str, str], WorkerClient] = {}
+
+
+def worker_for(adapter: str, script: str, *args: str, argv: list[str] | None = None) -> WorkerClient:
+    """The shared worker for (adapter, script, args); `argv` overrides the command (tests)."""
+    key = (adapter, script, "\0".join(argv or args))
+    client = _POOL.get(key)
+    if client is None:
+        spec = get_spec(adapter)
+        if argv is None:
+            python = venv_python(adapter)
+            if not python.exists():
+                raise MilesEnvError(
+                    f"adapter {adapter!r} is not installed: run `miles-env adapters install {adapter}`"
+                )
+            argv = python_argv(python, script, *args)
+        client = WorkerClient(argv, env=spec.env, name=adapter)
+        _POOL[key] = client
+    return client
+
+
+def framework_reward(task: Task, transcript: Transcript) -> Reward:
+    """The reward the framework computed, from the transcript's final framework message."""
+    for msg in reversed(list(transcript)):
+        if msg.get("role") == FRAMEWORK_ROLE:
+            return Reward(score=float(msg.get("reward") or 0.0), details=dict(msg.get("details") or {}))
+    return Reward(score=0.0, details={"error": f"no framework result for task {task.id!r} (harness failed?)"})
+
+
+class FrameworkHarness:
+    name = "framework"
+
+    def __init__(self, **config: Any) -> None:
+        self.config = config
+
+    async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint) -> HarnessResult:
+        adapter = task.metadata.get("adapter")
+        if not isinstance(adapter, str):
+            return HarnessResult(
+                Status.FAILED, [], f"task {task.id!r} has no metadata.adapter: not an adapter task"
+            )
+        module = importlib.import_module(f"miles_env.adapters.{adapter.replace('-', '_')}")
+        try:
+            return await module.run_episode(task, sandbox, endpoint, **self.config)  # type: ignore[no-any-return]
+        except (WorkerError, MilesEnvError) as e:
+            return HarnessResult(Status.FAILED, [], f"{type(e).__name__}: {e}")

@@ -1,0 +1,50 @@
+"""OpenEnv: a real openenv-core env server (adapters/examples/openenv_guess.py, ours) in its own venv."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import miles_env.adapters as adapters_pkg
+import pytest
+
+from miles_env.harnesses import get_harness
+from miles_env.registry import load_environment
+from miles_env.types import Status
+
+GUESS = Path(adapters_pkg.__file__).parent / "examples" / "openenv_guess.py"
+
+
+@pytest.mark.slow
+def test_openenv_episode_reward_and_tokens() -> None:
+    from miles_env.adapters.venv import install
+
+    from miles_env.engines.scripted import ScriptedEngine
+    from miles_env.models import load_tokenizer
+    from miles_env.rollout import run_episode
+    from miles_env.stack import StackConfig, open_stack
+
+    install("openenv")
+    env = load_environment(f"openenv:{GUESS}:app")
+    by_id = {t.id: t for t in env.tasks()}
+    hit, miss = by_id["seed-1"], by_id["seed-0"]  # seed 1 -> "river", seed 0 -> "apple"
+
+    async def main() -> tuple[list, ScriptedEngine]:
+        tok = load_tokenizer("smollm2")
+        engine = ScriptedEngine(tok, ["I say river", "nope", "no", "still no"])
+        harness = get_harness("framework")
+        async with open_stack(StackConfig(), engine=engine) as stack:
+            ctx = stack.rollout_context(env, harness)
+            eps = [await run_episode(ctx, hit), await run_episode(ctx, miss)]
+        return eps, engine
+
+    (ep_hit, ep_miss), engine = anyio.run(main)
+    assert ep_hit.status is Status.COMPLETED, ep_hit.error
+    assert ep_hit.score == 1.0 and ep_hit.reward is not None
+    assert ep_hit.reward.details["steps"] == 1
+    assert ep_miss.score == 0.0 and ep_miss.reward is not None and ep_miss.reward.details["steps"] == 3
+    # What the model sampled is exactly what the engine produced, in order, across both episodes.
+    sampled = [
+        t for ep in (ep_hit, ep_miss) for s in ep.samples for t, m in zip(s.token_ids, s.loss_mask) if m
+    ]
+    assert sampled == [t for g in engine.generations for t in g.output_ids]

@@ -1,0 +1,140 @@
+"""The worker protocol under failure: a worker that crashes, hangs or writes garbage (injected)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import anyio
+import miles_env.adapters.base as base
+import pytest
+from miles_env.adapters.base import WorkerClient, WorkerError, call_once
+from miles_env.adapters.harness import _POOL, FrameworkHarness
+
+from miles_env.types import Status, Task
+
+FAULTY = """
+import asyncio, os, sys
+sys.path.insert(0, {workers!r})
+import _rpc
+
+async def echo(p): return p
+async def crash(p): os._exit(3)
+async def hang(p): await asyncio.sleep(3600)
+async def garbage(p):
+    _rpc._out.write("this is not json\\n"); _rpc._out.flush(); await asyncio.sleep(3600)
+async def noisy(p):
+    print("framework chatter on stdout"); os.system("echo child chatter"); return "clean"
+async def boom(p): raise ValueError("bad input: " + str(p))
+async def ask_host(p): return await _rpc.host_call("double", {{"x": p["x"]}})
+_rpc.serve(dict(echo=echo, crash=crash, hang=hang, garbage=garbage, noisy=noisy, boom=boom, ask_host=ask_host),
+           {{"framework": "faulty"}})
+"""
+
+
+@pytest.fixture
+def faulty(tmp_path: Path) -> list[str]:
+    path = tmp_path / "faulty_worker.py"
+    path.write_text(FAULTY.format(workers=str(base.WORKERS_DIR)))
+    return [sys.executable, "-u", str(path)]
+
+
+def test_calls_errors_and_recovery(faulty: list[str]) -> None:
+    async def main() -> None:
+        w = WorkerClient(faulty, name="faulty")
+        assert await w.call("echo", {"a": 1}) == {"a": 1}
+        assert w.ready_info["framework"] == "faulty"
+        assert await w.call("noisy") == "clean"  # stdout chatter cannot corrupt the stream
+        with pytest.raises(WorkerError, match="ValueError: bad input"):
+            await w.call("boom", {"k": 2})
+        assert await w.call("echo", 5) == 5  # an error answer keeps the worker
+        with pytest.raises(WorkerError, match="exited with code 3"):
+            await w.call("crash")
+        assert await w.call("echo", "again") == "again"  # restarted on the next call
+        with pytest.raises(WorkerError, match="did not answer 'hang' within 0.5s"):
+            await w.call("hang", timeout=0.5)
+        with pytest.raises(WorkerError, match="protocol error: not JSON"):
+            await w.call("garbage", timeout=10)
+        w.callbacks["double"] = _double
+        assert await w.call("ask_host", {"x": 21}) == 42
+        await w.aclose()
+
+    anyio.run(main)
+
+
+async def _double(p: dict) -> int:
+    return int(p["x"]) * 2
+
+
+def test_concurrent_calls_and_crash_fails_all_pending(faulty: list[str]) -> None:
+    async def main() -> None:
+        w = WorkerClient(faulty, name="faulty")
+        results: list[object] = []
+
+        async def one(i: int) -> None:
+            results.append(await w.call("echo", i))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(20):
+                tg.start_soon(one, i)
+        assert sorted(results) == list(range(20))  # type: ignore[type-var]
+        errors: list[str] = []
+
+        async def pending() -> None:
+            try:
+                await w.call("hang", timeout=30)
+            except WorkerError as e:
+                errors.append(str(e))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pending)
+            await anyio.sleep(0.3)
+            tg.start_soon(w.call, "crash")
+        assert errors and "exited with code 3" in errors[0]
+        await w.aclose()
+
+    with pytest.raises(BaseException):  # the crash call itself raises inside the group
+        anyio.run(main)
+
+
+def test_call_once_and_missing_python(faulty: list[str]) -> None:
+    assert call_once(faulty, "echo", {"z": 1}) == {"z": 1}
+    with pytest.raises(WorkerError, match="could not start"):
+        call_once(["/nonexistent/python"], "echo", {})
+
+
+def test_faulty_worker_fails_the_episode_and_the_run_goes_on(faulty: list[str]) -> None:
+    """An adapter episode whose worker crashes is FAILED with the error kept; the next one runs."""
+    from miles_env.adapters import openenv as oe
+
+    from miles_env.harness import Endpoint
+
+    task = Task(
+        id="seed-0",
+        env="openenv:x",
+        instruction="x",
+        metadata={"adapter": "openenv", "target": "T", "seed": 0},
+    )
+    _POOL.clear()
+    _POOL[("openenv", "openenv_worker.py", "T")] = WorkerClient(faulty, name="openenv")
+
+    async def crash_info(*a: object, **k: object) -> None:
+        await _POOL[("openenv", "openenv_worker.py", "T")].call("crash")
+
+    async def main() -> list[object]:
+        harness = FrameworkHarness()
+        ep = Endpoint("http://127.0.0.1:9/v1", "k", "s")
+        out = [await harness.run(task, None, ep)]  # type: ignore[arg-type]
+        out.append(await _POOL[("openenv", "openenv_worker.py", "T")].call("echo", "still alive"))
+        await _POOL[("openenv", "openenv_worker.py", "T")].aclose()
+        return out
+
+    orig = oe.run_episode
+    oe.run_episode = crash_info  # type: ignore[assignment]
+    try:
+        res, alive = anyio.run(main)
+    finally:
+        oe.run_episode = orig  # type: ignore[assignment]
+        _POOL.clear()
+    assert res.status is Status.FAILED and "exited with code 3" in (res.error or "")  # type: ignore[attr-defined]
+    assert alive == "still alive"
