@@ -1,9 +1,12 @@
 """The proxy's HTTP surface (Starlette): session dialect routes and the admin API.
 
-Routes: `POST /s/{id}/v1/chat/completions`, `GET /s/{id}/v1/models`, admin
+Routes: `POST /s/{id}/v1/chat/completions`, `POST /s/{id}/v1/responses`,
+`POST /s/{id}/v1/messages` (`?beta=true` too) and `/v1/messages/count_tokens`,
+`GET /s/{id}/v1/models`, `HEAD /` and `HEAD /s/{id}/` (Claude Code's warm-up), admin
 `POST /admin/sessions`, `GET /admin/sessions/{id}/trajectory`,
-`DELETE /admin/sessions/{id}`, `GET /health`. Every error leaves as an OpenAI
-error body with a 4xx/5xx status; the app keeps serving. A streamed completion is
+`DELETE /admin/sessions/{id}`, `GET /health`. Every error leaves in its dialect's
+shape (Anthropic `{"type": "error", ...}` on the Messages routes, OpenAI
+`{"error": ...}` elsewhere) with a 4xx/5xx status; the app keeps serving. A streamed completion is
 generated (and recorded) before its first byte goes out, so a client that hangs
 up mid-stream loses nothing and leaves the session usable.
 """
@@ -12,10 +15,14 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from miles_env.tito import anthropic_messages as am
+from miles_env.tito import openai_responses as oa
 from miles_env.tito.config import Budget
 from miles_env.tito.errors import ProxyError, bad_request, unauthorized
+from miles_env.tito.messages import ChatRequest
 from miles_env.tito.openai_chat import ChatCompletionRequest, completion_body, stream_events, to_core
 from miles_env.tito.proxy import TitoProxy
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -67,6 +74,24 @@ def _api_key(request: Request) -> str | None:
     return key
 
 
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _anthropic_errors(handler: Handler) -> Handler:
+    """Answer every failure of an Anthropic route in Anthropic's error shape."""
+
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ProxyError as e:
+            return JSONResponse(am.error_body(e), status_code=e.status)
+        except Exception as e:  # noqa: BLE001 - the client gets a 500 in its own shape, the app keeps serving
+            err = ProxyError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+            return JSONResponse(am.error_body(err), status_code=500)
+
+    return wrapped
+
+
 def create_app(proxy: TitoProxy) -> Starlette:
     """Build the ASGI app serving `proxy`."""
 
@@ -88,10 +113,52 @@ def create_app(proxy: TitoProxy) -> Starlette:
         usage = req.stream_options is not None and req.stream_options.include_usage
         return StreamingResponse(stream_events(result, model, usage), media_type="text/event-stream")
 
+    async def responses(request: Request) -> Response:
+        sid = request.path_params["session_id"]
+        proxy.authenticate(sid, _api_key(request))
+        req = _validate(oa.ResponsesRequest, await _json(request))
+        core, custom = oa.to_core(req)
+        result = await proxy.chat(sid, core)
+        model, reply_id = req.model or proxy.config.model_name, core.reply_id or oa.new_reply_id()
+        if not req.stream:
+            return JSONResponse(oa.response_body(result, reply_id, custom, model))
+        return StreamingResponse(
+            oa.stream_events(result, reply_id, custom, model), media_type="text/event-stream"
+        )
+
+    @_anthropic_errors
+    async def messages(request: Request) -> Response:
+        sid = request.path_params["session_id"]
+        proxy.authenticate(sid, _api_key(request))
+        req = _validate(am.MessagesRequest, await _json(request))
+        core = am.to_core(req)
+        result = await proxy.chat(sid, core)
+        model = req.model or proxy.config.model_name
+        headers = {"x-tito-aux": "1"} if core.aux else None
+        if not req.stream:
+            return JSONResponse(am.message_body(result, model, req.stop_sequences), headers=headers)
+        events = am.stream_events(result, model, req.stop_sequences)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+    @_anthropic_errors
+    async def count_tokens(request: Request) -> Response:
+        sid = request.path_params["session_id"]
+        proxy.authenticate(sid, _api_key(request))
+        req = _validate(am.CountTokensRequest, await _json(request))
+        core = ChatRequest(messages=tuple(am.core_messages(req)), tools=am.core_tools(req.tools))
+        return JSONResponse({"input_tokens": await proxy.count_tokens(sid, core)})
+
+    async def head(request: Request) -> Response:
+        return Response(status_code=200)
+
     async def models(request: Request) -> Response:
         proxy.authenticate(request.path_params["session_id"], _api_key(request))
-        model = {"id": proxy.config.model_name, "object": "model", "created": 0, "owned_by": "miles-env"}
-        return JSONResponse({"object": "list", "data": [model]})
+        name = proxy.config.model_name
+        # one body both SDKs accept: OpenAI's list and Anthropic's page
+        model = {"id": name, "object": "model", "created": 0, "owned_by": "miles-env"}
+        model |= {"type": "model", "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
+        page = {"has_more": False, "first_id": name, "last_id": name}
+        return JSONResponse({"object": "list", "data": [model], **page})
 
     async def admin_create(request: Request) -> Response:
         check_admin(request)
@@ -132,7 +199,13 @@ def create_app(proxy: TitoProxy) -> Starlette:
 
     routes = [
         Route("/s/{session_id}/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/s/{session_id}/v1/responses", responses, methods=["POST"]),
+        Route("/s/{session_id}/v1/messages", messages, methods=["POST"]),
+        Route("/s/{session_id}/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/s/{session_id}/v1/models", models, methods=["GET"]),
+        Route("/", head, methods=["HEAD", "GET"]),
+        Route("/s/{session_id}/", head, methods=["HEAD", "GET"]),
+        Route("/s/{session_id}", head, methods=["HEAD", "GET"]),
         Route("/admin/sessions", admin_create, methods=["POST"]),
         Route("/admin/sessions/{session_id}/trajectory", admin_trajectory, methods=["GET"]),
         Route("/admin/sessions/{session_id}", admin_delete, methods=["DELETE"]),

@@ -40,3 +40,5 @@ class TitoConfig(BaseModel):
     # "auto": the chat template's own `tools` support when it has one, else the text-action fallback
     tool_mode: Literal["auto", "template", "text"] = "auto"
     stop_token: str | None = "<|im_end|>"  # the end-of-turn token; falls back to tokenizer.eos_token
+    # which branches `export` returns: every one, the one with most ids, or the newest
+    branch_policy: Literal["all", "longest", "last"] = "all"

@@ -5,8 +5,12 @@ the session's branches (`message_key` per message), reuses the stored ids of a
 fully matched branch (sampled assistant turns verbatim, stop token included),
 renders and tokenizes only the new tail, asks the engine to generate from the
 ids, and records prompt tail (mask 0) + sampled ids (mask 1, their logprobs) as
-one event. A history that extends no branch (edited, truncated, retried, new
-tools) is rendered in full onto a new branch: never an error, never a rewrite.
+one event. A history that repeats a branch only up to one of its assistant turns
+(a retried turn, two requests from one parent) forks a child branch that copies
+the parent's ids to that turn verbatim; a history that shares no turn (edited
+first turn, compaction, new tools) is rendered in full onto a new branch: never
+an error, never a rewrite. `export` applies the config's branch policy; shared
+sampled ids get mask 1 in exactly one exported sample (see session.py).
 
 Invariants: nothing is stored unless the engine returned a generation; every
 mask-1 token is an engine output id with the engine's logprob; requests of one
@@ -26,7 +30,7 @@ from typing import Any
 import anyio
 from miles_env.tito.config import Budget, TitoConfig
 from miles_env.tito.errors import ProxyError, budget_exceeded, context_exceeded, not_found, unauthorized
-from miles_env.tito.messages import ChatRequest, ChatResult, Message, message_key, tools_key
+from miles_env.tito.messages import ChatRequest, ChatResult, Message, digest, message_key, tools_key
 from miles_env.tito.render import Renderer
 from miles_env.tito.session import Session, SessionInfo
 from miles_env.tito.store import Journal, load_sessions
@@ -53,6 +57,9 @@ class _Plan:
     delta: list[int]  # the part of `prompt` not yet stored on the branch
     keys: list[str]  # message keys the delta adds
     tools_key: str
+    parent: int | None = None  # for a fork: the parent branch, and its (keys, ids) copied
+    fork_keys: int = 0
+    fork_tokens: int = 0
 
 
 class TitoProxy:
@@ -97,8 +104,14 @@ class TitoProxy:
             raise unauthorized()
 
     def export(self, session_id: str) -> list[Trajectory]:
-        """One Trajectory per branch, in branch order."""
-        return self._session(session_id).trajectories()
+        """One Trajectory per branch kept by `config.branch_policy`, in branch order.
+
+        With a store, the exported samples are also written to `<sid>.export.json`
+        (what `tito audit` compares against the journal)."""
+        trajs = self._session(session_id).trajectories(self.config.branch_policy)
+        if self._journal is not None:
+            self._journal.write_export(session_id, self.config.branch_policy, trajs)
+        return trajs
 
     def close_session(self, session_id: str) -> None:
         """Forget the session in memory; its journal stays on disk, marked closed."""
@@ -144,8 +157,12 @@ class TitoProxy:
             self._truncate(s, "wall_time_s")
             raise budget_exceeded("wall_time_s", f"{s.elapsed():.1f}s of {b.wall_time_s}s elapsed")
 
+    def _keys(self, s: Session, req: ChatRequest) -> list[str]:
+        alias = s.aliases
+        return [alias[m.id] if m.id is not None and m.id in alias else message_key(m) for m in req.messages]
+
     def _plan(self, s: Session, req: ChatRequest) -> _Plan:
-        keys = [message_key(m) for m in req.messages]
+        keys = self._keys(s, req)
         tkey = tools_key(req.tools)
         r = self.renderer
         for b in reversed(s.branches):
@@ -155,11 +172,40 @@ class TitoProxy:
             suffix = r.render_suffix(req.messages[n:], req.tools, tkey)
             if suffix is None:
                 break  # the template does not render this tail as a pure suffix: re-render on a new branch
-            ended = bool(b.loss_mask) and b.loss_mask[-1] == 1 and b.token_ids[-1] == r.stop_id
-            delta = r.encode(r.assistant_close(req.tools, tkey, ended) + suffix)
+            delta = r.encode(r.assistant_close(req.tools, tkey, self._ended(b, len(b.token_ids))) + suffix)
             return _Plan(b.index, False, b.token_ids + delta, delta, keys[n:], tkey)
+        fork = self._fork_point(s, keys, tkey)
+        if fork is not None:
+            b, n_keys, n_ids = fork
+            suffix = r.render_suffix(req.messages[n_keys:], req.tools, tkey)
+            if suffix is not None:
+                delta = r.encode(r.assistant_close(req.tools, tkey, self._ended(b, n_ids)) + suffix)
+                prompt = b.token_ids[:n_ids] + delta
+                return _Plan(
+                    len(s.branches), True, prompt, delta, keys[n_keys:], tkey, b.index, n_keys, n_ids
+                )
         ids = r.encode(r.render_full(req.messages, req.tools))
         return _Plan(len(s.branches), True, ids, ids, keys, tkey)
+
+    def _ended(self, b: Any, n_ids: int) -> bool:
+        return n_ids > 0 and b.loss_mask[n_ids - 1] == 1 and b.token_ids[n_ids - 1] == self.renderer.stop_id
+
+    @staticmethod
+    def _fork_point(s: Session, keys: list[str], tkey: str) -> tuple[Any, int, int] | None:
+        """The branch and turn end (keys, ids) sharing the longest history with `keys`, if any."""
+        best: tuple[Any, int, int] | None = None
+        for b in s.branches:
+            if b.tools_key != tkey:
+                continue
+            n, lim = 0, min(len(b.keys), len(keys))
+            while n < lim and b.keys[n] == keys[n]:
+                n += 1
+            for n_keys, n_ids in reversed(b.marks):
+                if n_keys <= n:
+                    if best is None or n_keys > best[1]:
+                        best = (b, n_keys, n_ids)
+                    break
+        return best
 
     def _max_new(
         self, s: Session, req: ChatRequest, prompt_len: int, info: EngineInfo
@@ -212,6 +258,8 @@ class TitoProxy:
         text = self.renderer.decode(body)
         content, calls = parse_tool_calls(text) if req.tools else (text, ())
         finish = "tool_calls" if calls else gen.finish_reason
+        # flagged in the journal (counted in SessionInfo.n_aux), never part of a trajectory
+        self._record(s, {"kind": "aux", "prompt_tokens": len(ids), "completion_tokens": len(out)})
         return ChatResult(text, content, calls, finish, len(ids), len(out), 0, -1, {"aux": True})
 
     async def chat(self, session_id: str, req: ChatRequest) -> ChatResult:
@@ -251,15 +299,18 @@ class TitoProxy:
         content, calls = parse_tool_calls(text) if req.tools else (text, ())
         finish = "tool_calls" if calls else gen.finish_reason
         assistant = Message("assistant", content or "", calls)
-        event = {
+        akey = message_key(assistant)
+        lps = list(gen.logprobs)
+        event: dict[str, Any] = {
             "kind": "turn",
             "branch": plan.branch,
             "new_branch": plan.new_branch,
             "tools_key": plan.tools_key,
             "prompt_ids": plan.delta,
             "output_ids": out,
-            "logprobs": list(gen.logprobs),
-            "keys": [*plan.keys, message_key(assistant)],
+            "logprobs": lps,
+            "gen_digest": digest(out, lps),  # the engine's record, checked by `tito audit`
+            "keys": [*plan.keys, akey],
             "turn": {
                 "finish_reason": finish,
                 "weight_version": gen.weight_version,
@@ -267,6 +318,10 @@ class TitoProxy:
                 "engine": info.name,
             },
         }
+        if plan.parent is not None:
+            event.update(parent=plan.parent, fork_keys=plan.fork_keys, fork_tokens=plan.fork_tokens)
+        if req.reply_id is not None:
+            event["aliases"] = {req.reply_id: akey}
         self._record(s, event)
         if gen.finish_reason == "length" and capped_by is not None:
             self._truncate(s, capped_by)

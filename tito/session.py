@@ -10,6 +10,14 @@ Invariant: state changes only through `apply(event)`, with events built by the
 proxy after a successful generation. The same events are journaled to disk and
 replayed on load, so a restarted proxy holds exactly the same state. Each sampled
 token is appended to exactly one branch, so it belongs to exactly one sample.
+
+Forks: a request that repeats a branch's history only up to one of its assistant
+turns (a retried turn, two requests from one parent) starts a child branch that
+copies the parent's ids up to that turn verbatim (no re-rendering) and goes on
+from there. The copy keeps the parent's masks internally; `export` decides
+ownership: a sampled token has mask 1 only in the *earliest exported* branch that
+holds it (with keep-all: the branch where it was sampled) and mask 0, logprob 0.0
+in every later branch that shares it by prefix.
 """
 
 from __future__ import annotations
@@ -35,6 +43,9 @@ class Branch:
     logprobs: list[float] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
+    parent: int | None = None  # the branch this one forked from
+    fork_tokens: int = 0  # ids copied from the parent (a prefix of both)
+    marks: list[tuple[int, int]] = field(default_factory=list)  # (n keys, n ids) after each turn
 
     def to_trajectory(self) -> Trajectory:
         return Trajectory(
@@ -59,6 +70,7 @@ class SessionInfo:
     n_branches: int
     truncated: str | None  # the budget that ended the session, if any
     closed: bool
+    n_aux: int = 0  # auxiliary requests served (title generation, ...): never trained on
 
 
 class Session:
@@ -75,6 +87,8 @@ class Session:
         self.closed = False
         self.n_turns = 0
         self.sampled_tokens = 0
+        self.n_aux = 0
+        self.aliases: dict[str, str] = {}  # client-visible item id -> stored message key
         self.lock = anyio.Lock()  # serialises the requests of one session
 
     def header(self) -> dict[str, Any]:
@@ -105,6 +119,7 @@ class Session:
             len(self.branches),
             self.truncated,
             self.closed,
+            self.n_aux,
         )
 
     def apply(self, event: dict[str, Any]) -> None:
@@ -115,6 +130,8 @@ class Session:
             self.truncated = self.truncated or event["reason"]
         elif kind == "closed":
             self.closed = True
+        elif kind == "aux":
+            self.n_aux += 1
         else:
             raise ValueError(f"session {self.id}: unknown event kind {kind!r}")
 
@@ -122,7 +139,7 @@ class Session:
         if e["new_branch"]:
             if e["branch"] != len(self.branches):
                 raise ValueError(f"session {self.id}: new branch {e['branch']} out of order")
-            self.branches.append(Branch(index=e["branch"], tools_key=e["tools_key"]))
+            self.branches.append(self._new_branch(e))
         b = self.branches[e["branch"]]
         prompt = e["prompt_ids"]
         b.token_ids.extend(prompt)
@@ -135,8 +152,66 @@ class Session:
         b.logprobs.extend(float(x) for x in lps)
         b.keys.extend(e["keys"])
         b.turns.append(Turn(start=start, prompt_len=start, completion_len=len(out), **e["turn"]))
+        b.marks.append((len(b.keys), len(b.token_ids)))
+        self.aliases.update(e.get("aliases", {}))
         self.n_turns += 1
         self.sampled_tokens += len(out)
 
-    def trajectories(self) -> list[Trajectory]:
-        return [b.to_trajectory() for b in self.branches]
+    def _new_branch(self, e: dict[str, Any]) -> Branch:
+        b = Branch(index=e["branch"], tools_key=e["tools_key"])
+        if e.get("parent") is None:
+            return b
+        p = self.branches[e["parent"]]
+        n_keys, n_ids = e["fork_keys"], e["fork_tokens"]
+        if (n_keys, n_ids) not in p.marks:
+            raise ValueError(
+                f"session {self.id}: fork of branch {p.index} at ({n_keys}, {n_ids}) is no turn end"
+            )
+        b.parent, b.fork_tokens = p.index, n_ids
+        b.token_ids, b.loss_mask, b.logprobs = p.token_ids[:n_ids], p.loss_mask[:n_ids], p.logprobs[:n_ids]
+        b.keys = p.keys[:n_keys]
+        b.turns = [t for t in p.turns if t.start + t.completion_len <= n_ids]
+        b.marks = [m for m in p.marks if m[1] <= n_ids]
+        return b
+
+    def origin(self, branch: int, pos: int) -> int:
+        """The branch where the token at `pos` of `branch` was written first."""
+        b = self.branches[branch]
+        while b.parent is not None and pos < b.fork_tokens:
+            b = self.branches[b.parent]
+        return b.index
+
+    def selected(self, policy: str) -> list[int]:
+        """Branch indices exported under a branch policy: all | longest | last."""
+        if not self.branches or policy == "all":
+            return [b.index for b in self.branches]
+        if policy == "last":
+            return [self.branches[-1].index]
+        if policy == "longest":  # most ids; on a tie the later branch
+            return [max(self.branches, key=lambda b: (len(b.token_ids), b.index)).index]
+        raise ValueError(f"unknown branch policy {policy!r}")
+
+    def trajectories(self, policy: str = "all") -> list[Trajectory]:
+        """One Trajectory per exported branch; each sampled token has mask 1 in exactly one of them."""
+        claimed: set[tuple[int, int]] = set()  # (origin branch, position) already owned by an export
+        out = []
+        for i in self.selected(policy):
+            b = self.branches[i]
+            mask, lps = list(b.loss_mask), list(b.logprobs)
+            for t in b.turns:
+                if t.start >= b.fork_tokens:
+                    continue  # sampled on this branch: its own
+                key = (self.origin(i, t.start), t.start)
+                if key in claimed:
+                    end = t.start + t.completion_len
+                    mask[t.start : end] = [0] * t.completion_len
+                    lps[t.start : end] = [0.0] * t.completion_len
+                claimed.add(key)
+            for t in b.turns:
+                if t.start >= b.fork_tokens:
+                    claimed.add((i, t.start))
+            owned = [t for t in b.turns if t.completion_len == 0 or mask[t.start] == 1]
+            out.append(
+                Trajectory(token_ids=list(b.token_ids), loss_mask=mask, logprobs=lps, turns=owned, branch=i)
+            )
+        return out

@@ -6,6 +6,7 @@ consumes. Each event is written with a single `write` on an O_APPEND descriptor
 after its turn, so the cost per turn is proportional to the turn, not to the
 history; a torn last line (crash mid-write, so no trailing newline) is cut off on load.
 Lifecycle: written by the proxy as it goes, replayed by `load_sessions` at start.
+`<session_id>.export.json` holds the samples last exported (for `tito audit`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,17 @@ class Journal:
             os.write(fd, line)
         finally:
             os.close(fd)
+
+    def write_export(self, session_id: str, policy: str, trajs: list[Any]) -> None:
+        """Replace `<sid>.export.json` with the samples just exported (atomic rename)."""
+        body = {
+            "session_id": session_id,
+            "policy": policy,
+            "branches": [t.model_dump(mode="json") for t in trajs],
+        }
+        tmp = self.root / f".{session_id}.export.tmp"
+        tmp.write_text(json.dumps(body, separators=(",", ":")))
+        os.replace(tmp, self.root / f"{session_id}.export.json")
 
     def delete(self, session_id: str) -> None:
         self.path(session_id).unlink(missing_ok=True)

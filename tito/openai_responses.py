@@ -1,0 +1,346 @@
+"""The OpenAI Responses dialect (what Codex speaks): wire models, conversion, response and SSE.
+
+Input items become core messages: `message` (developer/system -> system), a run of
+assistant-side items (`reasoning`, assistant `message`, `function_call`,
+`custom_tool_call`) -> one assistant message, `function_call_output` /
+`custom_tool_call_output` -> tool messages. `instructions` is a leading system
+message. Only `store: false`-style use is served: the full history is resent, and
+`previous_response_id` is refused (400).
+
+Identity: the reply's `msg_...` id is generated before the turn and stored with it
+as an alias, `function_call` items are known by `call_id` (+ canonical arguments),
+`fc_...` ids derive from the call id; reasoning comes back via `encrypted_content`
+(see wire.py). So Codex's history, resent as an exact byte prefix, stitches to the
+sampled ids. Unknown fields are ignored; unknown item types and non-text content
+parts are refused with a 400 naming the item.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
+
+from miles_env.tito.errors import bad_request
+from miles_env.tito.messages import ChatRequest, ChatResult, Message, ToolCall
+from miles_env.tito.wire import (
+    custom_input,
+    custom_tool_function,
+    decode_reasoning,
+    encode_reasoning,
+    split_reasoning,
+    sse,
+)
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["ResponsesRequest", "to_core", "response_body", "stream_events", "new_reply_id"]
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Part(_In):
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+class MessageItem(_In):
+    type: Literal["message"]
+    role: Literal["developer", "system", "user", "assistant"]
+    content: str | list[Part]
+    id: str | None = None
+
+
+class FunctionCallItem(_In):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+
+
+class CustomCallItem(_In):
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: str
+    id: str | None = None
+
+
+class CallOutputItem(_In):
+    type: Literal["function_call_output", "custom_tool_call_output"]
+    call_id: str
+    output: str | list[Part]
+
+
+class ReasoningItem(_In):
+    type: Literal["reasoning"]
+    id: str | None = None
+    encrypted_content: str | None = None
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+
+
+Item = Annotated[
+    MessageItem | FunctionCallItem | CustomCallItem | CallOutputItem | ReasoningItem,
+    Field(discriminator="type"),
+]
+
+
+class ResponsesRequest(_In):
+    model: str | None = None
+    input: str | list[Item]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stream: bool = False
+    previous_response_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _typed_items(cls, data: Any) -> Any:
+        # the "easy" message form has no `type`; give it one so the discriminator can dispatch
+        if isinstance(data, dict) and isinstance(data.get("input"), list):
+            items = [
+                {**x, "type": "message"} if isinstance(x, dict) and "type" not in x and "role" in x else x
+                for x in data["input"]
+            ]
+            data = {**data, "input": items}
+        return data
+
+
+def _text(content: str | list[Part], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    out = []
+    for j, p in enumerate(content):
+        if p.type in ("input_text", "output_text", "text") and p.text is not None:
+            out.append(p.text)
+        elif p.type == "refusal" and p.refusal is not None:
+            out.append(p.refusal)
+        else:
+            raise bad_request(f"content part type {p.type!r} is not supported", param=f"{where}.content[{j}]")
+    return "".join(out)
+
+
+class _Assistant:
+    """Collects a run of assistant-side items into one core message."""
+
+    def __init__(self) -> None:
+        self.reasoning = ""
+        self.text: str | None = None
+        self.calls: list[ToolCall] = []
+        self.id: str | None = None
+
+    def empty(self) -> bool:
+        return self.text is None and not self.calls and not self.reasoning
+
+    def message(self) -> Message:
+        return Message("assistant", self.reasoning + (self.text or ""), tuple(self.calls), id=self.id)
+
+
+def _messages(req: ResponsesRequest) -> list[Message]:
+    out: list[Message] = [Message("system", req.instructions)] if req.instructions else []
+    if isinstance(req.input, str):
+        return [*out, Message("user", req.input)]
+    group = _Assistant()
+
+    def flush() -> None:
+        nonlocal group
+        if not group.empty():
+            out.append(group.message())
+        group = _Assistant()
+
+    for i, it in enumerate(req.input):
+        if isinstance(it, ReasoningItem):
+            if group.text is not None or group.calls:
+                flush()
+            group.reasoning += decode_reasoning(it.encrypted_content) or ""  # foreign reasoning: not rendered
+        elif isinstance(it, MessageItem) and it.role == "assistant":
+            if group.text is not None or group.calls:
+                flush()
+            group.text, group.id = _text(it.content, f"input[{i}]"), it.id
+        elif isinstance(it, FunctionCallItem):
+            group.calls.append(ToolCall(it.call_id, it.name, it.arguments))
+        elif isinstance(it, CustomCallItem):
+            group.calls.append(ToolCall(it.call_id, it.name, _json_input(it.input)))
+        else:
+            flush()
+            if isinstance(it, MessageItem):
+                role = "system" if it.role == "developer" else it.role
+                out.append(Message(role, _text(it.content, f"input[{i}]")))
+            else:
+                out.append(Message("tool", _text(it.output, f"input[{i}]"), tool_call_id=it.call_id))
+    flush()
+    return out
+
+
+def _json_input(text: str) -> str:
+    import json
+
+    return json.dumps({"input": text}, ensure_ascii=False)
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> tuple[tuple[dict[str, Any], ...], frozenset[str]]:
+    """Core function tools, and the names of the custom (freeform) ones. Built-in tool types are skipped."""
+    out, custom = [], set()
+    for i, t in enumerate(tools or ()):
+        kind, name = t.get("type"), t.get("name")
+        if kind in ("function", "custom") and not isinstance(name, str):
+            raise bad_request("a function or custom tool needs a string name", param=f"tools[{i}].name")
+        if kind == "function":
+            fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
+            out.append({"type": "function", "function": fn})
+        elif kind == "custom":
+            out.append(custom_tool_function(str(name), t.get("description")))
+            custom.add(str(name))
+    return tuple(out), frozenset(custom)
+
+
+def new_reply_id() -> str:
+    return "msg_" + uuid.uuid4().hex
+
+
+def to_core(req: ResponsesRequest) -> tuple[ChatRequest, frozenset[str]]:
+    if req.previous_response_id is not None:
+        raise bad_request(
+            "previous_response_id is not supported: send the full history (store: false)",
+            param="previous_response_id",
+        )
+    messages = _messages(req)
+    if not messages:
+        raise bad_request("input must not be empty", param="input")
+    tools, custom = _tools(req.tools)
+    core = ChatRequest(
+        messages=tuple(messages),
+        tools=tools,
+        max_tokens=req.max_output_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        reply_id=new_reply_id(),
+    )
+    return core, custom
+
+
+def output_items(result: ChatResult, reply_id: str, custom: frozenset[str]) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    think, rest = split_reasoning(result.content or "")
+    suffix = reply_id.removeprefix("msg_")
+    if think is not None:
+        summary = [{"type": "summary_text", "text": think[1]}]
+        enc = encode_reasoning(think)
+        items.append(
+            {"type": "reasoning", "id": "rs_" + suffix, "summary": summary, "encrypted_content": enc}
+        )
+    if rest or not result.tool_calls:
+        part = {"type": "output_text", "text": rest, "annotations": [], "logprobs": []}
+        items.append(
+            {"type": "message", "id": reply_id, "status": "completed", "role": "assistant", "content": [part]}
+        )
+    for c in result.tool_calls:
+        cs = c.id.removeprefix("call_")
+        if c.name in custom:
+            item = {"type": "custom_tool_call", "id": "ctc_" + cs, "call_id": c.id, "name": c.name}
+            items.append({**item, "input": custom_input(c.arguments), "status": "completed"})
+        else:
+            item = {"type": "function_call", "id": "fc_" + cs, "call_id": c.id, "name": c.name}
+            items.append({**item, "arguments": c.arguments, "status": "completed"})
+    return items
+
+
+def response_body(
+    result: ChatResult, reply_id: str, custom: frozenset[str], model: str, done: bool = True
+) -> dict[str, Any]:
+    incomplete = result.finish_reason == "length"
+    status = ("incomplete" if incomplete else "completed") if done else "in_progress"
+    usage = {
+        "input_tokens": result.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": result.cached_tokens},
+        "output_tokens": result.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+    }
+    return {
+        "id": "resp_" + reply_id.removeprefix("msg_"),
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": status,
+        "model": model,
+        "output": output_items(result, reply_id, custom) if done else [],
+        "usage": usage if done else None,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete and done else None,
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+    }
+
+
+def stream_events(
+    result: ChatResult, reply_id: str, custom: frozenset[str], model: str, piece: int = 32
+) -> Iterator[str]:
+    """The SSE sequence Codex accepts, from response.created to response.completed."""
+    seq = iter(range(1 << 30))
+
+    def ev(kind: str, **data: Any) -> str:
+        return sse(kind, {"type": kind, "sequence_number": next(seq), **data})
+
+    start = response_body(result, reply_id, custom, model, done=False)
+    yield ev("response.created", response=start)
+    yield ev("response.in_progress", response=start)
+    final = response_body(result, reply_id, custom, model)
+    for i, item in enumerate(final["output"]):
+        yield from _item_events(ev, i, item, piece)
+    yield ev(
+        "response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final
+    )
+
+
+def _item_events(ev: Any, i: int, item: dict[str, Any], piece: int) -> Iterator[str]:
+    kind, iid = item["type"], item["id"]
+    if kind == "message":
+        yield ev(
+            "response.output_item.added",
+            output_index=i,
+            item={**item, "status": "in_progress", "content": []},
+        )
+        part = item["content"][0]
+        text = part["text"]
+        empty = {**part, "text": ""}
+        yield ev("response.content_part.added", item_id=iid, output_index=i, content_index=0, part=empty)
+        for k in range(0, len(text), piece):
+            delta = text[k : k + piece]
+            yield ev(
+                "response.output_text.delta",
+                item_id=iid,
+                output_index=i,
+                content_index=0,
+                delta=delta,
+                logprobs=[],
+            )
+        yield ev(
+            "response.output_text.done", item_id=iid, output_index=i, content_index=0, text=text, logprobs=[]
+        )
+        yield ev("response.content_part.done", item_id=iid, output_index=i, content_index=0, part=part)
+    elif kind == "function_call":
+        yield ev(
+            "response.output_item.added",
+            output_index=i,
+            item={**item, "status": "in_progress", "arguments": ""},
+        )
+        args = item["arguments"]
+        yield ev("response.function_call_arguments.delta", item_id=iid, output_index=i, delta=args)
+        yield ev("response.function_call_arguments.done", item_id=iid, output_index=i, arguments=args)
+    elif kind == "custom_tool_call":
+        yield ev(
+            "response.output_item.added", output_index=i, item={**item, "status": "in_progress", "input": ""}
+        )
+        yield ev("response.custom_tool_call_input.delta", item_id=iid, output_index=i, delta=item["input"])
+        yield ev("response.custom_tool_call_input.done", item_id=iid, output_index=i, input=item["input"])
+    else:
+        yield ev("response.output_item.added", output_index=i, item=item)
+    yield ev("response.output_item.done", output_index=i, item=item)
