@@ -23,6 +23,7 @@ class TrainerConfig(BaseModel):
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(0.0, ge=0)
     adam_eps: float = Field(1e-8, gt=0)
+    fused_adamw: bool = True  # torch's fused AdamW kernel: ~8x faster step than the per-tensor loop on CPU
     clip_eps_low: float = Field(0.2, ge=0)
     clip_eps_high: float = Field(0.2, ge=0)  # > clip_eps_low is DAPO's "clip higher"
     loss_agg: LossAgg = "token-mean"

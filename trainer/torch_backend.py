@@ -139,6 +139,7 @@ class TorchTrainer:
             betas=self.config.betas,
             weight_decay=self.config.weight_decay,
             eps=self.config.adam_eps,
+            fused=self.config.fused_adamw,
         )
         self.step = 0
 
