@@ -187,7 +187,7 @@ class WorkerClient:
             if self._proc is None:
                 await self._start()
 
-    async def call(self, method: str, params: dict[str, Any] | None = None, *, timeout: float = 600.0) -> Any:
+    async def call(self, method: str, params: Any = None, *, timeout: float = 600.0) -> Any:
         """Send one request and wait for its answer; WorkerError on crash, hang or garbage."""
         await self._ensure()
         self._next += 1
@@ -196,7 +196,7 @@ class WorkerClient:
         self._pending[rid] = (event, slot)
         try:
             try:
-                await self._send({"id": rid, "method": method, "params": params or {}})
+                await self._send({"id": rid, "method": method, "params": {} if params is None else params})
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as e:
                 self._fail(f"{self.name} worker stdin closed: {e}")
             with anyio.move_on_after(timeout) as scope:

@@ -45,6 +45,10 @@ def test_openenv_episode_reward_and_tokens() -> None:
     assert ep_miss.score == 0.0 and ep_miss.reward is not None and ep_miss.reward.details["steps"] == 3
     # What the model sampled is exactly what the engine produced, in order, across both episodes.
     sampled = [
-        t for ep in (ep_hit, ep_miss) for s in ep.samples for t, m in zip(s.token_ids, s.loss_mask) if m
+        t
+        for ep in (ep_hit, ep_miss)
+        for s in ep.samples
+        for t, m in zip(s.token_ids, s.loss_mask, strict=True)
+        if m
     ]
     assert sampled == [t for g in engine.generations for t in g.output_ids]

@@ -44,7 +44,7 @@ async def _handle(handlers: dict[str, Handler], msg: dict[str, Any]) -> None:
         handler = handlers.get(msg.get("method", ""))
         if handler is None:
             raise KeyError(f"unknown method {msg.get('method')!r}")
-        result = await handler(msg.get("params") or {})
+        result = await handler(msg.get("params", {}))
         _write({"id": rid, "result": result})
     except BaseException as e:  # report everything; the host decides
         traceback.print_exc(file=sys.stderr)
