@@ -43,9 +43,11 @@ async def throughput(engine: HFEngine, sessions: int, new_tokens: int) -> tuple[
         for i in range(sessions)
     ]
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
+    await engine.flush_cache()
     t0 = time.perf_counter()
     single = [await engine.generate(p, sp) for p in prompts]
     t_single = time.perf_counter() - t0
+    await engine.flush_cache()  # no prompt KV carried over from the single-stream pass
     t0 = time.perf_counter()
     batched = await asyncio.gather(
         *(engine.generate(p, sp, session_id=f"tp{i}") for i, p in enumerate(prompts))

@@ -6,7 +6,10 @@ future. The worker prefills each new request alone (reusing its session's KV
 prefix when the new ids extend it), then lets it join the running decode batch
 at a step boundary; a decode step feeds one token per row of a left-padded
 batch. Finished rows leave the batch and their KV becomes the session's
-cached prefix (LRU, token budget).
+cached prefix; a cold prompt's KV is kept too, so any request starting with
+the same ids (GRPO siblings, a shared system prompt) skips that part (LRU,
+token budget). Callers must run on asyncio (results come back through
+`loop.call_soon_threadsafe`); the engine works across event loops.
 
 Invariants: every Generation was sampled under one weight version. A weight
 update stops admission, waits for the running rows to finish (drain), swaps
