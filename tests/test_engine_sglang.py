@@ -199,3 +199,29 @@ async def test_build_engine_kinds() -> None:
     scripted = await build_engine(EngineConfig(kind="scripted"))
     assert (await scripted.info()).name == "scripted"
     await scripted.close()
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_generate_text_input_stop_trim_and_validation(engine: HFEngine) -> None:
+    async with running_server(engine) as url, httpx.AsyncClient(base_url=url, timeout=120) as http:
+        base = (
+            await http.post(
+                "/generate",
+                json={"text": "1, 2, 3, 4,", "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+            )
+        ).json()
+        stop = base["text"][2:5]
+        body = {
+            "text": "1, 2, 3, 4,",
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "stop": stop},
+        }
+        cut = (await http.post("/generate", json=body)).json()
+        assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert stop not in cut["text"] and base["text"].startswith(cut["text"])
+        assert stop in engine.tokenizer.decode(cut["output_ids"])  # the ids keep the completing token
+        assert "output_token_logprobs" not in cut["meta_info"]  # return_logprob defaults to false
+        for bad in ({"frequency_penalty": 0.5}, {"no_such_param": 1}):
+            resp = await http.post("/generate", json={"input_ids": [1, 2], "sampling_params": bad})
+            assert resp.status_code == 400 and next(iter(bad)) in resp.json()["error"]["message"]
+        assert (await http.post("/generate", json={"sampling_params": {}})).status_code == 400
