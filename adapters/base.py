@@ -192,7 +192,7 @@ class WorkerClient:
         await self._ensure()
         self._next += 1
         rid = self._next
-        event, slot = anyio.Event(), []
+        event, slot = anyio.Event(), list[Any]()
         self._pending[rid] = (event, slot)
         try:
             try:

@@ -71,7 +71,7 @@ def _read_text_tree(root: Path) -> dict[str, str]:
 
 def _dockerfile(env_dir: Path) -> tuple[str, dict[str, str]]:
     """WORKDIR and the files COPY/ADD place, from environment/Dockerfile."""
-    workdir, files = "/app", {}
+    workdir, files = "/app", dict[str, str]()
     df = env_dir / "Dockerfile"
     if not df.is_file():
         return workdir, files
@@ -120,9 +120,11 @@ def read_task_dir(task_dir: Path, env_name: str) -> Task:
     env_cfg, agent_cfg, ver_cfg = cfg.get("environment", {}), cfg.get("agent", {}), cfg.get("verifier", {})
     workdir, files = _dockerfile(task_dir / "environment")
     abs_files = {k: v for k, v in files.items() if k.startswith(workdir.rstrip("/") + "/")}
-    resources = Resources(
-        memory_mb=int(env_cfg.get("memory_mb", 1024)),
-        timeout_s=float(agent_cfg.get("timeout_sec", 60.0)),
+    resources = Resources.model_validate(
+        {
+            "memory_mb": int(env_cfg.get("memory_mb", 1024)),
+            "timeout_s": float(agent_cfg.get("timeout_sec", 60.0)),
+        }
     )
     solution_files = {k: rebase_paths(v) for k, v in _read_text_tree(task_dir / "solution").items()}
     solution = None

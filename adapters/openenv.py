@@ -93,8 +93,8 @@ async def run_episode(
         while not r["done"] and steps < max_turns:
             resp = await client.chat.completions.create(
                 model=endpoint.model,
-                messages=messages,
-                max_tokens=max_tokens,  # type: ignore[arg-type]
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=max_tokens,
             )
             text = resp.choices[0].message.content or ""
             messages.append({"role": "assistant", "content": text})

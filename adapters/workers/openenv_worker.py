@@ -27,6 +27,7 @@ def _load(target: str) -> Any:
     mod_name, _, attr = target.rpartition(":")
     if mod_name.endswith(".py"):
         spec = importlib.util.spec_from_file_location(Path(mod_name).stem, mod_name)
+        assert spec is not None and spec.loader is not None, f"cannot import {mod_name}"
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
