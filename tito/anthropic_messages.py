@@ -228,14 +228,19 @@ def stream_events(result: ChatResult, model: str, stops: list[str] | None, piece
     yield sse("message_stop", {"type": "message_stop"})
 
 
+_EMPTY: dict[str, dict[str, Any]] = {
+    "text": {"text": ""},
+    "thinking": {"thinking": "", "signature": ""},
+    "tool_use": {"input": {}},
+}
+
+
 def _block_events(i: int, b: dict[str, Any], piece: int) -> Iterator[str]:
     def delta(d: dict[str, Any]) -> str:
         return sse("content_block_delta", {"type": "content_block_delta", "index": i, "delta": d})
 
     kind = b["type"]
-    empty = {"text": {"text": ""}, "thinking": {"thinking": "", "signature": ""}, "tool_use": {"input": {}}}[
-        kind
-    ]
+    empty: dict[str, Any] = _EMPTY[kind]
     first = {k: v for k, v in b.items() if k not in empty} | empty
     yield sse("content_block_start", {"type": "content_block_start", "index": i, "content_block": first})
     if kind == "text":
