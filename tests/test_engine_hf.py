@@ -281,3 +281,21 @@ async def test_cancelled_request_leaves_the_batch(engine: HFEngine) -> None:
             break
         await asyncio.sleep(0.05)
     assert not engine._batch.rows
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_chunked_prefill_next_to_a_decoding_row_is_exact(engine: HFEngine) -> None:
+    await engine.flush_cache()
+    story = " ".join(f"Line {i}: the lighthouse keeper counted {i} ships." for i in range(60))
+    long_prompt = chat(engine, f"Summarise: {story}")
+    assert len(long_prompt) > 1.2 * engine.config.prefill_chunk_tokens
+    busy = asyncio.ensure_future(
+        engine.generate(chat(engine, "Hi"), SamplingParams(max_new_tokens=30, temperature=0.0))
+    )
+    await asyncio.sleep(0.2)  # the short request is decoding when the long prompt arrives
+    gen = await engine.generate(long_prompt, SamplingParams(max_new_tokens=6, temperature=0.0))
+    await busy
+    ref = reference_logprobs(engine, long_prompt, gen.output_ids, 0.0)
+    assert max(abs(a - b) for a, b in zip(ref, gen.logprobs, strict=True)) < 1e-4
+    assert gen.meta["ttft_s"] > 0

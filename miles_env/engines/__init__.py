@@ -35,6 +35,7 @@ class EngineConfig(BaseModel):
     max_context: int | None = Field(default=None, ge=2)
     kv_cache_tokens: int = Field(default=32768, ge=0)
     kv_cache_sessions: int = Field(default=256, ge=0)
+    prefill_chunk_tokens: int = Field(default=512, ge=16)
     threads: int | None = Field(default=None, ge=0)
     seed: int | None = None
 
@@ -55,6 +56,7 @@ async def build_engine(cfg: EngineConfig | None = None) -> Engine:
             max_context=cfg.max_context,
             kv_cache_tokens=cfg.kv_cache_tokens,
             kv_cache_sessions=cfg.kv_cache_sessions,
+            prefill_chunk_tokens=cfg.prefill_chunk_tokens,
             threads=cfg.threads,
             seed=cfg.seed,
         )

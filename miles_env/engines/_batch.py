@@ -1,8 +1,8 @@
 """The running decode batch of the embedded engine (worker thread only).
 
-A request is prefilled alone (batch 1, no padding, on top of its session's
-cached prefix when the ids extend it), which samples its first token; it then
-joins the left-padded batch. `step()` feeds every row its last token, samples
+A request is prefilled alone (batch 1, no padding, on top of the longest
+cached prefix it extends), in chunks so running rows keep decoding; the last
+chunk samples its first token and the row joins the left-padded batch. `step()` feeds every row its last token, samples
 the next one and returns the rows that finished, already removed from the
 batch. Row order never affects a row's numbers beyond float rounding: each
 row has its own position ids, attention mask and generator.
@@ -32,13 +32,13 @@ class Row:
     generator: torch.Generator | None
     version: int
     max_total: int  # context limit: input + output never exceeds it
-    cached: int = 0
-    ttft: float = 0.0
+    cached: int = 0  # prompt tokens served from a cached prefix
+    fed: int = 0  # prompt tokens whose KV exists (prefill progress)
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str | None = None
     matched: int | str | None = None
-    kv: KV | None = None  # only while the row is outside the batch (prefilled or finished)
+    kv: KV | None = None  # only while the row is outside the batch (prefilling or finished)
 
     @property
     def n_real(self) -> int:
@@ -112,29 +112,9 @@ class Batch:
         gen.manual_seed(params.seed)
         return gen
 
-    def prefill(
-        self,
-        req: Any,
-        ids: list[int],
-        params: SamplingParams,
-        entry: SessionEntry | None,
-        version: int,
-        max_total: int,
-    ) -> Row:
-        """Run the prompt (past the reusable cached prefix) and sample the first token."""
-        import time
-
-        t0 = time.perf_counter()
-        reuse = 0
-        kv: KV = []
-        if entry is not None:
-            # keep at least one prompt token to feed: its logits give the first sample
-            reuse = min(common_prefix(entry.ids, ids), len(ids) - 1)
-            kv = crop(entry.kv, reuse) if reuse > 0 else []  # views: stored tensors are never written
-        tail = torch.tensor([ids[reuse:]], dtype=torch.long, device=self.device)
-        pos = torch.arange(reuse, len(ids), device=self.device).unsqueeze(0)
-        logits, kv = self._forward(tail, kv, None, pos)
-        row = Row(
+    def start(self, req: Any, ids: list[int], params: SamplingParams, version: int, max_total: int) -> Row:
+        """A row whose prompt is still to be prefilled (see `prefill_chunk`)."""
+        return Row(
             req=req,
             input_ids=ids,
             params=params,
@@ -143,12 +123,33 @@ class Batch:
             generator=self._generator(params),
             version=version,
             max_total=max_total,
-            cached=reuse,
-            kv=kv,
         )
-        row.accept(*sample_token(logits[0], params, row.generator))
-        row.ttft = time.perf_counter() - t0
-        return row
+
+    def reuse(self, row: Row, entry: SessionEntry | None) -> None:
+        """Start the row's KV from the longest usable prefix of a cached entry."""
+        if entry is None:
+            return
+        # keep at least one prompt token to feed: its logits give the first sample
+        n = min(common_prefix(entry.ids, row.input_ids), len(row.input_ids) - 1)
+        if n > 0:
+            row.kv = crop(entry.kv, n)  # views: stored tensors are never written
+            row.fed = row.cached = n
+
+    def prefill_chunk(self, row: Row, budget: int) -> int:
+        """Feed up to `budget` prompt tokens; after the last one, sample the first output token.
+
+        Returns the number of tokens fed. Chunks let running rows decode between the pieces of
+        a long prompt.
+        """
+        ids = row.input_ids
+        end = min(len(ids), row.fed + budget)
+        chunk = torch.tensor([ids[row.fed : end]], dtype=torch.long, device=self.device)
+        pos = torch.arange(row.fed, end, device=self.device).unsqueeze(0)
+        logits, row.kv = self._forward(chunk, row.kv or [], None, pos)
+        fed, row.fed = end - row.fed, end
+        if end == len(ids):
+            row.accept(*sample_token(logits[0], row.params, row.generator))
+        return fed
 
     def join(self, row: Row) -> None:
         assert row.kv is not None

@@ -60,6 +60,7 @@ class HFEngineConfig(BaseModel):
     max_context: int | None = Field(default=None, ge=2)  # default: model's max positions, capped at 8192
     kv_cache_tokens: int = Field(default=32768, ge=0)  # budget of the per-session KV prefix store
     kv_cache_sessions: int = Field(default=256, ge=0)
+    prefill_chunk_tokens: int = Field(default=512, ge=16)  # prompt tokens per step while others decode
     # torch intra-op threads of the worker. None: half the CPU cores (at least 1): on a shared CPU an
     # oversubscribed OpenMP pool is several times slower per step than one thread; 0: torch's setting.
     threads: int | None = Field(default=None, ge=0)
@@ -74,6 +75,7 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Any]
     t0: float = field(default_factory=time.perf_counter)
+    ttft: float = 0.0
     cancelled: bool = False
 
 
@@ -115,6 +117,7 @@ class HFEngine:
         self.weight_version = 0
         self._inbox: queue.SimpleQueue[_Request | _Command] = queue.SimpleQueue()
         self._waiting: deque[_Request] = deque()
+        self._prefilling: deque[Row] = deque()
         self._pending: list[_Command] = []
         self._closed = False
         self._dead: BaseException | None = None
@@ -275,7 +278,7 @@ class HFEngine:
             raise
 
     def _serve_once(self) -> bool:
-        idle = not self._batch.rows and not self._waiting and not self._pending
+        idle = not (self._batch.rows or self._prefilling or self._waiting or self._pending)
         self._drain_inbox(block=idle)
         for cmd in [c for c in self._pending if c.kind in ("flush", "close")]:
             self._pending.remove(cmd)
@@ -285,12 +288,17 @@ class HFEngine:
                 return False
             self.sessions.clear()
             _resolve(cmd.loop, cmd.future, None, None)
-        if self._batch.rows and any(c.abort_in_flight for c in self._pending):
-            self._finish(self._batch.abort_all())
-        if self._pending and not self._batch.rows:
-            self._apply_updates()
+        if self._pending:
+            # rows still prefilling have sampled nothing: restart them after the update
+            while self._prefilling:
+                self._waiting.appendleft(self._prefilling.pop().req)
+            if self._batch.rows and any(c.abort_in_flight for c in self._pending):
+                self._finish(self._batch.abort_all())
+            if not self._batch.rows:
+                self._apply_updates()
         if not self._pending:
             self._admit()
+            self._prefill()
         if self._batch.rows:
             try:
                 finished = self._batch.step()
@@ -316,18 +324,34 @@ class HFEngine:
             pass
 
     def _admit(self) -> None:
-        while self._waiting and len(self._batch.rows) < self.config.max_batch_size:
+        while self._waiting and len(self._batch.rows) + len(self._prefilling) < self.config.max_batch_size:
             req = self._waiting.popleft()
-            if req.cancelled:
-                continue
-            entry, _ = self.sessions.lookup(req.input_ids, req.session_id)
-            try:
-                row = self._batch.prefill(
-                    req, req.input_ids, req.params, entry, self.weight_version, self.max_context
+            if not req.cancelled:
+                self._prefilling.append(
+                    self._batch.start(req, req.input_ids, req.params, self.weight_version, self.max_context)
                 )
+
+    def _prefill(self) -> None:
+        """Prefill waiting rows one at a time: a chunk budget per step while rows decode, else all."""
+        budget = self.config.prefill_chunk_tokens if self._batch.rows else 1 << 62
+        while self._prefilling and budget > 0:
+            row = self._prefilling[0]
+            req: _Request = row.req
+            if req.cancelled:
+                self._prefilling.popleft()
+                continue
+            if row.fed == 0:  # looked up now, not at admission: an earlier sibling's prompt is stored by now
+                self._batch.reuse(row, self.sessions.lookup(req.input_ids, req.session_id)[0])
+            try:
+                budget -= self._batch.prefill_chunk(row, budget)
             except Exception as e:
+                self._prefilling.popleft()
                 _resolve(req.loop, req.future, None, EngineError(f"hf engine: prefill failed: {e!r}"))
                 continue
+            if not row.output:
+                continue
+            self._prefilling.popleft()
+            req.ttft = time.perf_counter() - req.t0
             if len(req.input_ids) - row.cached >= _SHARE_MIN_TOKENS and row.kv is not None:
                 # a cold prompt: later requests that start the same way (GRPO siblings, a shared
                 # system prompt) reuse it from any session
@@ -350,7 +374,7 @@ class HFEngine:
                 prompt_len=len(req.input_ids),
                 cached_tokens=row.cached,
                 latency_s=time.perf_counter() - req.t0,
-                meta={"matched": row.matched, "ttft_s": row.ttft}
+                meta={"matched": row.matched, "ttft_s": req.ttft}
                 | ({"message": "aborted: weight update or cancel"} if row.finish == "abort" else {}),
             )
             _resolve(req.loop, req.future, gen, None)
@@ -373,10 +397,11 @@ class HFEngine:
 
     def _fail_all(self, err: EngineError) -> None:
         self._drain_inbox(block=False)
-        for req in list(self._waiting) + [r.req for r in self._batch.rows]:
+        for req in list(self._waiting) + [r.req for r in [*self._prefilling, *self._batch.rows]]:
             _resolve(req.loop, req.future, None, err)
         for cmd in self._pending:
             _resolve(cmd.loop, cmd.future, None, err)
         self._waiting.clear()
+        self._prefilling.clear()
         self._pending.clear()
         self._batch.clear()
