@@ -31,7 +31,11 @@ def load_adapter_environment(name: str) -> Environment:
         from miles_env.adapters.openenv import OpenEnvEnvironment
 
         return OpenEnvEnvironment(ref, name=name)
+    if prefix == "verifiers":
+        from miles_env.adapters.verifiers import VerifiersEnvironment
+
+        return VerifiersEnvironment(ref, name=name)
     raise RegistryError(
         f"environment {name!r}: the {prefix!r} adapter is not implemented in this build "
-        f"(implemented: harbor, openenv)"
+        f"(implemented: harbor, openenv, verifiers)"
     )

@@ -71,7 +71,7 @@ FRAMEWORKS: dict[str, FrameworkSpec] = {
     ),
     "hud": FrameworkSpec(
         "hud",
-        ("hud-python==0.6.10",),
+        ("hud==0.6.21",),
         max_python=(3, 13),
         import_name="hud",
         env={"HUD_TELEMETRY_ENABLED": "false"},

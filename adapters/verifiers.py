@@ -1,0 +1,94 @@
+"""Prime Intellect Verifiers adapter: a verifiers.v1 taskset, its own agent loop and rubric.
+
+Concept: `verifiers:TASKSET` (an installed taskset id) or `verifiers:/path/mod.py`
+(a module exporting a `Taskset`). The worker (in the verifiers venv) lists the
+tasks and runs each episode with verifiers' `null` harness (its chat program) in a
+subprocess runtime, with the model client's base URL set to the episode's TITO
+session: every model token is captured by our proxy. The reward is the taskset's own
+(`trace.reward`, the weighted sum of its `@vf.reward` functions).
+
+Tasks: every task in split `test` (append `?split=train` to put them in `train`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from miles_env.adapters.base import call_once, python_argv
+from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward, worker_for
+from miles_env.adapters.venv import get_spec, venv_python
+
+from miles_env.environment import Environment, Transcript
+from miles_env.errors import RegistryError
+from miles_env.harness import Endpoint, HarnessResult
+from miles_env.sandbox import Sandbox
+from miles_env.types import Reward, Status, Task
+
+__all__ = ["VerifiersEnvironment", "run_episode", "worker_args"]
+
+
+def worker_args(ref: str) -> tuple[str, ...]:
+    """(taskset id, extra sys.path entries) for a reference."""
+    if ref.endswith(".py"):
+        p = Path(ref).expanduser().resolve()
+        return (p.stem, str(p.parent))
+    return (ref,)
+
+
+class VerifiersEnvironment(Environment):
+    def __init__(self, ref: str, name: str | None = None) -> None:
+        ref, _, split = ref.partition("?split=")
+        self.ref, self.split = ref, split or "test"
+        self.splits = (self.split,)
+        self.name = name or f"verifiers:{ref}"
+        self.description = f"verifiers taskset {ref}"
+        self._tasks: list[Task] | None = None
+
+    def tasks(self, split: str | None = None) -> list[Task]:
+        if split not in (None, self.split):
+            return []
+        if self._tasks is None:
+            python = venv_python("verifiers")
+            if not python.exists():
+                raise RegistryError(f"{self.name}: run `miles-env adapters install verifiers` first")
+            argv = python_argv(python, "verifiers_worker.py", *worker_args(self.ref))
+            rows = call_once(argv, "tasks", {}, env=get_spec("verifiers").env)
+            self._tasks = [
+                Task(
+                    id=str(r["id"]),
+                    env=self.name,
+                    instruction=r["prompt"] or str(r["id"]),
+                    split=self.split,
+                    verifier={"idx": r["idx"], "key": r["key"]},
+                    metadata={"adapter": "verifiers", "ref": self.ref, "idx": r["idx"]},
+                )
+                for r in rows
+            ]
+        return list(self._tasks)
+
+    async def verify(self, task: Task, sandbox: Sandbox, transcript: Transcript) -> Reward:
+        return framework_reward(task, transcript)
+
+
+async def run_episode(task: Task, sandbox: Sandbox, endpoint: Endpoint, **_: Any) -> HarnessResult:
+    worker = worker_for("verifiers", "verifiers_worker.py", *worker_args(task.metadata["ref"]))
+    r = await worker.call(
+        "run",
+        {
+            "idx": task.metadata["idx"],
+            "base_url": endpoint.base_url,
+            "api_key": endpoint.api_key,
+            "model": endpoint.model,
+            "session": endpoint.session_id,
+        },
+        timeout=900,
+    )
+    details = {k: r[k] for k in ("rewards", "ok", "errors", "trace_errors")}
+    transcript: list[dict[str, Any]] = [{"role": "user", "content": task.instruction}]
+    transcript.append({"role": "assistant", "content": r.get("reply", "")})
+    transcript.append({"role": FRAMEWORK_ROLE, "reward": r["reward"], "details": details})
+    errors = r["errors"] + r["trace_errors"]
+    if errors:
+        return HarnessResult(Status.FAILED, transcript, "; ".join(errors)[:2000], details)
+    return HarnessResult(Status.COMPLETED, transcript, None, details)
