@@ -4,9 +4,12 @@ One run, ScriptedEngine (zero model cost, so every microsecond measured is proxy
 - per-turn latency at ~1k and ~16k tokens of history: engine.generate() directly,
   TitoProxy.chat() in process (core only), and the full HTTP path (httpx ->
   uvicorn -> chat completions) with an HTTP floor (GET /health) for reference;
-- turns per second across 64 concurrent sessions over HTTP.
+- turns per second across 64 concurrent sessions over HTTP;
+- per-turn added latency of the three dialects (chat completions, Responses,
+  Anthropic Messages) at the same history length, turns interleaved across the
+  dialects so machine load hits all three alike (`--dialects-only` runs just this).
 
-    python bench/bench_tito.py [--turns 20] [--sessions 10]
+    python bench/bench_tito.py [--turns 20] [--sessions 10] [--dialects-only]
 """
 
 from __future__ import annotations
@@ -194,6 +197,80 @@ async def throughput(proxy, url, n_sessions: int, turns: int) -> float:
         return n_sessions * turns / (time.perf_counter() - t0)
 
 
+class Dialect:
+    """One dialect's wire format for the same conversation: path, request body, reply appended to history."""
+
+    def __init__(self, name: str, path: str) -> None:
+        self.name, self.path = name, path
+
+    def body(self, history: list[dict]) -> dict:
+        if self.name == "chat":
+            return {"messages": history}
+        if self.name == "responses":
+            return {"input": history, "store": False}
+        return {"messages": history, "max_tokens": 64}
+
+    def user(self, text: str) -> dict:
+        return {"role": "user", "content": text}
+
+    def reply(self, body: dict) -> list[dict]:
+        if self.name == "chat":
+            return [{"role": "assistant", "content": body["choices"][0]["message"]["content"]}]
+        if self.name == "responses":
+            return body["output"]
+        return [{"role": "assistant", "content": body["content"]}]
+
+
+DIALECTS = [
+    Dialect("chat", "/v1/chat/completions"),
+    Dialect("responses", "/v1/responses"),
+    Dialect("messages", "/v1/messages"),
+]
+
+
+async def dialect_rows(proxy: TitoProxy, url: str, tok, target: int, turns: int, sessions: int) -> dict:
+    lat: dict[str, list[float]] = {d.name: [] for d in DIALECTS}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+
+        async def turn(d: Dialect, h, hist: list[dict], text: str) -> float:
+            hist.append(d.user(text))
+            t0 = time.perf_counter()
+            r = await http.post(
+                f"/s/{h.session_id}{d.path}", json=d.body(hist), headers={"x-api-key": h.api_key}
+            )
+            dt = time.perf_counter() - t0
+            assert r.status_code == 200, r.text
+            hist += d.reply(r.json())
+            return dt
+
+        chunk = filler(tok, min(1000, target // 4))
+        for _ in range(sessions):
+            state = [(d, proxy.create_session(), []) for d in DIALECTS]
+            for _ in range(max(1, target // min(1000, target // 4) - 1)):  # same history in every dialect
+                for d, h, hist in state:
+                    await turn(d, h, hist, chunk)
+            for i in range(turns):
+                for d, h, hist in state:
+                    lat[d.name].append(await turn(d, h, hist, f"ok {i}"))
+    return {k: statistics.median(v) for k, v in lat.items()}
+
+
+async def dialects_main(turns: int, sessions: int) -> None:
+    tok = load_tokenizer()
+    engine = ScriptedEngine(tok, echo_tokens=ECHO, max_context=65536, record=False)
+    d50 = statistics.median(await direct_turns(engine, 1000, 200))
+    proxy = TitoProxy(engine, tok, TitoConfig())
+    async with serve(create_app(proxy)) as url:
+        rows = [(n, await dialect_rows(proxy, url, tok, n, turns, sessions)) for n in (1000, 16000)]
+    print(
+        f"{'history':>8} {'chat p50':>10} {'responses':>10} {'messages':>10} {'resp/chat':>10} {'msgs/chat':>10}"
+    )
+    for n, r in rows:
+        c, o, m = (r[k] - d50 for k in ("chat", "responses", "messages"))
+        print(f"{n:>8} {c * 1e3:>8.3f}ms {o * 1e3:>8.3f}ms {m * 1e3:>8.3f}ms {o / c:>9.2f}x {m / c:>9.2f}x")
+    print("added per-turn latency over the engine called directly (p50); target: ratios <= 1.5x")
+
+
 async def main(turns: int, sessions: int) -> None:
     tok = load_tokenizer()
     engine = ScriptedEngine(tok, echo_tokens=ECHO, max_context=65536, record=False)
@@ -229,5 +306,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--sessions", type=int, default=10)
+    ap.add_argument("--dialects-only", action="store_true")
     a = ap.parse_args()
-    anyio.run(main, a.turns, a.sessions)
+    if not a.dialects_only:
+        anyio.run(main, a.turns, a.sessions)
+    anyio.run(dialects_main, a.turns, a.sessions)

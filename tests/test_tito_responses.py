@@ -192,3 +192,39 @@ async def test_bad_input_is_an_openai_400_and_loses_nothing(tok, body: dict[str,
         assert bad_key.status_code == 401 and "error" in bad_key.json()
         trajs = s.proxy.export(h.session_id)
     assert len(trajs) == 1 and len(trajs[0].turns) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.model
+async def test_real_hf_engine_responses_and_messages_are_token_exact(tok) -> None:
+    """SmolLM2 behind the proxy: a Responses session (openai SDK) and a Messages session (anthropic SDK),
+    two turns each; every sampled id is the engine's, each stitched onto one branch."""
+    from anthropic import AsyncAnthropic
+
+    from miles_env.engines import EngineConfig, build_engine
+    from tests.test_tito_sessions import _Recording
+
+    engine = _Recording(await build_engine(EngineConfig(kind="hf", max_batch_size=2)))
+    try:
+        async with served(tok, engine) as s:  # type: ignore[arg-type]
+            h1, h2 = s.proxy.create_session(), s.proxy.create_session()
+            c = s.client(h1.session_id)
+            items: list[Any] = [{"role": "user", "content": "What is 2+2? Answer briefly."}]
+            for follow in ("And 3+3?", "Thanks."):
+                r = await c.responses.create(model="policy", input=items, max_output_tokens=12, temperature=0)
+                items += [o.model_dump(exclude_none=True) for o in r.output]
+                items.append({"role": "user", "content": follow})
+            a = AsyncAnthropic(base_url=s.proxy.endpoint(h2.session_id, s.url).root_url, api_key=h2.api_key)
+            msgs: list[Any] = [{"role": "user", "content": "Name a colour."}]
+            for follow in ("Another one?", "Thanks."):
+                async with a.messages.stream(model="m", max_tokens=12, messages=msgs) as st:
+                    m = await st.get_final_message()
+                msgs += [{"role": "assistant", "content": [b.model_dump() for b in m.content]}]
+                msgs.append({"role": "user", "content": follow})
+            await a.close()
+            trajs = {h.session_id: s.proxy.export(h.session_id) for h in (h1, h2)}
+    finally:
+        await engine.close()
+    for sid, t in trajs.items():
+        assert len(t) == 1 and len(t[0].turns) == 2
+        check_fidelity(t, engine, sid)  # type: ignore[arg-type]
