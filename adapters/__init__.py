@@ -35,7 +35,11 @@ def load_adapter_environment(name: str) -> Environment:
         from miles_env.adapters.verifiers import VerifiersEnvironment
 
         return VerifiersEnvironment(ref, name=name)
+    if prefix == "hud":
+        from miles_env.adapters.hud import HudEnvironment
+
+        return HudEnvironment(ref, name=name)
     raise RegistryError(
         f"environment {name!r}: the {prefix!r} adapter is not implemented in this build "
-        f"(implemented: harbor, openenv, verifiers)"
+        f"(implemented: harbor, hud, openenv, verifiers)"
     )

@@ -1,0 +1,53 @@
+"""HUD: a real hud.v1 taskset (adapters/examples/hud_say_word.py, ours) in its own venv."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import miles_env.adapters as adapters_pkg
+import pytest
+
+from miles_env.harnesses import get_harness
+from miles_env.registry import load_environment
+from miles_env.types import Status
+
+SAY = Path(adapters_pkg.__file__).parent / "examples" / "hud_say_word.py"
+
+
+@pytest.mark.slow
+def test_hud_episode_reward_and_tokens() -> None:
+    from miles_env.adapters.venv import install
+
+    from miles_env.engines.scripted import ScriptedEngine
+    from miles_env.models import load_tokenizer
+    from miles_env.rollout import run_episode
+    from miles_env.stack import StackConfig, open_stack
+
+    install("hud")
+    env = load_environment(f"hud:{SAY}")
+    by_id = {t.id: t for t in env.tasks("test")}
+    by_word = {t.metadata["args"]["word"]: t for t in by_id.values()}
+    assert sorted(by_word) == ["apple", "cloud", "river", "stone"]
+
+    async def main() -> tuple[list, ScriptedEngine]:
+        tok = load_tokenizer("smollm2")
+        engine = ScriptedEngine(tok, ["river it is", "I will not"])
+        async with open_stack(StackConfig(), engine=engine) as stack:
+            ctx = stack.rollout_context(env, get_harness("framework"))
+            eps = [await run_episode(ctx, by_word["river"]), await run_episode(ctx, by_word["apple"])]
+        return eps, engine
+
+    (ep_hit, ep_miss), engine = anyio.run(main)
+    assert ep_hit.status is Status.COMPLETED, ep_hit.error
+    assert ep_hit.score == 1.0 and ep_hit.reward is not None
+    assert ep_hit.reward.details["error"] is None  # HUD graded it: the template's own reward
+    assert ep_miss.status is Status.COMPLETED and ep_miss.score == 0.0
+    sampled = [
+        t
+        for ep in (ep_hit, ep_miss)
+        for s in ep.samples
+        for t, m in zip(s.token_ids, s.loss_mask, strict=True)
+        if m
+    ]
+    assert sampled and sampled == [t for g in engine.generations for t in g.output_ids]
