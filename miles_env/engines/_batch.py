@@ -2,9 +2,9 @@
 
 A request is prefilled alone (batch 1, no padding, on top of the longest
 cached prefix it extends), in chunks so running rows keep decoding; the last
-chunk samples its first token and the row joins the left-padded batch. `step()` feeds every row its last token, samples
-the next one and returns the rows that finished, already removed from the
-batch. Row order never affects a row's numbers beyond float rounding: each
+chunk samples its first token and the row joins the left-padded batch.
+`step()` feeds every row its last token, samples the next one and returns
+the rows that finished, already removed from the batch. Row order never affects a row's numbers beyond float rounding: each
 row has its own position ids, attention mask and generator.
 """
 

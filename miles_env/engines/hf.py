@@ -231,8 +231,12 @@ class HFEngine:
             return
         if self._thread.is_alive():
             await self._command("close")
+            self._closed = True  # from here on nothing is accepted
             await anyio.to_thread.run_sync(self._thread.join)
         self._closed = True
+        self._fail_all(
+            EngineError("hf engine closed")
+        )  # anything that slipped in after the worker's last look
 
     # ---- caller side helpers -------------------------------------------------------------------
     def _validate(self, input_ids: Sequence[int]) -> list[int]:
@@ -252,7 +256,7 @@ class HFEngine:
         return ids
 
     def _submit(self, item: _Request | _Command) -> None:
-        if self._closed or (isinstance(item, _Request) and not self._thread.is_alive()):
+        if self._closed or not self._thread.is_alive():
             raise EngineError(f"hf engine is closed{f' (worker died: {self._dead!r})' if self._dead else ''}")
         self._inbox.put(item)
 
