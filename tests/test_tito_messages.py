@@ -264,3 +264,43 @@ async def test_bad_input_is_an_anthropic_400_and_loses_nothing(
         assert not_json.status_code == 400 and not_json.json()["type"] == "error"
         trajs = s.proxy.export(h.session_id)
     assert len(trajs) == 1 and len(trajs[0].turns) == 1
+
+
+async def test_models_list_parses_in_both_sdks_and_head_answers(tok) -> None:
+    async with served(tok) as s, httpx.AsyncClient() as http:
+        h = s.proxy.create_session()
+        a = AsyncAnthropic(base_url=root(s, h.session_id), api_key=h.api_key, max_retries=0)
+        page = await a.models.list()
+        await a.close()
+        listed = await s.client(h.session_id).models.list()
+        assert [m.id for m in page.data] == ["policy"] == [m.id for m in listed.data]
+        for url in (s.url + "/", root(s, h.session_id), root(s, h.session_id) + "/"):
+            assert (await http.head(url)).status_code == 200
+        wrong = await http.get(root(s, h.session_id) + "/v1/models", headers={"x-api-key": "no"})
+        assert wrong.status_code == 401
+
+
+async def test_same_tool_use_id_with_other_input_is_an_edit_not_a_match(tok) -> None:
+    engine = ScriptedEngine(tok, [call("Bash", {"command": "ls", "timeout": 1}), "a", "b"])
+    async with served(tok, engine) as s, httpx.AsyncClient() as http:
+        h = s.proxy.create_session()
+        url = root(s, h.session_id)
+        body: dict[str, Any] = {
+            "max_tokens": 100,
+            "tools": [BASH],
+            "messages": [{"role": "user", "content": "go"}],
+        }
+        blocks = (await raw(http, url, body, h.api_key)).json()["content"]
+        use = blocks[0]
+        for inp in ({"timeout": 1, "command": "ls"}, {"command": "rm -rf /", "timeout": 1}):
+            res = {"type": "tool_result", "tool_use_id": use["id"], "content": "ok"}
+            hist = [*body["messages"], {"role": "assistant", "content": [use | {"input": inp}]}]
+            r = await raw(
+                http, url, body | {"messages": [*hist, {"role": "user", "content": [res]}]}, h.api_key
+            )
+            assert r.status_code == 200
+        trajs = s.proxy.export(h.session_id)
+    # reordered keys: the same turn (stitched); changed values: an edit (a new, fully rendered branch)
+    assert [len(t.turns) for t in trajs] == [2, 1]
+    assert "rm -rf" in tok.decode(trajs[1].token_ids) and "rm -rf" not in tok.decode(trajs[0].token_ids)
+    check_fidelity(trajs, engine, h.session_id)
