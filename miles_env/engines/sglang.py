@@ -25,10 +25,11 @@ from typing import Any
 import httpx
 
 from miles_env.engines.base import EngineInfo, Generation, SamplingParams
-from miles_env.engines.sglang_server import SESSION_HEADER
 from miles_env.errors import ConfigError, EngineError
 
-__all__ = ["SGLangEngine", "HashRing"]
+__all__ = ["SGLangEngine", "HashRing", "SESSION_HEADER"]
+
+SESSION_HEADER = "X-Session-Id"  # KV-reuse hint for our server; a real SGLang ignores it
 
 _VNODES = 64
 

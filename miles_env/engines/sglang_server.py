@@ -33,11 +33,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from miles_env.engines.base import Engine, Generation, SamplingParams
+from miles_env.engines.sglang import SESSION_HEADER
 from miles_env.errors import EngineError
 
 __all__ = ["GenerateRequest", "WireSamplingParams", "create_app", "serve", "running_server", "SESSION_HEADER"]
-
-SESSION_HEADER = "X-Session-Id"
 
 
 class WireSamplingParams(BaseModel):
