@@ -17,6 +17,7 @@ parts are refused with a 400 naming the item.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -180,8 +181,6 @@ def _messages(req: ResponsesRequest) -> list[Message]:
 
 
 def _json_input(text: str) -> str:
-    import json
-
     return json.dumps({"input": text}, ensure_ascii=False)
 
 
