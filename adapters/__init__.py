@@ -39,7 +39,11 @@ def load_adapter_environment(name: str) -> Environment:
         from miles_env.adapters.hud import HudEnvironment
 
         return HudEnvironment(ref, name=name)
+    if prefix == "nemo-gym":
+        from miles_env.adapters.nemo_gym import NemoGymEnvironment
+
+        return NemoGymEnvironment(ref, name=name)
     raise RegistryError(
         f"environment {name!r}: the {prefix!r} adapter is not implemented in this build "
-        f"(implemented: harbor, hud, openenv, verifiers)"
+        f"(implemented: harbor, hud, nemo-gym, openenv, verifiers)"
     )

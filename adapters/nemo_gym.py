@@ -1,0 +1,87 @@
+"""NeMo Gym adapter: a resources server with its `/verify`, NeMo Gym's own simple_agent loop.
+
+Concept: `nemo-gym:NAME` (a resources server shipped with nemo-gym, e.g. `mcqa`) or
+`nemo-gym:/path/app.py`, optionally `?data=/path/rows.jsonl` (default: the server's
+`data/example.jsonl`). The worker (nemo-gym venv, Python >= 3.12) runs the resources
+server, and per episode an `openai_model` server pointed at the episode's TITO
+session (Responses API) plus a `simple_agent`; `POST /run` on the agent seeds the
+session, runs the loop and calls `/verify`, whose `reward` is the episode's reward.
+No head server and no `ng_run` (which wants the network). Tasks: every row in `test`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles_env.adapters.base import call_once, python_argv
+from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward, worker_for
+from miles_env.adapters.venv import get_spec, venv_python
+
+from miles_env.environment import Environment, Transcript
+from miles_env.errors import RegistryError
+from miles_env.harness import Endpoint, HarnessResult
+from miles_env.sandbox import Sandbox
+from miles_env.types import Reward, Status, Task
+
+__all__ = ["NemoGymEnvironment", "run_episode"]
+
+
+class NemoGymEnvironment(Environment):
+    splits = ("test",)
+
+    def __init__(self, ref: str, name: str | None = None) -> None:
+        target, _, data = ref.partition("?data=")
+        self.args = (target, data) if data else (target,)
+        self.name = name or f"nemo-gym:{ref}"
+        self.description = f"NeMo Gym resources server {target}"
+        self._tasks: list[Task] | None = None
+
+    def tasks(self, split: str | None = None) -> list[Task]:
+        if split not in (None, "test"):
+            return []
+        if self._tasks is None:
+            python = venv_python("nemo-gym")
+            if not python.exists():
+                raise RegistryError(f"{self.name}: run `miles-env adapters install nemo-gym` first")
+            argv = python_argv(python, "nemo_gym_worker.py", *self.args)
+            rows = call_once(argv, "tasks", {}, env=get_spec("nemo-gym").env)
+            seen: set[str] = set()
+            self._tasks = []
+            for r in rows:
+                tid = r["id"] if r["id"] not in seen else f"{r['id']}-{r['idx']}"
+                seen.add(tid)
+                self._tasks.append(
+                    Task(
+                        id=tid,
+                        env=self.name,
+                        instruction=r["prompt"] or tid,
+                        split="test",
+                        verifier={"idx": r["idx"]},
+                        metadata={"adapter": "nemo-gym", "args": list(self.args), "idx": r["idx"]},
+                    )
+                )
+        return list(self._tasks)
+
+    async def verify(self, task: Task, sandbox: Sandbox, transcript: Transcript) -> Reward:
+        return framework_reward(task, transcript)
+
+
+async def run_episode(
+    task: Task, sandbox: Sandbox, endpoint: Endpoint, *, max_turns: int = 4, **_: Any
+) -> HarnessResult:
+    worker = worker_for("nemo-gym", "nemo_gym_worker.py", *task.metadata["args"])
+    params = {
+        "idx": task.metadata["idx"],
+        "base_url": endpoint.base_url,
+        "api_key": endpoint.api_key,
+        "model": endpoint.model,
+        "max_steps": max_turns,
+        "timeout": 600,
+    }
+    r = await worker.call("run", params, timeout=900)
+    transcript: list[dict[str, Any]] = [
+        {"role": "user", "content": task.instruction},
+        {"role": "assistant", "content": r["answer"]},
+        {"role": FRAMEWORK_ROLE, "reward": r["reward"], "details": r["verify"]},
+    ]
+    return HarnessResult(Status.COMPLETED, transcript, None, {"verify": r["verify"]})
