@@ -86,7 +86,7 @@ async def _resources() -> dict[str, Any]:
     from nemo_gym.base_resources_server import SimpleResourcesServer
 
     module = _module()
-    cls = next(
+    cls: Any = next(
         v
         for v in vars(module).values()
         if inspect.isclass(v) and issubclass(v, SimpleResourcesServer) and v.__module__ == module.__name__
