@@ -116,3 +116,27 @@ def test_builtin_harness_episode(tmp_path: Path) -> None:
     assert ep.score == 1.0
     sampled = [t for s in ep.samples for t, m in zip(s.token_ids, s.loss_mask, strict=True) if m]
     assert sampled == [t for g in engine.generations for t in g.output_ids]
+
+
+@pytest.mark.slow
+def test_harbor_own_trial_on_our_sandbox(tmp_path: Path) -> None:
+    """Harbor's Trial (harbor venv) with our local sandbox as its environment (import_path)."""
+    from miles_env.adapters.harbor_trial import run_harbor_trial
+    from miles_env.adapters.venv import install
+    from miles_env.sandboxes import get_provider
+
+    install("harbor")
+    task_dir = make_task(tmp_path)
+
+    async def main() -> list[dict]:
+        provider = get_provider("local")
+        return [
+            await run_harbor_trial(task_dir, agent, provider, trials_dir=tmp_path / "trials")
+            for agent in ("oracle", "nop")
+        ]
+
+    oracle, nop = anyio.run(main)
+    assert oracle["exception"] is None and oracle["rewards"] == {"reward": 1.0}
+    assert nop["exception"] is None and nop["rewards"] == {"reward": 0.0}
+    # Harbor's own record of the trial exists on disk.
+    assert (Path(oracle["trial_uri"].removeprefix("file://")) / "result.json").is_file()
