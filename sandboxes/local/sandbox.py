@@ -97,6 +97,7 @@ class LocalSandbox:
         self._closed = False
         self._bridge: Bridge | None = None
         self.mounts = {spec.workdir: str(host_dir / "work"), "/tmp": str(host_dir / "tmp")}
+        self.mounts_ro: dict[str, str] = {}  # inner path -> host path, added by mount_ro()
 
     # -- exec ---------------------------------------------------------------------------
     def _argv(self, cmd: Command, cwd: str | None, env: Mapping[str, str] | None) -> list[str]:
@@ -168,6 +169,27 @@ class LocalSandbox:
         self._check_open()
         host, parts = split_inner_path(path, self.workdir, self.mounts)
         return safe_read(host, parts, path)
+
+    def mount_ro(self, host_path: str, inner_path: str) -> None:
+        """Bind `host_path` read-only at `inner_path` for every later exec (e.g. an agent CLI).
+
+        Why a per-sandbox method and not a spec field: the mount is the harness's need, not
+        the task's; the environment's SandboxSpec stays the same whatever harness runs it.
+        """
+        self._check_open()
+        if not os.path.exists(host_path):
+            raise SandboxError(f"mount_ro: host path {host_path!r} does not exist")
+        if not inner_path.startswith("/") or inner_path.rstrip("/") in (
+            "",
+            self.workdir,
+            "/tmp",
+            "/proc",
+            "/dev",
+        ):
+            raise SandboxError(f"mount_ro: inner path {inner_path!r} must be a dedicated absolute path")
+        at = self._bwrap_prefix.index("--remount-ro")  # mount points must exist before / turns read-only
+        self._bwrap_prefix[at:at] = ["--ro-bind", host_path, inner_path]
+        self.mounts_ro[inner_path] = host_path
 
     # -- network ------------------------------------------------------------------------
     async def expose(self, url: str) -> str:
