@@ -7,6 +7,14 @@ test produces ids that would not survive a decode/encode round trip. With no
 queued reply the engine falls back to `echo_tokens` filler tokens (benchmarks) or
 to `default_reply`.
 
+A scripted *policy* (`ScriptedPolicy`, loaded from JSON with `load_policy`)
+plays a fixed script per session instead: rule = (match, replies); a session's
+first prompt picks the first rule whose `match` occurs in the decoded prompt,
+then its i-th generation is the rule's i-th reply. A reply `{"shell": CMD}`
+becomes a `<tool_call>` block for whichever shell tool the prompt offers
+(Claude Code `Bash.command`, Codex `exec_command.cmd`, `shell.command`), so one
+script drives any harness; past the end of the script the default reply is used.
+
 Invariant: every Generation returned is also appended to `generations` (and the
 full call to `calls`), so tests can compare a proxy's trajectory with what the
 engine really produced. Logprobs are a deterministic function of (position, id).
@@ -14,8 +22,9 @@ engine really produced. Logprobs are a deterministic function of (position, id).
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +32,74 @@ from typing import Any
 import anyio
 
 from miles_env.engines.base import EngineInfo, Generation, SamplingParams
+from miles_env.errors import ConfigError
 
-__all__ = ["ScriptedEngine", "ScriptedCall", "pseudo_logprob"]
+__all__ = [
+    "ScriptedEngine",
+    "ScriptedCall",
+    "ScriptedPolicy",
+    "PolicyRule",
+    "load_policy",
+    "pseudo_logprob",
+    "shell_tool_call",
+]
 
 Reply = str | Sequence[int]
+# A policy reply: plain text, or {"shell": CMD, "text": optional prose before the call}.
+PolicyReply = str | Mapping[str, str]
+
+# (tool name, argument name) of the shell tool of each harness, most specific first.
+SHELL_TOOLS: tuple[tuple[str, str], ...] = (
+    ("exec_command", "cmd"),
+    ("Bash", "command"),
+    ("shell", "command"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyRule:
+    match: str | None  # substring of the decoded first prompt; None matches anything
+    replies: tuple[PolicyReply, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptedPolicy:
+    rules: tuple[PolicyRule, ...]
+
+    def pick(self, prompt: str) -> PolicyRule | None:
+        return next((r for r in self.rules if r.match is None or r.match in prompt), None)
+
+
+def load_policy(path: str | Path) -> ScriptedPolicy:
+    """Read a policy file: {"rules": [{"match": str|null, "replies": [str | {"shell": str}]}]}."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"scripted policy {path}: {e}") from e
+    rules = data.get("rules") if isinstance(data, dict) else None
+    if not isinstance(rules, list) or not rules:
+        raise ConfigError(f"scripted policy {path}: 'rules' must be a non-empty list")
+    out = []
+    for i, rule in enumerate(rules):
+        replies = rule.get("replies") if isinstance(rule, dict) else None
+        if not isinstance(replies, list) or not all(
+            isinstance(r, str) or (isinstance(r, dict) and isinstance(r.get("shell"), str)) for r in replies
+        ):
+            raise ConfigError(
+                f"scripted policy {path}: rules[{i}].replies must be strings or {{'shell': str}}"
+            )
+        out.append(PolicyRule(rule.get("match"), tuple(replies)))
+    return ScriptedPolicy(tuple(out))
+
+
+def shell_tool_call(command: str, prompt: str) -> str:
+    """A `<tool_call>` block for the shell tool named in `prompt` (the rendered tool schemas)."""
+    name, arg = next(
+        ((n, a) for n, a in SHELL_TOOLS if f'"name": "{n}"' in prompt or f'"name":"{n}"' in prompt),
+        SHELL_TOOLS[-1],
+    )
+    body = json.dumps({"name": name, "arguments": {arg: command}}, ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"
 
 
 def pseudo_logprob(position: int, token_id: int) -> float:
@@ -57,6 +130,7 @@ class ScriptedEngine:
         stop_token: str = "<|im_end|>",
         delay_s: float = 0.0,
         record: bool = True,
+        policy: ScriptedPolicy | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_context = max_context
@@ -74,6 +148,9 @@ class ScriptedEngine:
         self.generations: list[Generation] = []
         self.calls: list[ScriptedCall] = []
         self._filler: list[int] = self._make_filler()
+        self.policy = policy
+        # session id -> (rule picked on its first prompt, replies served so far)
+        self._played: dict[str | None, tuple[PolicyRule | None, int]] = {}
 
     def _make_filler(self) -> list[int]:
         if self.tokenizer is None:
@@ -95,12 +172,29 @@ class ScriptedEngine:
             return [*self.tokenizer.encode(reply, add_special_tokens=False), self.stop_id]
         return [int(i) for i in reply]
 
-    def _next_ids(self, session_id: str | None) -> list[int]:
+    def _policy_reply(self, session_id: str | None, input_ids: Sequence[int]) -> str | None:
+        if self.policy is None or self.tokenizer is None:
+            return None
+        prompt = self.tokenizer.decode(list(input_ids))
+        rule, step = self._played.get(session_id) or (self.policy.pick(prompt), 0)
+        self._played[session_id] = (rule, step + 1)
+        if rule is None or step >= len(rule.replies):
+            return None
+        reply = rule.replies[step]
+        if isinstance(reply, str):
+            return reply
+        text = reply.get("text", "")
+        return (text + "\n" if text else "") + shell_tool_call(reply["shell"], prompt)
+
+    def _next_ids(self, session_id: str | None, input_ids: Sequence[int] = ()) -> list[int]:
         queue = self._per_session.get(session_id) if session_id is not None else None
         if queue:
             return self._encode_reply(queue.popleft())
         if self._global:
             return self._encode_reply(self._global.popleft())
+        scripted = self._policy_reply(session_id, input_ids)
+        if scripted is not None:
+            return self._encode_reply(scripted)
         if self.echo_tokens is not None:
             n = max(self.echo_tokens - 1, 0)
             filler = (self._filler * (n // len(self._filler) + 1))[:n]
@@ -114,7 +208,7 @@ class ScriptedEngine:
             await anyio.sleep(self.delay_s)
         else:
             await anyio.lowlevel.checkpoint()
-        ids = self._next_ids(session_id)
+        ids = self._next_ids(session_id, input_ids)
         stops = set(sampling.stop_token_ids)
         if self.stop_id is not None:
             stops.add(self.stop_id)

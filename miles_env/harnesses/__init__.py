@@ -17,6 +17,8 @@ __all__ = ["HARNESSES", "get_harness"]
 # name -> "module:factory"
 HARNESSES: dict[str, str] = {
     "builtin": "miles_env.harnesses.builtin:BuiltinHarness",
+    "claude-code": "miles_env.harnesses.claude_code:ClaudeCodeHarness",  # the real Claude Code CLI
+    "codex": "miles_env.harnesses.codex:CodexHarness",  # the real Codex CLI
     "framework": "miles_env.adapters.harness:FrameworkHarness",  # a framework adapter's own agent loop
 }
 

@@ -1,0 +1,190 @@
+"""Shared machinery of the agent-CLI harnesses (Claude Code, Codex): install once, run in a sandbox.
+
+Concept: a CLI is an npm package pinned to one version (`CliPackage`), installed
+with npm into `${MILES_ENV_CACHE:-~/.cache/miles-env}/clis/<name>-<version>` the
+first time it is needed (scripts/install-clis.sh makes the same layout). A run
+bind-mounts that directory read-only into the sandbox at `/.miles-cli/<name>`,
+gives the CLI a private HOME under the sandbox's /tmp, points it at the TITO
+session through `sandbox.expose()` (the sandbox has no other network) and execs
+its native binary with one wall-clock budget.
+
+Invariants: an install is complete iff its `.complete` marker exists (written
+last, under a file lock, so concurrent episodes install once); a run never
+raises for what the CLI does: hang, crash or budget kill all come back as a
+`CliRun`, which `cli_status` maps to an episode status. The sandbox (its pid
+namespace) takes the CLI's processes with it when the exec ends.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from miles_env.errors import HarnessError, SandboxError
+from miles_env.sandbox import Sandbox
+from miles_env.types import Status
+
+__all__ = [
+    "CliPackage",
+    "CliRun",
+    "CLAUDE_CODE",
+    "CODEX",
+    "cli_cache_root",
+    "ensure_cli",
+    "mount_cli",
+    "run_cli",
+    "cli_status",
+    "last_json",
+]
+
+INNER_ROOT = "/.miles-cli"  # where install dirs appear inside the sandbox
+HOME = "/tmp/.agent-home"  # private per sandbox (its /tmp), writable, gone with the sandbox
+
+
+@dataclass(frozen=True, slots=True)
+class CliPackage:
+    name: str  # cache dir prefix and log name
+    package: str  # npm package
+    version: str  # pinned; keep in sync with scripts/install-clis.sh
+    binary: str  # native executable, relative to the install dir
+    path_dirs: tuple[str, ...] = ()  # extra PATH entries (relative), e.g. codex's bundled rg
+
+    def inner(self, rel: str = "") -> str:
+        base = f"{INNER_ROOT}/{self.name}"
+        return f"{base}/{rel}" if rel else base
+
+
+CLAUDE_CODE = CliPackage(
+    "claude-code",
+    "@anthropic-ai/claude-code",
+    "2.1.332",
+    "node_modules/@anthropic-ai/claude-code/bin/claude.exe",
+)
+_CODEX_VENDOR = "node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl"
+CODEX = CliPackage(
+    "codex",
+    "@openai/codex",
+    "0.171.0",
+    f"{_CODEX_VENDOR}/bin/codex",
+    (f"{_CODEX_VENDOR}/codex-path",),
+)
+
+
+def cli_cache_root() -> Path:
+    root = os.environ.get("MILES_ENV_CACHE") or os.path.join(Path.home(), ".cache", "miles-env")
+    return Path(root) / "clis"
+
+
+def _install_blocking(pkg: CliPackage, target: Path, npm: str | None) -> Path:
+    marker = target / ".complete"
+    if marker.exists():
+        return target
+    missing = [tool for tool in ("node", "npm") if shutil.which(tool) is None]
+    npm_bin = npm or shutil.which("npm")
+    if npm is None and missing:
+        raise HarnessError(
+            f"harness {pkg.name!r} needs {pkg.package}@{pkg.version}, which is not installed in {target}, "
+            f"and {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on PATH: install "
+            "Node.js >= 18 with npm, or run scripts/install-clis.sh on a machine that has them"
+        )
+    target.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one installer per version; the others wait, then see the marker
+        if marker.exists():
+            return target
+        argv = [str(npm_bin), "install", "--prefix", str(target), "--no-audit", "--no-fund"]
+        argv += ["--loglevel=error", f"{pkg.package}@{pkg.version}"]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise HarnessError(
+                f"npm install {pkg.package}@{pkg.version} into {target} failed "
+                f"(exit {proc.returncode}): {proc.stderr.strip()[-800:]}"
+            )
+        if not os.access(target / pkg.binary, os.X_OK):
+            raise HarnessError(f"{pkg.package}@{pkg.version}: no executable at {target / pkg.binary}")
+        marker.touch()
+    return target
+
+
+async def ensure_cli(pkg: CliPackage, *, cache_root: Path | None = None, npm: str | None = None) -> Path:
+    """The install dir of `pkg`, installing it with npm first if needed (HarnessError if impossible)."""
+    target = (cache_root or cli_cache_root()) / f"{pkg.name}-{pkg.version}"
+    return await anyio.to_thread.run_sync(_install_blocking, pkg, target, npm)
+
+
+def mount_cli(sandbox: Sandbox, pkg: CliPackage, install_dir: Path) -> None:
+    mount = getattr(sandbox, "mount_ro", None)
+    if mount is None:
+        raise SandboxError(
+            f"harness {pkg.name!r}: sandbox {type(sandbox).__name__} cannot mount the CLI read-only "
+            "(no mount_ro); use the 'local' sandbox provider"
+        )
+    mount(str(install_dir), pkg.inner())
+
+
+@dataclass(frozen=True, slots=True)
+class CliRun:
+    argv: tuple[str, ...]
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    killed_by_limit: str | None
+    duration_s: float
+    started_at: float  # time.time() when the exec began (to compare with the session's first turn)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+async def run_cli(
+    sandbox: Sandbox,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    budget_s: float,
+) -> CliRun:
+    """Exec the CLI in the sandbox under a wall-clock budget; never raises for the CLI's own failure."""
+    started = time.time()
+    res = await sandbox.exec(list(argv), timeout=budget_s, env=dict(env), stdin=b"")
+    return CliRun(
+        tuple(argv),
+        res.exit_code,
+        res.stdout,
+        res.stderr,
+        res.timed_out,
+        res.killed_by_limit,
+        res.duration_s,
+        started,
+    )
+
+
+def cli_status(run: CliRun) -> tuple[Status, str | None]:
+    """Budget kill -> TRUNCATED; crash, signal or nonzero exit -> ABORTED; exit 0 -> COMPLETED."""
+    if run.timed_out:
+        return Status.TRUNCATED, f"CLI wall-clock budget exceeded after {run.duration_s:.1f}s"
+    if run.killed_by_limit:
+        return Status.ABORTED, f"CLI killed by the sandbox {run.killed_by_limit} limit"
+    if run.exit_code != 0:
+        tail = run.stderr.strip()[-400:] or run.stdout.strip()[-400:]
+        return Status.ABORTED, f"CLI exited with status {run.exit_code}: {tail}"
+    return Status.COMPLETED, None
+
+
+def last_json(text: str) -> Any:
+    """The last line of `text` that parses as a JSON object, else None (CLIs print JSON last)."""
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None

@@ -1,0 +1,112 @@
+"""The `claude-code` harness: the real Claude Code CLI, unmodified, acting inside the sandbox.
+
+Lifecycle of one run: install (cached) -> mount the install dir read-only ->
+expose the TITO session root inside the sandbox -> `claude -p TASK --output-format
+json` with a private HOME, the session key and telemetry/non-essential traffic
+off -> exit status and Claude Code's own JSON result into the metadata.
+
+Claude Code speaks Anthropic Messages (`POST {ANTHROPIC_BASE_URL}/v1/messages`),
+so it gets the session *root* URL; its tool calls (Bash, Write, ...) run in the
+sandbox because the CLI itself runs there. It runs as the sandbox's root user,
+hence IS_SANDBOX=1 with --dangerously-skip-permissions (no approval prompts).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from miles_env.harness import Endpoint, HarnessResult
+from miles_env.harnesses._cli import CLAUDE_CODE, HOME, cli_status, ensure_cli, last_json, mount_cli, run_cli
+from miles_env.sandbox import Sandbox
+from miles_env.types import Status, Task
+
+__all__ = ["ClaudeCodeConfig", "ClaudeCodeHarness"]
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class ClaudeCodeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    budget_s: float = Field(300.0, gt=0, description="wall-clock budget of one CLI run")
+    max_turns: int | None = Field(None, ge=1, description="Claude Code --max-turns")
+    tools: str | None = Field(
+        None, description="Claude Code --tools (built-in tools offered, e.g. 'Bash'); None = all"
+    )
+    binary: str | None = Field(
+        None, description="inner path of the executable (fault injection); None = pinned"
+    )
+    extra_args: tuple[str, ...] = ()
+    extra_env: dict[str, str] = Field(default_factory=dict)
+
+
+class ClaudeCodeHarness:
+    name = "claude-code"
+
+    def __init__(self, config: ClaudeCodeConfig | None = None, **overrides: Any) -> None:
+        base = (config or ClaudeCodeConfig()).model_dump()
+        self.config = ClaudeCodeConfig(**{**base, **overrides})
+
+    def argv(self, task: Task, endpoint: Endpoint) -> list[str]:
+        cfg = self.config
+        argv = [cfg.binary or CLAUDE_CODE.inner(CLAUDE_CODE.binary), "-p", task.instruction]
+        argv += ["--output-format", "json", "--dangerously-skip-permissions", "--model", endpoint.model]
+        if cfg.max_turns is not None:
+            argv += ["--max-turns", str(cfg.max_turns)]
+        if cfg.tools is not None:
+            argv += ["--tools", cfg.tools]
+        return argv + list(cfg.extra_args)
+
+    def env(self, root_url: str, endpoint: Endpoint) -> dict[str, str]:
+        return {
+            "PATH": DEFAULT_PATH,
+            "HOME": HOME,
+            "ANTHROPIC_BASE_URL": root_url,
+            "ANTHROPIC_API_KEY": endpoint.api_key,
+            "DISABLE_TELEMETRY": "1",
+            "DISABLE_ERROR_REPORTING": "1",
+            "DISABLE_AUTOUPDATER": "1",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "IS_SANDBOX": "1",
+            **self.config.extra_env,
+        }
+
+    async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint) -> HarnessResult:
+        t0 = time.time()
+        install_dir = await ensure_cli(CLAUDE_CODE)
+        mount_cli(sandbox, CLAUDE_CODE, install_dir)
+        root = endpoint.root_url or endpoint.base_url.removesuffix("/v1")
+        inner_root = await sandbox.expose(root)
+        await sandbox.exec(["mkdir", "-p", HOME], timeout=30)
+        prepared = time.time()
+        run = await run_cli(
+            sandbox, self.argv(task, endpoint), self.env(inner_root, endpoint), self.config.budget_s
+        )
+        status, error = cli_status(run)
+        output = last_json(run.stdout)
+        if status is Status.COMPLETED and isinstance(output, dict) and output.get("is_error"):
+            # Claude Code exits 0 on some failures (max turns, API errors) and says so in its JSON.
+            sub = str(output.get("subtype", ""))
+            status = Status.TRUNCATED if "max_turns" in sub else Status.ABORTED
+            error = f"Claude Code result {sub or 'error'}: {str(output.get('result', ''))[:400]}"
+        metadata = {
+            "cli": CLAUDE_CODE.name,
+            "version": CLAUDE_CODE.version,
+            "exit_code": run.exit_code,
+            "timed_out": run.timed_out,
+            "output": output,
+            "stderr_tail": run.stderr[-2000:],
+            "prepare_s": prepared - t0,
+            "cli_start": run.started_at,
+            "cli_s": run.duration_s,
+        }
+        if output is None:
+            metadata["stdout_tail"] = run.stdout[-2000:]
+        final = output.get("result") if isinstance(output, dict) else None
+        transcript = [{"role": "user", "content": task.instruction}]
+        if isinstance(final, str):
+            transcript.append({"role": "assistant", "content": final})
+        return HarnessResult(status, transcript, error, metadata)

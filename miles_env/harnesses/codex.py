@@ -1,0 +1,156 @@
+"""The `codex` harness: the real Codex CLI, unmodified, acting inside the sandbox.
+
+Lifecycle of one run: install (cached) -> mount the install dir read-only ->
+expose the TITO session inside the sandbox -> write `$CODEX_HOME/config.toml`
+with a custom provider (Responses wire API at the exposed `/v1`, key from an env
+var) -> `codex exec --json TASK < /dev/null` -> exit status and Codex's JSONL
+events into the metadata.
+
+Why a custom provider: Codex ignores OPENAI_BASE_URL and its built-in provider
+tries a WebSocket first; a custom provider speaks plain streamed Responses. Codex
+runs its shell tool (`exec_command`) in the sandbox because the CLI itself runs
+there; its own sandboxing is off (bwrap is the sandbox).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from miles_env.harness import Endpoint, HarnessResult
+from miles_env.harnesses._cli import CODEX, HOME, cli_status, ensure_cli, mount_cli, run_cli
+from miles_env.sandbox import Sandbox
+from miles_env.types import Task
+
+__all__ = ["CodexConfig", "CodexHarness", "codex_config_toml"]
+
+CODEX_HOME = f"{HOME}/.codex"
+KEY_VAR = "TITO_API_KEY"
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class CodexConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    budget_s: float = Field(300.0, gt=0, description="wall-clock budget of one CLI run")
+    binary: str | None = Field(
+        None, description="inner path of the executable (fault injection); None = pinned"
+    )
+    extra_args: tuple[str, ...] = ()
+    extra_env: dict[str, str] = Field(default_factory=dict)
+    extra_config: str = Field("", description="TOML appended to config.toml")
+
+
+def _q(value: str) -> str:
+    return json.dumps(value)  # a JSON string is a valid TOML basic string
+
+
+def codex_config_toml(base_url: str, model: str, extra: str = "") -> str:
+    """config.toml pointing Codex at `base_url` (…/v1) with the key in $TITO_API_KEY."""
+    lines = [
+        f"model = {_q(model)}",
+        'model_provider = "tito"',
+        'approval_policy = "never"',
+        'sandbox_mode = "danger-full-access"',
+        "check_for_update_on_startup = false",
+        "",
+        "[model_providers.tito]",
+        'name = "tito"',
+        f"base_url = {_q(base_url)}",
+        'wire_api = "responses"',
+        f"env_key = {_q(KEY_VAR)}",
+        "request_max_retries = 0",
+        "stream_max_retries = 0",
+        "",
+        "[analytics]",
+        "enabled = false",
+        "",
+    ]
+    return "\n".join(lines) + (extra + "\n" if extra else "")
+
+
+def parse_events(stdout: str) -> list[dict[str, Any]]:
+    out = []
+    for line in stdout.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def _final_message(events: list[dict[str, Any]]) -> str | None:
+    for ev in reversed(events):
+        item = ev.get("item")
+        if (
+            ev.get("type") == "item.completed"
+            and isinstance(item, dict)
+            and item.get("type") == "agent_message"
+        ):
+            text = item.get("text")
+            return text if isinstance(text, str) else None
+    return None
+
+
+class CodexHarness:
+    name = "codex"
+
+    def __init__(self, config: CodexConfig | None = None, **overrides: Any) -> None:
+        base = (config or CodexConfig()).model_dump()
+        self.config = CodexConfig(**{**base, **overrides})
+
+    def argv(self, task: Task) -> list[str]:
+        binary = self.config.binary or CODEX.inner(CODEX.binary)
+        argv = [
+            binary,
+            "exec",
+            "--skip-git-repo-check",
+            "--dangerously-bypass-approvals-and-sandbox",
+            "--json",
+        ]
+        return argv + list(self.config.extra_args) + [task.instruction]
+
+    def env(self, endpoint: Endpoint) -> dict[str, str]:
+        path = ":".join([*(CODEX.inner(d) for d in CODEX.path_dirs), DEFAULT_PATH])
+        return {
+            "PATH": path,
+            "HOME": HOME,
+            "CODEX_HOME": CODEX_HOME,
+            KEY_VAR: endpoint.api_key,
+            "NO_COLOR": "1",
+        }
+
+    async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint) -> HarnessResult:
+        t0 = time.time()
+        install_dir = await ensure_cli(CODEX)
+        mount_cli(sandbox, CODEX, install_dir)
+        inner_v1 = await sandbox.expose(endpoint.base_url)
+        await sandbox.exec(["mkdir", "-p", CODEX_HOME], timeout=30)
+        toml = codex_config_toml(inner_v1, endpoint.model, self.config.extra_config)
+        await sandbox.write_file(f"{CODEX_HOME}/config.toml", toml)
+        prepared = time.time()
+        env = {**self.env(endpoint), **self.config.extra_env}
+        run = await run_cli(sandbox, self.argv(task), env, self.config.budget_s)
+        status, error = cli_status(run)
+        events = parse_events(run.stdout)
+        final = _final_message(events)
+        metadata = {
+            "cli": CODEX.name,
+            "version": CODEX.version,
+            "exit_code": run.exit_code,
+            "timed_out": run.timed_out,
+            "output": events,
+            "stderr_tail": run.stderr[-2000:],
+            "prepare_s": prepared - t0,
+            "cli_start": run.started_at,
+            "cli_s": run.duration_s,
+        }
+        transcript = [{"role": "user", "content": task.instruction}]
+        if final is not None:
+            transcript.append({"role": "assistant", "content": final})
+        return HarnessResult(status, transcript, error, metadata)
