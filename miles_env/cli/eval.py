@@ -90,9 +90,23 @@ async def _run(
     return summary
 
 
+def parse_opts(pairs: list[str] | None, flag: str) -> dict[str, Any]:
+    """`key=value` pairs; a value that parses as JSON (numbers, true, lists) is taken as such."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"{flag} {pair!r}: expected key=value")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def eval_command(
     env: Annotated[str, typer.Option("--env", help="environment name (see `miles-env env list`)")],
-    harness: Annotated[str, typer.Option(help="builtin")] = "builtin",
+    harness: Annotated[str, typer.Option(help="builtin | claude-code | codex | framework")] = "builtin",
     split: Annotated[str, typer.Option(help="task split")] = "test",
     n: Annotated[int | None, typer.Option("--n", help="number of tasks (default: all in the split)")] = None,
     rollouts: Annotated[int, typer.Option("--rollouts", "-r", help="episodes per task")] = 1,
@@ -105,12 +119,19 @@ def eval_command(
     sandbox: Annotated[str, typer.Option(help="sandbox provider")] = "local",
     out: Annotated[Path, typer.Option(help="output directory")] = Path("runs/eval"),
     as_json: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
+    engine_opt: Annotated[
+        list[str] | None,
+        typer.Option("--engine-opt", help="engine config key=value (e.g. script=policy.json)"),
+    ] = None,
+    harness_opt: Annotated[
+        list[str] | None, typer.Option("--harness-opt", help="harness config key=value (e.g. budget_s=120)")
+    ] = None,
 ) -> None:
     """Run episodes with a harness through the TITO proxy and report the pass rate."""
-    engine_cfg: dict[str, Any] = {"kind": engine, "model": model}
+    engine_cfg: dict[str, Any] = {"kind": engine, "model": model, **parse_opts(engine_opt, "--engine-opt")}
     if url:
         engine_cfg["url"] = url
-    harness_cfg: dict[str, Any] = {}
+    harness_cfg: dict[str, Any] = parse_opts(harness_opt, "--harness-opt")
     if max_turns is not None:
         harness_cfg["max_turns"] = max_turns
     if temperature is not None:

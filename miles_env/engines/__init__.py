@@ -38,6 +38,8 @@ class EngineConfig(BaseModel):
     prefill_chunk_tokens: int = Field(default=512, ge=16)
     threads: int | None = Field(default=None, ge=0)
     seed: int | None = None
+    # scripted: a policy file (see scripted.load_policy); its prompts may be long (agent CLIs)
+    script: str | None = None
 
 
 async def build_engine(cfg: EngineConfig | None = None) -> Engine:
@@ -74,4 +76,9 @@ async def build_engine(cfg: EngineConfig | None = None) -> Engine:
     from miles_env.models import load_tokenizer
 
     tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model)
-    return ScriptedEngine(tokenizer)  # type: ignore[no-any-return,unused-ignore]
+    if cfg.script is None:
+        return ScriptedEngine(tokenizer)  # type: ignore[no-any-return,unused-ignore]
+    from miles_env.engines.scripted import load_policy
+
+    policy = load_policy(cfg.script)
+    return ScriptedEngine(tokenizer, policy=policy, max_context=cfg.max_context or 1 << 20)  # type: ignore[no-any-return,unused-ignore]

@@ -40,6 +40,7 @@ __all__ = [
     "ScriptedPolicy",
     "PolicyRule",
     "load_policy",
+    "oracle_policy",
     "pseudo_logprob",
     "shell_tool_call",
 ]
@@ -241,3 +242,14 @@ class ScriptedEngine:
 
     async def close(self) -> None:
         return None
+
+
+def oracle_policy(pairs: Iterable[tuple[str, str]], check: str = "ls -la") -> dict[str, Any]:
+    """A policy file's JSON for (instruction, shell solution) pairs: run it, look, say done.
+
+    Two tool calls per task (the solution, then `check`), matched on the instruction
+    text, so one file drives a whole split through any harness with a shell tool.
+    """
+    ordered = sorted(pairs, key=lambda p: -len(p[0]))  # a longer instruction may contain a shorter one
+    rules = [{"match": i, "replies": [{"shell": s}, {"shell": check}, "Done."]} for i, s in ordered]
+    return {"rules": rules}
