@@ -181,11 +181,21 @@ class WorkerClient:
             await self._proc.stdin.send(data)
 
     async def _ensure(self) -> None:
+        if self._loop != _loop_id():
+            self._abandon()
         async with self._lock:
-            if self._proc is not None and (self._dead is not None or self._loop != _loop_id()):
+            if self._proc is not None and self._dead is not None:
                 await self._kill("restart")
             if self._proc is None:
                 await self._start()
+
+    def _abandon(self) -> None:
+        """Drop a worker started under another (finished) event loop: kill it by pid, start afresh."""
+        if self._proc is not None:
+            _killpg(self._proc.pid)
+        self._proc, self.ready_info, self._tasks = None, {}, set()
+        self._lock, self._write_lock, self._ready = anyio.Lock(), anyio.Lock(), anyio.Event()
+        self._pending, self._dead, self._loop = {}, None, _loop_id()
 
     async def call(self, method: str, params: Any = None, *, timeout: float = 600.0) -> Any:
         """Send one request and wait for its answer; WorkerError on crash, hang or garbage."""
@@ -246,6 +256,9 @@ class WorkerClient:
         task.add_done_callback(self._tasks.discard)
 
     async def aclose(self) -> None:
+        if self._loop != _loop_id():  # started under a loop that has ended: nothing to await on
+            self._abandon()
+            return
         async with self._lock:
             await self._kill("closed")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import anyio
 from miles_env.adapters.base import WorkerClient, WorkerError, python_argv
 from miles_env.adapters.venv import get_spec, venv_python
 
@@ -27,7 +28,7 @@ from miles_env.harness import Endpoint, HarnessResult
 from miles_env.sandbox import Sandbox
 from miles_env.types import Reward, Status, Task
 
-__all__ = ["FrameworkHarness", "worker_for", "framework_reward", "FRAMEWORK_ROLE"]
+__all__ = ["FrameworkHarness", "worker_for", "close_workers", "framework_reward", "FRAMEWORK_ROLE"]
 
 FRAMEWORK_ROLE = "framework"
 _POOL: dict[tuple[str, str, str], WorkerClient] = {}
@@ -49,6 +50,12 @@ def worker_for(adapter: str, script: str, *args: str, argv: list[str] | None = N
         client = WorkerClient(argv, env=spec.env, name=adapter)
         _POOL[key] = client
     return client
+
+
+async def close_workers() -> None:
+    """Close every pooled worker (call before the event loop that started them ends)."""
+    for client in list(_POOL.values()):
+        await client.aclose()
 
 
 def framework_reward(task: Task, transcript: Transcript) -> Reward:
@@ -76,3 +83,9 @@ class FrameworkHarness:
             return await module.run_episode(task, sandbox, endpoint, **self.config)  # type: ignore[no-any-return]
         except (WorkerError, MilesEnvError) as e:
             return HarnessResult(Status.FAILED, [], f"{type(e).__name__}: {e}")
+        except (anyio.get_cancelled_exc_class(), KeyboardInterrupt):
+            raise
+        except Exception as e:  # a malformed answer (missing key, wrong type) is a failed episode too
+            return HarnessResult(
+                Status.FAILED, [], f"adapter {adapter!r}: unexpected {type(e).__name__}: {e}"
+            )

@@ -7,7 +7,7 @@ subprocess runtime, with the model client's base URL set to the episode's TITO
 session: every model token is captured by our proxy. The reward is the taskset's own
 (`trace.reward`, the weighted sum of its `@vf.reward` functions).
 
-Tasks: every task in split `test` (append `?split=train` to put them in `train`).
+Tasks: every task in split `test` (`verifiers:...?split=train` puts them in `train`).
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ def worker_args(ref: str) -> tuple[str, ...]:
 
 class VerifiersEnvironment(Environment):
     def __init__(self, ref: str, name: str | None = None) -> None:
-        ref, _, split = ref.partition("?split=")
-        self.ref, self.split = ref, split or "test"
+        self.ref, self.split = ref, "test"
         self.splits = (self.split,)
         self.name = name or f"verifiers:{ref}"
         self.description = f"verifiers taskset {ref}"

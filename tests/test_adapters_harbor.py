@@ -122,6 +122,7 @@ def test_builtin_harness_episode(tmp_path: Path) -> None:
 def test_harbor_own_trial_on_our_sandbox(tmp_path: Path) -> None:
     """Harbor's Trial (harbor venv) with our local sandbox as its environment (import_path)."""
     from miles_env.adapters.harbor_trial import run_harbor_trial
+    from miles_env.adapters.harness import close_workers
     from miles_env.adapters.venv import install
     from miles_env.sandboxes import get_provider
 
@@ -130,13 +131,24 @@ def test_harbor_own_trial_on_our_sandbox(tmp_path: Path) -> None:
 
     async def main() -> list[dict]:
         provider = get_provider("local")
-        return [
+        out = [
             await run_harbor_trial(task_dir, agent, provider, trials_dir=tmp_path / "trials")
             for agent in ("oracle", "nop")
         ]
+        await close_workers()
+        return out
 
     oracle, nop = anyio.run(main)
     assert oracle["exception"] is None and oracle["rewards"] == {"reward": 1.0}
     assert nop["exception"] is None and nop["rewards"] == {"reward": 0.0}
     # Harbor's own record of the trial exists on disk.
     assert (Path(oracle["trial_uri"].removeprefix("file://")) / "result.json").is_file()
+
+
+def test_split_override_for_training(tmp_path: Path) -> None:
+    make_task(tmp_path)
+    name = f"harbor:{tmp_path}?split=train"
+    env = load_environment(name)
+    assert validate_environment(env) == {"train": 1}
+    (task,) = env.tasks("train")
+    assert task.split == "train" and task.env == name and env.tasks("test") == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+from miles_env.adapters.harness import close_workers
 
 from miles_env.harnesses import get_harness
 from miles_env.registry import load_environment
@@ -30,6 +31,7 @@ def test_nemo_gym_episode_reward_and_tokens() -> None:
         async with open_stack(StackConfig(), engine=engine) as stack:
             ctx = stack.rollout_context(env, get_harness("framework"))
             eps = [await run_episode(ctx, task), await run_episode(ctx, task)]
+        await close_workers()
         return eps, engine
 
     (ep_hit, ep_miss), engine = anyio.run(main)

@@ -7,6 +7,7 @@ from pathlib import Path
 import anyio
 import miles_env.adapters as adapters_pkg
 import pytest
+from miles_env.adapters.harness import close_workers
 
 from miles_env.harnesses import get_harness
 from miles_env.registry import load_environment
@@ -36,6 +37,7 @@ def test_openenv_episode_reward_and_tokens() -> None:
         async with open_stack(StackConfig(), engine=engine) as stack:
             ctx = stack.rollout_context(env, harness)
             eps = [await run_episode(ctx, hit), await run_episode(ctx, miss)]
+        await close_workers()
         return eps, engine
 
     (ep_hit, ep_miss), engine = anyio.run(main)
@@ -52,3 +54,58 @@ def test_openenv_episode_reward_and_tokens() -> None:
         if m
     ]
     assert sampled == [t for g in engine.generations for t in g.output_ids]
+
+
+GARBAGE_WORKER = """
+import sys
+sys.path.insert(0, {workers!r})
+import _rpc
+
+async def anything(p):
+    _rpc._out.write("<html>500 Internal Server Error</html>\\n")
+    _rpc._out.flush()
+    return None
+
+_rpc.serve({{"info": anything, "reset": anything, "step": anything, "close": anything}})
+"""
+
+
+@pytest.mark.slow
+def test_broken_worker_fails_its_episode_and_the_run_goes_on(tmp_path: Path) -> None:
+    """run_many over [broken worker, real worker]: the first episode fails with the error, the second passes."""
+    import sys
+
+    from miles_env.adapters.base import WORKERS_DIR, WorkerClient
+    from miles_env.adapters.harness import _POOL
+    from miles_env.adapters.venv import install
+
+    from miles_env.engines.scripted import ScriptedEngine
+    from miles_env.models import load_tokenizer
+    from miles_env.rollout import run_many
+    from miles_env.stack import StackConfig, open_stack
+
+    install("openenv")
+    env = load_environment(f"openenv:{GUESS}:app")
+    good = {t.id: t for t in env.tasks()}["seed-1"]
+    bad = good.model_copy(update={"id": "broken", "metadata": {**good.metadata, "target": "BROKEN"}})
+    script = tmp_path / "garbage_worker.py"
+    script.write_text(GARBAGE_WORKER.format(workers=str(WORKERS_DIR)))
+    _POOL[("openenv", "openenv_worker.py", "BROKEN")] = WorkerClient([sys.executable, "-u", str(script)])
+
+    async def main() -> list:
+        engine = ScriptedEngine(load_tokenizer("smollm2"), ["river"])
+        async with open_stack(StackConfig(), engine=engine) as stack:
+            ctx = stack.rollout_context(env, get_harness("framework"))
+            eps = await run_many(ctx, [bad, good], concurrency=2)
+        await close_workers()
+        return eps
+
+    try:
+        eps = {e.task_id: e for e in anyio.run(main)}
+    finally:
+        _POOL.pop(("openenv", "openenv_worker.py", "BROKEN"), None)
+    assert eps["broken"].status is Status.FAILED
+    assert "protocol error: not JSON" in (eps["broken"].error or "")
+    assert eps["broken"].score == 0.0
+    assert eps["seed-1"].status is Status.COMPLETED, eps["seed-1"].error
+    assert eps["seed-1"].score == 1.0

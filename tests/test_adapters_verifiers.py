@@ -7,6 +7,7 @@ from pathlib import Path
 import anyio
 import miles_env.adapters as adapters_pkg
 import pytest
+from miles_env.adapters.harness import close_workers
 
 from miles_env.harnesses import get_harness
 from miles_env.registry import load_environment
@@ -35,6 +36,7 @@ def test_verifiers_episode_reward_and_tokens() -> None:
         async with open_stack(StackConfig(), engine=engine) as stack:
             ctx = stack.rollout_context(env, get_harness("framework"))
             eps = [await run_episode(ctx, by_id["say-river"]), await run_episode(ctx, by_id["say-apple"])]
+        await close_workers()
         return eps, engine
 
     (ep_hit, ep_miss), engine = anyio.run(main)

@@ -40,8 +40,19 @@ def install_command(
 @app.command("list")
 def list_command(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Installed framework venvs (and the ones that are not)."""
+    from pathlib import Path
+
+    import miles_env.adapters as pkg
     from miles_env.adapters.venv import FRAMEWORKS, cache_root, installed
 
+    ex = Path(pkg.__file__).parent / "examples"
+    examples = {
+        "harbor": "harbor:/path/to/tasks --harness builtin   (native: no install needed)",
+        "hud": f"hud:{ex / 'hud_say_word.py'} --harness framework",
+        "nemo-gym": "nemo-gym:mcqa --harness framework",
+        "openenv": f"openenv:{ex / 'openenv_guess.py'}:app --harness framework",
+        "verifiers": f"verifiers:{ex / 'vf_say_word.py'} --harness framework",
+    }
     infos = {i.name: i for i in installed()}
     if as_json:
         typer.echo(json.dumps([i.to_dict() for i in infos.values()]))
@@ -51,3 +62,4 @@ def list_command(as_json: Annotated[bool, typer.Option("--json")] = False) -> No
         i = infos.get(name)
         state = f"installed ({', '.join(i.packages)}, Python {i.python_version})" if i else "not installed"
         typer.echo(f"{name:10s} {state}   pin: {', '.join(spec.packages)}")
+        typer.echo(f"{'':10s} e.g. miles-env eval --env {examples[name]}")
