@@ -61,6 +61,9 @@ def test_zero_kl_learning_direction_and_disk_sync(tmp_path: Path) -> None:
             "smollm2", TrainerConfig(lr=1e-5, temperature=T, max_tokens_per_microbatch=512)
         )
         d = diffs(trainer, [good, bad])
+        print(
+            f"zero-KL check: {d.numel()} tokens, mean |diff| {float(d.mean()):.2e}, max {float(d.max()):.2e}"
+        )
         assert float(d.mean()) < 1e-4, f"zero-KL check: mean |trainer - engine| = {float(d.mean())}"
         before = float(trainer.logprobs([good])[0][torch.tensor(good.loss_mask).bool()].sum())
         group = [
