@@ -39,6 +39,9 @@ class TrainerConfig(BaseModel):
     device: str = "auto"  # "auto" = cuda when available, else cpu
     seed: int = 0
     keep_checkpoints: int = Field(2, ge=1)
+    skip_zero_advantage: bool = Field(
+        True, description="drop samples whose advantage is 0 (groups with one reward): no gradient, all cost"
+    )
 
     @model_validator(mode="after")
     def _clip_range(self) -> TrainerConfig:

@@ -60,12 +60,16 @@ class Sample:
 
 def flatten_groups(groups: Sequence[Sequence[Episode]], config: TrainerConfig) -> list[Sample]:
     """One Sample per Trajectory; advantages are computed over each group's episode rewards.
-    Samples with no trainable token are dropped (they carry no gradient)."""
+    Samples with no trainable token, or (by default) with a zero advantage, are dropped: they carry
+    no gradient. With token-mean aggregation this also leaves them out of the normaliser (as DAPO's
+    dynamic sampling does)."""
     out = []
     for group in groups:
         rewards = torch.tensor([ep.score for ep in group], dtype=torch.float64)
         adv = group_advantages(rewards, config.advantage, config.adv_eps).tolist()
         for ep, a in zip(group, adv, strict=True):
+            if config.skip_zero_advantage and a == 0.0:
+                continue
             for traj in ep.samples:
                 if any(traj.loss_mask[1:]):
                     out.append(Sample(traj.token_ids, traj.loss_mask, traj.logprobs, float(a), ep.score))
@@ -244,8 +248,10 @@ class TorchTrainer:
             "loss_tokens": float(acc.mask_tokens),
             "tokens_per_s": n_tokens / dt if dt > 0 else 0.0,
             "step_time_s": dt,
-            "logprob_diff_mean": acc.diff_sum / denom,
-            "logprob_diff_max": acc.diff_max,
+            # NaN when every group had a single reward (nothing trained, nothing to compare)
+            "logprob_diff_mean": acc.diff_sum / denom if acc.mask_tokens else float("nan"),
+            "logprob_diff_max": acc.diff_max if acc.mask_tokens else float("nan"),
+            "skipped_samples": float(sum(len(ep.samples) for g in groups for ep in g) - len(samples)),
         }
 
     def _clip_and_step(self) -> float:
