@@ -156,3 +156,51 @@ def test_checkpoint_roundtrip_and_export(tiny: Path, tmp_path: Path) -> None:
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, mine[name]), name
     assert dict(t2.named_parameters()).keys() <= mine.keys()
+
+
+def test_train_from_queue_checkpoints_acks_and_filters_stale(tiny: Path, tmp_path: Path) -> None:
+    import anyio
+    from miles_env.trainer.loop import train_from_queue
+
+    from miles_env.queue import SqliteReplayQueue
+
+    a, b = rollouts(tiny)
+    q = SqliteReplayQueue(tmp_path / "queue.db", group_size=2)
+
+    def put_group(g: str, version: int) -> None:
+        for i, (traj, r) in enumerate(((a, 1.0), (b, 0.0))):
+            turns = [t.model_copy(update={"weight_version": version}) for t in traj.turns]
+            q.put(episode(f"{g}-{i}", g, traj.model_copy(update={"turns": turns}), r), block=False)
+
+    for g in range(4):
+        put_group(f"g{g}", 0)
+    seen: list[tuple[int, float]] = []
+
+    async def on_step(step: int, metrics: dict[str, float]) -> None:
+        seen.append((step, metrics["loss_tokens"]))
+
+    trainer = TorchTrainer(tiny, TrainerConfig(lr=1e-3))
+    ckpt = tmp_path / "ckpt"
+    assert (
+        anyio.run(
+            lambda: train_from_queue(q, trainer, steps=2, groups_per_step=2, ckpt_dir=ckpt, on_step=on_step)
+        )
+        == 2
+    )
+    assert seen == [(1, 42.0), (2, 42.0)]
+    assert q.stats().acked_groups == 4
+    extra = TorchTrainer(tiny).load_checkpoint(ckpt)
+    assert extra is not None and extra["trained_episode_ids"] == ["g2-0", "g2-1", "g3-0", "g3-1"]
+    assert len(extra["lease_ids"]) == 2
+
+    put_group("old", 0)
+    put_group("new", 9)
+    final = anyio.run(
+        lambda: train_from_queue(
+            q, trainer, steps=3, groups_per_step=1, ckpt_dir=ckpt, max_staleness=2, current_version=lambda: 10
+        )
+    )
+    assert final == 3
+    s = q.stats()
+    assert s.stale_groups == 1 and s.stale_dropped_episodes == 2 and s.acked_groups == 5
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000002", "step_00000003"]
