@@ -204,3 +204,13 @@ def test_train_from_queue_checkpoints_acks_and_filters_stale(tiny: Path, tmp_pat
     s = q.stats()
     assert s.stale_groups == 1 and s.stale_dropped_episodes == 2 and s.acked_groups == 5
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000002", "step_00000003"]
+
+
+def test_uniform_groups_skipped_but_counted_in_reward_mean(tiny: Path) -> None:
+    a, b = rollouts(tiny)
+    mixed = [episode("a", "g1", a, 1.0), episode("b", "g1", b, 0.0)]
+    uniform = [episode("c", "g2", a, 1.0), episode("d", "g2", b, 1.0)]
+    m = TorchTrainer(tiny).train_step([mixed, uniform])
+    assert m["reward_mean"] == 0.75 and m["skipped_samples"] == 2 and m["loss_tokens"] == 21
+    m = TorchTrainer(tiny, TrainerConfig(kl_coef=0.1)).train_step([mixed, uniform])
+    assert m["skipped_samples"] == 0 and m["loss_tokens"] == 42  # the KL term still pulls those samples

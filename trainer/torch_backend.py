@@ -68,8 +68,8 @@ def flatten_groups(groups: Sequence[Sequence[Episode]], config: TrainerConfig) -
         rewards = torch.tensor([ep.score for ep in group], dtype=torch.float64)
         adv = group_advantages(rewards, config.advantage, config.adv_eps).tolist()
         for ep, a in zip(group, adv, strict=True):
-            if config.skip_zero_advantage and a == 0.0:
-                continue
+            if config.skip_zero_advantage and a == 0.0 and config.kl_coef == 0.0:
+                continue  # with a KL term the sample still has a gradient (toward the reference)
             for traj in ep.samples:
                 if any(traj.loss_mask[1:]):
                     out.append(Sample(traj.token_ids, traj.loss_mask, traj.logprobs, float(a), ep.score))
@@ -242,7 +242,8 @@ class TorchTrainer:
             "clip_frac": acc.clip / denom,
             "tis_mean": acc.tis / denom,
             "grad_norm": grad_norm,
-            "reward_mean": sum(s.reward for s in samples) / max(len(samples), 1),
+            # over every episode of the step, skipped ones included: it tracks the policy, not the batch
+            "reward_mean": sum(ep.score for g in groups for ep in g) / max(sum(len(g) for g in groups), 1),
             "samples": float(len(samples)),
             "tokens": float(n_tokens),
             "loss_tokens": float(acc.mask_tokens),
