@@ -1,0 +1,96 @@
+"""The real Codex CLI as a harness: in the bwrap sandbox, under the TITO proxy (Responses API).
+
+Same checks as tests/test_harness_claude_code.py: a scripted policy with two
+exec_command calls passes the verifier with an exact, drift-free trajectory; the
+real SmolLM2 engine ends the episode with a status and a trajectory.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from miles_env.engines.scripted import ScriptedEngine
+from miles_env.harnesses import get_harness
+from miles_env.harnesses._cli import CODEX
+from miles_env.harnesses.codex import CodexHarness, codex_config_toml, parse_events
+from miles_env.tito import audit
+from miles_env.types import Status
+from tests.test_harness_claude_code import (  # noqa: F401  (fixtures)
+    TWO_STEP_POLICY,
+    anyio_backend,
+    check_exact,
+    require_cli,
+    run_one,
+    tok,
+    two_step_task,
+)
+from tests.test_tito_support import check_fidelity
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.mark.slow
+async def test_codex_scripted_two_tool_calls(tok: Any, tmp_path: Path) -> None:
+    require_cli(CODEX)
+    engine = ScriptedEngine(tok, policy=TWO_STEP_POLICY, max_context=1 << 20)
+    ep = await run_one("codex", engine, tmp_path / "store", budget_s=120)
+    assert ep.status is Status.COMPLETED, (ep.error, ep.metadata["harness"])
+    assert ep.reward is not None and ep.reward.passed, ep.reward
+    events = ep.metadata["harness"]["output"]
+    commands = [
+        e["item"]
+        for e in events
+        if e.get("type") == "item.completed" and e["item"]["type"] == "command_execution"
+    ]
+    assert [c["exit_code"] for c in commands] == [0, 0] and "first.txt" in commands[0]["command"]
+    assert ep.metadata["transcript"][-1] == {"role": "assistant", "content": "Both files are written."}
+    assert len(engine.generations) == 3
+    # The shell tool Codex offers is exec_command(cmd): the policy's calls used it.
+    assert '"name": "exec_command"' in tok.decode(list(engine.calls[0].input_ids))
+    check_exact(ep, engine, tmp_path / "store")
+
+
+@pytest.mark.slow
+@pytest.mark.model
+async def test_codex_real_smollm2_keeps_the_pipeline(tmp_path: Path) -> None:
+    require_cli(CODEX)
+    from miles_env.engines import EngineConfig, build_engine
+    from tests.test_tito_sessions import _Recording
+
+    engine = _Recording(await build_engine(EngineConfig(kind="hf", max_batch_size=1)))
+    tito = {"budget": {"max_tokens": 96}}  # Codex's prompt is ~6.5k tokens: it fits SmolLM2's 8k context
+    try:
+        ep = await run_one("codex", engine, tmp_path / "store", tito=tito, budget_s=240)
+    finally:
+        await engine.close()
+    assert ep.status in (Status.COMPLETED, Status.TRUNCATED, Status.ABORTED), ep.error
+    assert ep.reward is not None
+    assert "exit_code" in ep.metadata["harness"]
+    if engine.calls:
+        check_fidelity(ep.samples, engine, ep.metadata["session_id"])
+        assert not audit(tmp_path / "store").drifts
+    print(f"codex + SmolLM2: {ep.status} {ep.error} calls={len(engine.calls)} reward={ep.reward}")
+
+
+def test_config_toml_points_at_the_session() -> None:
+    cfg = tomllib.loads(
+        codex_config_toml("http://127.0.0.1:41000/s/abc/v1", "policy", 'model_verbosity = "low"')
+    )
+    assert cfg["model_provider"] == "tito" and cfg["model"] == "policy"
+    provider = cfg["model_providers"]["tito"]
+    assert provider["base_url"] == "http://127.0.0.1:41000/s/abc/v1" and provider["wire_api"] == "responses"
+    assert provider["env_key"] == "TITO_API_KEY" and cfg["model_verbosity"] == "low"
+    h = get_harness("codex", budget_s=3)
+    assert isinstance(h, CodexHarness) and h.config.budget_s == 3
+    argv = h.argv(two_step_task())
+    assert argv[0] == CODEX.inner(CODEX.binary) and argv[-1] == two_step_task().instruction
+    assert "--json" in argv and "--skip-git-repo-check" in argv
+
+
+def test_parse_events_skips_non_json() -> None:
+    out = 'warning: x\n{"type": "turn.started"}\n{broken\n{"type": "turn.completed"}\n'
+    assert [e["type"] for e in parse_events(out)] == ["turn.started", "turn.completed"]
