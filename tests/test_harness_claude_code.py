@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from miles_env.tito import audit
 
 from miles_env.engines.scripted import PolicyRule, ScriptedEngine, ScriptedPolicy
 from miles_env.harnesses import get_harness
@@ -24,7 +25,6 @@ from miles_env.models import load_tokenizer
 from miles_env.registry import load_environment
 from miles_env.rollout import run_episode
 from miles_env.stack import StackConfig, open_stack
-from miles_env.tito import audit
 from miles_env.types import Episode, Status, Task
 from tests.test_tito_support import check_fidelity
 

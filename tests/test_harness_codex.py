@@ -12,25 +12,28 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from miles_env.tito import audit
 
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.harnesses import get_harness
 from miles_env.harnesses._cli import CODEX
 from miles_env.harnesses.codex import CodexHarness, codex_config_toml, parse_events
-from miles_env.tito import audit
+from miles_env.models import load_tokenizer
 from miles_env.types import Status
-from tests.test_harness_claude_code import (  # noqa: F401  (fixtures)
-    TWO_STEP_POLICY,
-    anyio_backend,
-    check_exact,
-    require_cli,
-    run_one,
-    tok,
-    two_step_task,
-)
+from tests.test_harness_claude_code import TWO_STEP_POLICY, check_exact, require_cli, run_one, two_step_task
 from tests.test_tito_support import check_fidelity
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return load_tokenizer()
 
 
 @pytest.mark.slow
@@ -94,3 +97,10 @@ def test_config_toml_points_at_the_session() -> None:
 def test_parse_events_skips_non_json() -> None:
     out = 'warning: x\n{"type": "turn.started"}\n{broken\n{"type": "turn.completed"}\n'
     assert [e["type"] for e in parse_events(out)] == ["turn.started", "turn.completed"]
+
+
+def test_failure_message_comes_from_codex_events() -> None:
+    from miles_env.harnesses.codex import _failure
+
+    events = [{"type": "turn.started"}, {"type": "turn.failed", "error": {"message": "stream disconnected"}}]
+    assert _failure(events) == "stream disconnected" and _failure(events[:1]) is None

@@ -12,16 +12,28 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 
 from miles_env.engines.scripted import PolicyRule, ScriptedEngine, ScriptedPolicy
 from miles_env.errors import HarnessError, SandboxError
 from miles_env.harnesses._cli import CLAUDE_CODE, CODEX, CliPackage, ensure_cli
+from miles_env.models import load_tokenizer
 from miles_env.types import SandboxSpec, Status
-from tests.test_harness_claude_code import anyio_backend, require_cli, run_one, tok  # noqa: F401
+from tests.test_harness_claude_code import require_cli, run_one
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return load_tokenizer()
+
+
 MARK = "miles-fault-sleeper"
 
 
@@ -144,5 +156,4 @@ async def test_mount_ro_is_visible_read_only_and_checked(tmp_path: Path) -> None
                 sb.mount_ro(str(src), bad)
         with pytest.raises(SandboxError, match="does not exist"):
             sb.mount_ro(str(tmp_path / "missing"), "/.miles-cli/missing")
-    with anyio.fail_after(1):
-        assert not (tmp_path / "sb").exists() or not any((tmp_path / "sb").iterdir())
+    assert not any((tmp_path / "sb").iterdir())  # closed: the sandbox directory is gone

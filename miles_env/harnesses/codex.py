@@ -50,26 +50,33 @@ def _q(value: str) -> str:
 
 def codex_config_toml(base_url: str, model: str, extra: str = "") -> str:
     """config.toml pointing Codex at `base_url` (…/v1) with the key in $TITO_API_KEY."""
-    lines = [
+    top = [
         f"model = {_q(model)}",
         'model_provider = "tito"',
         'approval_policy = "never"',
         'sandbox_mode = "danger-full-access"',
         "check_for_update_on_startup = false",
-        "",
-        "[model_providers.tito]",
-        'name = "tito"',
-        f"base_url = {_q(base_url)}",
-        'wire_api = "responses"',
-        f"env_key = {_q(KEY_VAR)}",
-        "request_max_retries = 0",
-        "stream_max_retries = 0",
-        "",
-        "[analytics]",
-        "enabled = false",
-        "",
     ]
-    return "\n".join(lines) + (extra + "\n" if extra else "")
+    # `extra` goes before the first table so that its bare keys stay top-level keys.
+    lines = (
+        top
+        + ([extra] if extra else [])
+        + [
+            "",
+            "[model_providers.tito]",
+            'name = "tito"',
+            f"base_url = {_q(base_url)}",
+            'wire_api = "responses"',
+            f"env_key = {_q(KEY_VAR)}",
+            "request_max_retries = 0",
+            "stream_max_retries = 0",
+            "",
+            "[analytics]",
+            "enabled = false",
+            "",
+        ]
+    )
+    return "\n".join(lines)
 
 
 def parse_events(stdout: str) -> list[dict[str, Any]]:
@@ -82,6 +89,16 @@ def parse_events(stdout: str) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 continue
     return out
+
+
+def _failure(events: list[dict[str, Any]]) -> str | None:
+    """Codex's own account of a failed turn (its JSON events), when it gave one."""
+    for ev in reversed(events):
+        if ev.get("type") in ("turn.failed", "error"):
+            err = ev.get("error")
+            msg = err.get("message") if isinstance(err, dict) else ev.get("message")
+            return str(msg)[:400] if msg else None
+    return None
 
 
 def _final_message(events: list[dict[str, Any]]) -> str | None:
@@ -139,6 +156,9 @@ class CodexHarness:
         status, error = cli_status(run)
         events = parse_events(run.stdout)
         final = _final_message(events)
+        failure = _failure(events)
+        if error is not None and failure:
+            error = f"{error.split(':', 1)[0]}: {failure}"
         metadata = {
             "cli": CODEX.name,
             "version": CODEX.version,
