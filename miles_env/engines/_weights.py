@@ -13,7 +13,7 @@ from typing import Any
 
 from miles_env.errors import EngineError
 
-__all__ = ["load_safetensors", "copy_weights"]
+__all__ = ["load_safetensors", "copy_weights", "apply_update"]
 
 
 def load_safetensors(path: str | Path) -> dict[str, Any]:
@@ -54,3 +54,28 @@ def copy_weights(model: Any, state_dict: Mapping[str, Any]) -> None:
     with torch.no_grad():
         for name, tensor in state_dict.items():
             params[name].data.copy_(tensor.to(device=params[name].device, dtype=params[name].dtype))
+
+
+def apply_update(model: Any, update: Any, current_version: int) -> None:
+    """Apply a full/partial state dict, or a `WeightDelta` (miles_env.trainer.weight_sync), in place.
+
+    A delta is checked whole before any tensor is written: base version, manifest checksum, and per
+    tensor the payload and result checksums. Any failure raises EngineError and leaves the model
+    untouched, so the engine's version stays where it was and a full update repairs it."""
+    if isinstance(update, Mapping):
+        copy_weights(model, update)
+        return
+    from miles_env.trainer.weight_sync import DeltaError, decode_entry, verify_manifest
+
+    params = model.state_dict(keep_vars=True)
+    try:
+        verify_manifest(update, current_version)
+        new = {}
+        for entry in update.entries:
+            target = params.get(entry.name)
+            if target is None:
+                raise DeltaError(f"unknown parameter {entry.name!r}")
+            new[entry.name] = decode_entry(entry, target.data)
+    except DeltaError as e:
+        raise EngineError(f"apply_weight_delta refused: {e}") from e
+    copy_weights(model, new)

@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from miles_env.engines._batch import Batch, Row
 from miles_env.engines._kv import SessionEntry, SessionStore
-from miles_env.engines._weights import copy_weights, load_safetensors
+from miles_env.engines._weights import apply_update, load_safetensors
 from miles_env.engines.base import EngineInfo, Generation, SamplingParams
 from miles_env.errors import ConfigError, EngineError
 
@@ -84,7 +84,7 @@ class _Command:
     kind: Literal["update", "flush", "close"]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Any]
-    state_dict: Mapping[str, Any] | None = None
+    state_dict: Any = None  # a (partial) state dict or a WeightDelta
     weight_version: int | None = None
     abort_in_flight: bool = False
 
@@ -212,6 +212,26 @@ class HFEngine:
         """Load a .safetensors file or a directory of them (an HF checkpoint dir) in place."""
         state = await anyio.to_thread.run_sync(load_safetensors, path)
         return await self.update_weights(state, weight_version, abort_in_flight=abort_in_flight)
+
+    async def apply_weight_delta(self, delta: Any, *, abort_in_flight: bool = False) -> int:
+        """Apply a `WeightDelta` (miles_env.trainer.weight_sync) taking `delta.base_version` to
+        `delta.new_version`; a corrupted, partial or wrong-base delta raises EngineError and leaves the
+        weights and the version unchanged (a full update_weights repairs)."""
+        return int(
+            await self._command(
+                "update", state_dict=delta, weight_version=delta.new_version, abort_in_flight=abort_in_flight
+            )
+        )
+
+    async def apply_weight_delta_from_disk(self, path: str | Path, *, abort_in_flight: bool = False) -> int:
+        """Load a delta file written by `save_delta` and apply it (see apply_weight_delta)."""
+        from miles_env.trainer.weight_sync import DeltaError, load_delta
+
+        try:
+            delta = await anyio.to_thread.run_sync(load_delta, path)
+        except DeltaError as e:
+            raise EngineError(f"apply_weight_delta refused: {e}") from e
+        return await self.apply_weight_delta(delta, abort_in_flight=abort_in_flight)
 
     async def flush_cache(self) -> None:
         """Drop every cached session KV prefix (running requests keep theirs)."""
@@ -388,7 +408,7 @@ class HFEngine:
             self._pending.remove(cmd)
             try:
                 assert cmd.state_dict is not None
-                copy_weights(self.model, cmd.state_dict)
+                apply_update(self.model, cmd.state_dict, self.weight_version)
             except Exception as e:
                 err = e if isinstance(e, EngineError) else EngineError(f"update_weights failed: {e!r}")
                 _resolve(cmd.loop, cmd.future, None, err)
