@@ -31,13 +31,13 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 class ClaudeCodeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    budget_s: float = Field(300.0, gt=0, description="wall-clock budget of one CLI run")
-    max_turns: int | None = Field(None, ge=1, description="Claude Code --max-turns")
+    budget_s: float = Field(default=300.0, gt=0, description="wall-clock budget of one CLI run")
+    max_turns: int | None = Field(default=None, ge=1, description="Claude Code --max-turns")
     tools: str | None = Field(
-        None, description="Claude Code --tools (built-in tools offered, e.g. 'Bash'); None = all"
+        default=None, description="Claude Code --tools (built-in tools offered, e.g. 'Bash'); None = all"
     )
     binary: str | None = Field(
-        None, description="inner path of the executable (fault injection); None = pinned"
+        default=None, description="inner path of the executable (fault injection); None = pinned"
     )
     extra_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = Field(default_factory=dict)

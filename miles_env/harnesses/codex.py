@@ -35,13 +35,15 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 class CodexConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    budget_s: float = Field(300.0, gt=0, description="wall-clock budget of one CLI run")
+    budget_s: float = Field(default=300.0, gt=0, description="wall-clock budget of one CLI run")
     binary: str | None = Field(
-        None, description="inner path of the executable (fault injection); None = pinned"
+        default=None, description="inner path of the executable (fault injection); None = pinned"
     )
     extra_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = Field(default_factory=dict)
-    extra_config: str = Field("", description="TOML appended to config.toml")
+    extra_config: str = Field(
+        default="", description="TOML added to config.toml before its tables (top-level keys allowed)"
+    )
 
 
 def _q(value: str) -> str:
