@@ -82,7 +82,7 @@ class RunConfig(_Strict):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainSectionConfig = Field(default_factory=TrainSectionConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    weight_sync: str = Field("in_process", pattern="^(in_process|disk)$")
+    weight_sync: str = Field("in_process", pattern="^(in_process|disk|delta|delta_disk)$")
 
 
 def _parse_file(path: Path) -> dict[str, Any]:

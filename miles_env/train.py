@@ -60,10 +60,14 @@ def _episode_stats(episodes: list[Episode], prefix: str = "") -> dict[str, float
 def build_trainer(cfg: RunConfig, model_path: Path) -> Any:
     from pydantic import ValidationError
 
-    if cfg.trainer.backend != "torch":
-        raise ConfigError(f"trainer.backend={cfg.trainer.backend!r}: known backends: torch")
-    from miles_env.trainer.config import TrainerConfig
-    from miles_env.trainer.torch_backend import TorchTrainer
+    if cfg.trainer.backend not in ("torch", "megatron"):
+        raise ConfigError(f"trainer.backend={cfg.trainer.backend!r}: known backends: torch, megatron")
+    if cfg.trainer.backend == "megatron":
+        from miles_env.trainer.megatron_backend import MegatronTrainer as TorchTrainer  # same interface
+        from miles_env.trainer.megatron_backend import MegatronTrainerConfig as TrainerConfig
+    else:
+        from miles_env.trainer.config import TrainerConfig  # type: ignore[assignment]
+        from miles_env.trainer.torch_backend import TorchTrainer  # type: ignore[assignment]
 
     options = {
         "seed": cfg.seed,
@@ -76,6 +80,29 @@ def build_trainer(cfg: RunConfig, model_path: Path) -> Any:
         msg = "; ".join(f"trainer.{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
         raise ConfigError(f"invalid trainer config: {msg}") from e
     return TorchTrainer(model_path, tcfg)
+
+
+def _nbytes(trainer: Any) -> int:
+    seen: set[int] = set()
+    total = 0
+    for _, p in trainer.named_parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _build_syncer(cfg: RunConfig, trainer: Any, engine: Any, step: int) -> Any:
+    import torch
+
+    from miles_env.trainer.weight_sync import WeightSyncer
+
+    dtype = getattr(getattr(engine, "model", None), "dtype", torch.float32)
+    transport = "disk" if cfg.weight_sync == "delta_disk" else "in_process"
+    syncer = WeightSyncer(mode="delta", transport=transport, dtype=dtype, workdir=cfg.run_dir / "weights")
+    if step == 0:  # both loaded the same checkpoint; if not, the first delta is refused and repaired
+        syncer.assume(trainer.state_dict(), int(getattr(engine, "weight_version", 0)))
+    return syncer
 
 
 class _Job:
@@ -158,7 +185,11 @@ class _Job:
         )
         return metrics
 
-    async def _sync_weights(self, trainer: Any, engine: Any) -> float:
+    async def _sync_weights(self, trainer: Any, engine: Any) -> dict[str, float]:
+        """Engine version := trainer step. Returns sync_s, sync_bytes (moved) and, for delta, more."""
+        if self.cfg.weight_sync.startswith("delta"):
+            state = await anyio.to_thread.run_sync(trainer.state_dict)
+            return dict(await self._syncer.sync(engine, state, self.state.step))
         t0 = time.perf_counter()
         if self.cfg.weight_sync == "in_process":
             state = await anyio.to_thread.run_sync(trainer.state_dict)
@@ -166,7 +197,7 @@ class _Job:
         else:
             path = await anyio.to_thread.run_sync(trainer.export_weights, self.cfg.run_dir / "weights")
             await engine.update_weights_from_disk(path, weight_version=self.state.step)
-        return time.perf_counter() - t0
+        return {"sync_s": time.perf_counter() - t0, "sync_bytes": float(_nbytes(trainer))}
 
     def _report(self, metrics: dict[str, Any]) -> None:
         self.log.log(self.state.step, "train", metrics)
@@ -203,7 +234,7 @@ class _Job:
             leases = await self._take(queue, cfg.rollout.groups_per_step, self.state.step)
             metrics = await self._train_on(trainer, queue, leases)
             metrics["rollout_s"] = rollout_s
-            metrics["sync_s"] = await self._sync_weights(trainer, engine)
+            metrics.update(await self._sync_weights(trainer, engine))
             metrics["episodes_per_min"] = metrics["episodes"] / max(1e-9, (time.perf_counter() - t0) / 60)
             self._report(metrics)
             await self._maybe_eval(ctx)
@@ -226,7 +257,7 @@ class _Job:
                 wait_s = time.perf_counter() - t0
                 metrics = await self._train_on(trainer, queue, leases)
                 metrics["rollout_wait_s"] = wait_s
-                metrics["sync_s"] = await self._sync_weights(trainer, engine)
+                metrics.update(await self._sync_weights(trainer, engine))
                 metrics["episodes_per_min"] = metrics["episodes"] / max(1e-9, (time.perf_counter() - t0) / 60)
                 self._report(metrics)
                 await self._maybe_eval(ctx)
@@ -243,6 +274,7 @@ class _Job:
             await self.evaluate(self._eval_ctx or ctx, self._env, self.state.step)
 
     _unacked: list[Any]
+    _syncer: Any  # trainer.weight_sync.WeightSyncer, for weight_sync: delta | delta_disk
     _eval_ctx: RolloutContext | None
     _env: Environment
 
@@ -311,6 +343,8 @@ async def run_training(cfg: RunConfig, console: Any) -> dict[str, Any]:
         )
     engine = await build_engine(engine_cfg)
     try:
+        if cfg.weight_sync.startswith("delta"):
+            job._syncer = await anyio.to_thread.run_sync(_build_syncer, cfg, trainer, engine, job.state.step)
         if job.state.step > 0:  # the engine must serve the weights the trainer resumed with
             await job._sync_weights(trainer, engine)
         stack_cfg = StackConfig(

@@ -142,17 +142,12 @@ class MegatronTrainer(TorchTrainer):
 
     def _clip_and_step(self) -> float:
         """Global grad norm: tensor-parallel shards summed over TP ranks, replicated tensors once."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if not params:
+        grads = [(p.grad, bool(getattr(p, "tensor_model_parallel", False))) for p in self.model.parameters()]
+        present = [(g, tp) for g, tp in grads if g is not None]
+        if not present:
             return 0.0
-        sharded = sum(
-            float(p.grad.float().pow(2).sum()) for p in params if getattr(p, "tensor_model_parallel", False)
-        )
-        replicated = sum(
-            float(p.grad.float().pow(2).sum())
-            for p in params
-            if not getattr(p, "tensor_model_parallel", False)
-        )
+        sharded = sum((float(g.float().pow(2).sum()) for g, tp in present if tp), 0.0)
+        replicated = sum((float(g.float().pow(2).sum()) for g, tp in present if not tp), 0.0)
         if self.tp_size > 1:
             from megatron.core import parallel_state as ps
 
@@ -162,8 +157,8 @@ class MegatronTrainer(TorchTrainer):
         norm = (sharded + replicated) ** 0.5
         limit = self.config.grad_clip
         if limit is not None and norm > limit:
-            for p in params:
-                p.grad.mul_(limit / (norm + 1e-6))
+            for g, _ in present:
+                g.mul_(limit / (norm + 1e-6))
         self.optimizer.step()
         return norm
 

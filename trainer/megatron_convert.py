@@ -78,7 +78,7 @@ def model_shape(hf_config: Any) -> ModelShape:
         raise ValueError(f"model_type={kind!r}: the megatron backend converts llama, qwen2, qwen3, mistral")
     heads = int(hf_config.num_attention_heads)
     rope = getattr(hf_config, "rope_parameters", None) or {}
-    theta = float(rope.get("rope_theta") or getattr(hf_config, "rope_theta", 10000.0))
+    theta = float(rope.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
     return ModelShape(
         layers=int(hf_config.num_hidden_layers),
         hidden=int(hf_config.hidden_size),

@@ -87,7 +87,7 @@ def _manifest_crc(base: int, new: int, metas: list[dict[str, Any]]) -> int:
 
 def _bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().contiguous().cpu().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def tensor_crc(t: torch.Tensor) -> int:
@@ -142,10 +142,15 @@ def _from_bits(bits: np.ndarray, like: torch.Tensor) -> torch.Tensor:
 def _entry(name: str, old: torch.Tensor | None, new: torch.Tensor) -> DeltaEntry | None:
     """The cheaper of sparse and dense for one tensor; None when unchanged."""
     dtype = str(new.dtype).removeprefix("torch.")
-    crc = tensor_crc(new)
+    ints = _BITS[new.element_size()]
+    changed = new.numel()
     if old is not None and old.shape == new.shape and old.dtype == new.dtype:
-        if torch.equal(old.view(_BITS[old.element_size()]), new.view(_BITS[new.element_size()])):
+        changed = int((old.view(ints) != new.view(ints)).sum())
+        if changed == 0:
             return None
+    crc = tensor_crc(new)
+    # a sparse element costs >= ~1 byte after compression: past half the tensor, dense wins anyway
+    if old is not None and changed * 2 < new.numel() * new.element_size():
         payload = _encode_sparse(_int_bits(old), _int_bits(new))
         if len(payload) < new.numel() * new.element_size():
             return DeltaEntry(name, tuple(new.shape), dtype, "sparse", payload, crc, zlib.crc32(payload))
@@ -269,15 +274,18 @@ class WeightSyncer:
     async def sync(self, engine: Any, state: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         """Move `state` to `engine` as `version`; returns metrics (sync_bytes, sync_full_bytes, sync_s,
         sync_delta 1/0, sync_repaired 1/0)."""
+        import anyio
+
         t0 = time.perf_counter()
-        new = self._cast(state)
+        new = await anyio.to_thread.run_sync(self._cast, state)
         full_bytes = sum(t.numel() * t.element_size() for t in new.values())
         repaired = 0.0
         moved = float(full_bytes)
-        used_delta = self.mode == "delta" and self.snapshot is not None and self.version is not None
+        can_delta = self.mode == "delta" and hasattr(engine, "apply_weight_delta")
+        used_delta = can_delta and self.snapshot is not None and self.version is not None
         if used_delta:
             assert self.snapshot is not None and self.version is not None
-            delta = encode_delta(self.snapshot, new, self.version, version)
+            delta = await anyio.to_thread.run_sync(encode_delta, self.snapshot, new, self.version, version)
             moved = float(delta.nbytes)
             try:
                 await self._send_delta(engine, delta)
