@@ -1,8 +1,11 @@
-"""`miles-env sandbox`: debug commands for the local sandbox.
+"""`miles-env sandbox`: debug and maintenance commands for sandbox providers.
 
-`miles-env sandbox exec [--timeout S] [--file host:inner] -- CMD...` runs one
-command in a fresh local sandbox, prints its stdout and stderr, and exits with
-its exit code (128+N when killed by signal N, 124 on timeout).
+`miles-env sandbox exec [--sandbox P] [--image I] [--timeout S] [--file host:inner] -- CMD...`
+runs one command in a fresh sandbox of provider P (default local), prints its
+stdout and stderr, and exits with its exit code (128+N when killed by signal N,
+124 on timeout).
+`miles-env sandbox gc [--provider P] [--ttl S]` removes sandboxes left behind by
+crashed runs (owner process dead, or older than the TTL) and prints what it removed.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from typing import Annotated
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, help="Run commands in a local bubblewrap sandbox (debugging).")
+app = typer.Typer(no_args_is_help=True, help="Run commands in a sandbox (debugging); remove orphans (gc).")
+
+PROVIDERS = ("local", "docker", "e2b", "daytona", "modal", "agentenv")
 
 
 def _parse_files(pairs: list[str]) -> dict[str, str]:
@@ -36,18 +41,20 @@ def exec_command(
     file: Annotated[
         list[str] | None, typer.Option("--file", help="HOST:INNER file to place (repeatable)")
     ] = None,
+    sandbox: Annotated[str, typer.Option("--sandbox", "--provider", help="|".join(PROVIDERS))] = "local",
+    image: Annotated[str | None, typer.Option(help="container image (docker and cloud providers)")] = None,
 ) -> None:
-    """Run CMD in a fresh local sandbox and exit with its exit code."""
+    """Run CMD in a fresh sandbox and exit with its exit code."""
     import anyio
 
     from miles_env.errors import MilesEnvError
-    from miles_env.sandboxes.local import LocalSandboxProvider
+    from miles_env.sandboxes import get_provider
     from miles_env.types import SandboxSpec
 
-    spec = SandboxSpec(files=_parse_files(file or []))
+    spec = SandboxSpec(files=_parse_files(file or []), image=image)
 
     async def run() -> int:
-        async with await LocalSandboxProvider().create(spec) as sb:
+        async with await get_provider(sandbox).create(spec) as sb:
             argv: str | list[str] = cmd[0] if len(cmd) == 1 else cmd
             result = await sb.exec(argv, timeout=timeout)
         sys.stdout.write(result.stdout)
@@ -65,3 +72,27 @@ def exec_command(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     raise typer.Exit(code)
+
+
+@app.command("gc")
+def gc_command(
+    provider: Annotated[str, typer.Option("--provider", "--sandbox", help="|".join(PROVIDERS))] = "local",
+    ttl: Annotated[
+        float | None,
+        typer.Option(help="remove sandboxes older than this many seconds (default: each one's own TTL)"),
+    ] = None,
+) -> None:
+    """Remove sandboxes whose owner process died or whose TTL passed."""
+    import anyio
+
+    from miles_env.errors import MilesEnvError
+    from miles_env.sandboxes.pool import reap
+
+    try:
+        removed = anyio.run(lambda: reap(provider, ttl_s=ttl))
+    except MilesEnvError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    for name in removed:
+        typer.echo(name)
+    typer.echo(f"removed {len(removed)} sandbox(es) of provider {provider!r}")
