@@ -157,3 +157,15 @@ async def test_mount_ro_is_visible_read_only_and_checked(tmp_path: Path) -> None
         with pytest.raises(SandboxError, match="does not exist"):
             sb.mount_ro(str(tmp_path / "missing"), "/.miles-cli/missing")
     assert not any((tmp_path / "sb").iterdir())  # closed: the sandbox directory is gone
+
+
+@pytest.mark.slow
+async def test_budget_kills_a_cli_waiting_on_a_hung_model(tok: Any, tmp_path: Path) -> None:
+    """The engine never answers in time: the CLI is killed by the budget while it waits on the session."""
+    require_cli(CODEX)
+    engine = ScriptedEngine(tok, max_context=1 << 20, delay_s=30)
+    root = tmp_path / "sandboxes"
+    ep = await run_one("codex", engine, tmp_path / "store", sandbox_root=root, budget_s=4)
+    assert ep.status is Status.TRUNCATED and ep.metadata["harness"]["timed_out"] is True, ep.error
+    assert ep.timings["harness_s"] < 15 and ep.reward is not None
+    _assert_clean(root)
