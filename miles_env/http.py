@@ -8,6 +8,7 @@ engine server when they run in the same process as the orchestrator.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,12 +25,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def _quiet_server_class() -> Any:
+    import uvicorn
+
+    class QuietServer(uvicorn.Server):
+        """A uvicorn server that leaves signal handling to the caller (the CLI owns Ctrl-C)."""
+
+        def capture_signals(self) -> Any:
+            return contextlib.nullcontext()
+
+        def install_signal_handlers(self) -> None:  # older uvicorn releases
+            return None
+
+    return QuietServer
+
+
 @asynccontextmanager
 async def serve_app(
     app: Any, host: str = "127.0.0.1", port: int = 0, **uvicorn_kw: Any
 ) -> AsyncIterator[str]:
     import uvicorn
 
+    _QuietServer = _quiet_server_class()
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted sockets only when the listening
     # socket says so; without it every response waits ~40 ms for a delayed ACK.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -39,8 +56,7 @@ async def serve_app(
     config = uvicorn.Config(
         app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30, **uvicorn_kw
     )
-    server = uvicorn.Server(config)
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # the CLI owns signals
+    server = _QuietServer(config)
     async with anyio.create_task_group() as tg:
         tg.start_soon(server.serve, [sock])
         with anyio.fail_after(30):

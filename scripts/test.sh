@@ -13,4 +13,5 @@ bash scripts/install-clis.sh
 $PY -m ruff check .
 $PY -m ruff format --check .
 $PY -m mypy miles_env
+$PY -m mypy tito sandboxes trainer adapters  # the mapped packages, checked from their folders
 $PY -m pytest -q --durations=30 "$@"
