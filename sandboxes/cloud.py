@@ -60,7 +60,12 @@ class CloudConfig(BaseModel):
     ttl_s: float = Field(6 * 3600, gt=0, description="the backend's own lifetime limit and the reaper's TTL")
     run_id: str | None = None
     create_timeout_s: float = Field(300.0, gt=0)
-    expose_url: str | None = Field(None, description="public URL of the proxy returned by expose()")
+    exec_margin_s: float = Field(
+        30.0, gt=0, description="wait this long past an exec's timeout for the backend"
+    )
+    expose_url: str | None = Field(
+        None, description="public origin of the proxy; expose(url) returns it + the path of url"
+    )
 
 
 class CloudAdapter(Protocol):
@@ -156,13 +161,14 @@ class CloudSandbox:
     async def _script(self, script: str, timeout: float, what: str) -> str:
         if self._closed:
             raise SandboxError(f"sandbox {self.id} is closed")
+        margin = self._provider.config.exec_margin_s
         try:
             # The backend gets a margin over the in-sandbox `timeout`, which is what normally fires.
-            with anyio.fail_after(timeout + 30):
-                _, out = await self._adapter.run(self.handle, script, timeout + 15)
+            with anyio.fail_after(timeout + margin):
+                _, out = await self._adapter.run(self.handle, script, timeout + margin / 2)
         except TimeoutError as e:
             raise SandboxError(
-                f"sandbox {self.id}: {what}: no answer from the backend in {timeout + 30:g}s"
+                f"sandbox {self.id}: {what}: no answer from the backend in {timeout + margin:g}s"
             ) from e
         except Exception as e:  # noqa: BLE001 - every SDK error is mapped
             raise map_sdk_error(e, f"sandbox {self.id}: {what}") from e

@@ -91,6 +91,8 @@ class DaytonaSandboxProvider(CloudSandboxProvider):
 
     def __init__(self, config: DaytonaSandboxConfig | None = None, *, sdk: Any = None) -> None:
         config = config or DaytonaSandboxConfig()
+        if sdk is None and not (config.api_key or env_credential("DAYTONA_API_KEY")):
+            raise SandboxUnavailable("the daytona provider needs credentials: set DAYTONA_API_KEY")
         if sdk is None:
             try:
                 import daytona as sdk

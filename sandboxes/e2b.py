@@ -77,6 +77,8 @@ class E2BSandboxProvider(CloudSandboxProvider):
 
     def __init__(self, config: E2BSandboxConfig | None = None, *, sdk: Any = None) -> None:
         config = config or E2BSandboxConfig()
+        if sdk is None and not (config.api_key or env_credential("E2B_API_KEY")):
+            raise SandboxUnavailable("the e2b provider needs credentials: set E2B_API_KEY")
         if sdk is None:
             try:
                 import e2b as sdk
