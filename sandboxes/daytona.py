@@ -95,11 +95,12 @@ class DaytonaSandboxProvider(CloudSandboxProvider):
             raise SandboxUnavailable("the daytona provider needs credentials: set DAYTONA_API_KEY")
         if sdk is None:
             try:
-                import daytona as sdk
+                import daytona as sdk_module
             except ImportError as e:
                 raise SandboxUnavailable(
                     "the daytona provider needs the `daytona` package: pip install daytona"
                 ) from e
+            sdk = sdk_module
         adapter = DaytonaAdapter(config, sdk)
         if not adapter.api_key:
             raise SandboxUnavailable("the daytona provider needs credentials: set DAYTONA_API_KEY")

@@ -81,9 +81,10 @@ class E2BSandboxProvider(CloudSandboxProvider):
             raise SandboxUnavailable("the e2b provider needs credentials: set E2B_API_KEY")
         if sdk is None:
             try:
-                import e2b as sdk
+                import e2b as sdk_module
             except ImportError as e:
                 raise SandboxUnavailable("the e2b provider needs the `e2b` package: pip install e2b") from e
+            sdk = sdk_module
         adapter = E2BAdapter(config, sdk)
         if not adapter.api_key:
             raise SandboxUnavailable("the e2b provider needs credentials: set E2B_API_KEY")

@@ -93,9 +93,10 @@ class ModalSandboxProvider(CloudSandboxProvider):
                     "the modal provider needs credentials: set MODAL_TOKEN_ID and MODAL_TOKEN_SECRET"
                 )
             try:
-                import modal as sdk
+                import modal as sdk_module
             except ImportError as e:
                 raise SandboxUnavailable(
                     "the modal provider needs the `modal` package: pip install modal"
                 ) from e
+            sdk = sdk_module
         super().__init__(config, ModalAdapter(config, sdk))
