@@ -154,8 +154,8 @@ def _entry(name: str, old: torch.Tensor | None, new: torch.Tensor) -> DeltaEntry
         payload = _encode_sparse(_int_bits(old), _int_bits(new))
         if len(payload) < new.numel() * new.element_size():
             return DeltaEntry(name, tuple(new.shape), dtype, "sparse", payload, crc, zlib.crc32(payload))
-    payload = bytes(_bytes(new))
-    return DeltaEntry(name, tuple(new.shape), dtype, "dense", payload, crc, zlib.crc32(payload))
+    payload = bytes(_bytes(new))  # dense: the payload is the tensor's bytes, one crc serves both
+    return DeltaEntry(name, tuple(new.shape), dtype, "dense", payload, crc, crc)
 
 
 def encode_delta(
@@ -189,7 +189,7 @@ def decode_entry(entry: DeltaEntry, current: torch.Tensor) -> torch.Tensor:
             new = _from_bits(_decode_sparse(_int_bits(current), entry.payload), current)
         except (zlib.error, ValueError, IndexError) as e:
             raise DeltaError(f"{entry.name}: cannot decode sparse payload: {e}") from e
-    if tensor_crc(new) != entry.crc:
+    if entry.kind == "sparse" and tensor_crc(new) != entry.crc:  # dense: payload crc checked above
         raise DeltaError(
             f"{entry.name}: result checksum mismatch (engine weights differ from the delta's base)"
         )
