@@ -316,6 +316,6 @@ def test_public_surface_is_locked() -> None:
     import miles_env.tito as tito
 
     assert set(tito.__all__) == {
-        "Budget", "ChatRequest", "ChatResult", "Message", "ProxyError", "SessionHandle", "SessionInfo",
-        "TitoConfig", "TitoProxy", "ToolCall", "create_app",
+        "AuditReport", "Budget", "ChatRequest", "ChatResult", "Drift", "Message", "ProxyError",
+        "SessionHandle", "SessionInfo", "TitoConfig", "TitoProxy", "ToolCall", "audit", "create_app",
     }  # fmt: skip
