@@ -28,23 +28,23 @@ _COMMANDS = [
 ]
 
 
+def _load(module: str) -> object | None:
+    """Import a CLI module; a module that is not there (an optional part) is skipped."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        return None
+
+
 def _install() -> None:
     for module, attr, name in _GROUPS:
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            continue
-        app.add_typer(getattr(mod, attr), name=name)
+        if (mod := _load(module)) is not None:
+            app.add_typer(getattr(mod, attr), name=name)
     for module, attr, name in _COMMANDS:
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            continue
-        app.command(name=name)(getattr(mod, attr))
+        if (mod := _load(module)) is not None:
+            app.command(name=name)(getattr(mod, attr))
 
 
 _install()
