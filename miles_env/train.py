@@ -191,7 +191,8 @@ class _Job:
             state = await anyio.to_thread.run_sync(trainer.state_dict)
             return dict(await self._syncer.sync(engine, state, self.state.step))
         t0 = time.perf_counter()
-        if self.cfg.weight_sync == "in_process":
+        # A remote engine (vllm, sglang) has no update_weights: it always syncs through disk.
+        if self.cfg.weight_sync == "in_process" and hasattr(engine, "update_weights"):
             state = await anyio.to_thread.run_sync(trainer.state_dict)
             await engine.update_weights(state, weight_version=self.state.step)
         else:
@@ -322,6 +323,8 @@ async def run_training(cfg: RunConfig, console: Any) -> dict[str, Any]:
         if "seed" in EngineConfig.model_fields
         else (EngineConfig(**cfg.engine))
     )
+    if engine_cfg.kind in ("vllm", "sglang") and engine_cfg.log_dir is None:  # server logs stay with the run
+        engine_cfg = engine_cfg.model_copy(update={"log_dir": str(cfg.run_dir / "engine")})
     model_path = resolve_model(engine_cfg.model)
     sandbox_opts = dict(cfg.sandbox)
     provider = sandbox_opts.pop("provider", "local")

@@ -111,9 +111,11 @@ def eval_command(
     n: Annotated[int | None, typer.Option("--n", help="number of tasks (default: all in the split)")] = None,
     rollouts: Annotated[int, typer.Option("--rollouts", "-r", help="episodes per task")] = 1,
     concurrency: Annotated[int, typer.Option(help="episodes at once")] = 8,
-    engine: Annotated[str, typer.Option(help="hf | sglang | scripted")] = "hf",
+    engine: Annotated[str, typer.Option(help="hf | vllm | sglang | scripted")] = "hf",
     model: Annotated[str, typer.Option(help="'smollm2' or a local HF checkpoint path")] = "smollm2",
-    url: Annotated[str | None, typer.Option(help="engine server URL (sglang)")] = None,
+    url: Annotated[
+        str | None, typer.Option(help="engine server URL (vllm, sglang: attach instead of launch)")
+    ] = None,
     max_turns: Annotated[int | None, typer.Option(help="harness turn budget")] = None,
     temperature: Annotated[float | None, typer.Option(help="sampling temperature")] = None,
     sandbox: Annotated[str, typer.Option(help="sandbox provider")] = "local",
@@ -131,6 +133,8 @@ def eval_command(
     engine_cfg: dict[str, Any] = {"kind": engine, "model": model, **parse_opts(engine_opt, "--engine-opt")}
     if url:
         engine_cfg["url"] = url
+    if engine in ("vllm", "sglang"):
+        engine_cfg.setdefault("log_dir", str(out / "engine"))  # a launched server's log
     harness_cfg: dict[str, Any] = parse_opts(harness_opt, "--harness-opt")
     if max_turns is not None:
         harness_cfg["max_turns"] = max_turns

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import anyio
 import typer
@@ -21,11 +21,18 @@ __all__ = ["app"]
 
 app = typer.Typer(no_args_is_help=True, help="The TITO (token-in-token-out) proxy.")
 
-EngineKind = Literal["hf", "sglang", "scripted"]
+EngineKind = Literal["hf", "vllm", "sglang", "scripted"]
 
 
 async def _serve(
-    engine_kind: str, model: str, url: str | None, host: str, port: int, store: Path, admin_token: str
+    engine_kind: str,
+    model: str,
+    url: str | None,
+    host: str,
+    port: int,
+    store: Path,
+    admin_token: str,
+    opts: dict[str, Any],
 ) -> None:
     import uvicorn
 
@@ -33,7 +40,9 @@ async def _serve(
     from miles_env.models import load_tokenizer
     from miles_env.tito import TitoConfig, TitoProxy, create_app
 
-    engine = await build_engine(EngineConfig.model_validate({"kind": engine_kind, "model": model, "url": url}))
+    engine = await build_engine(
+        EngineConfig.model_validate({"kind": engine_kind, "model": model, "url": url, **opts})
+    )
     try:
         tokenizer = await anyio.to_thread.run_sync(load_tokenizer, model)
         proxy = TitoProxy(engine, tokenizer, TitoConfig(admin_token=admin_token), store_dir=store)
@@ -48,19 +57,25 @@ async def _serve(
 def serve(
     port: Annotated[int, typer.Option(help="TCP port on --host")],
     store: Annotated[Path, typer.Option(help="directory holding one journal per session")],
-    engine: Annotated[str, typer.Option(help="hf | sglang | scripted")] = "hf",
+    engine: Annotated[str, typer.Option(help="hf | vllm | sglang | scripted")] = "hf",
     model: Annotated[str, typer.Option(help="model name or HF checkpoint path (tokenizer too)")] = "smollm2",
-    url: Annotated[str | None, typer.Option(help="sglang: the engine server URL")] = None,
+    url: Annotated[str | None, typer.Option(help="vllm/sglang: attach to this server URL")] = None,
     host: Annotated[str, typer.Option(help="interface to listen on")] = "127.0.0.1",
     admin_token: Annotated[
         str | None, typer.Option(help="admin API token (default: env MILES_ENV_ADMIN_TOKEN, else random)")
     ] = None,
+    engine_opt: Annotated[
+        list[str] | None, typer.Option("--engine-opt", help="engine config key=value (e.g. launch=true)")
+    ] = None,
 ) -> None:
     """Serve the proxy until interrupted."""
-    if engine not in ("hf", "sglang", "scripted"):
-        raise typer.BadParameter(f"--engine {engine!r}: choose hf, sglang or scripted")
+    from miles_env.cli.eval import parse_opts
+
+    if engine not in ("hf", "vllm", "sglang", "scripted"):
+        raise typer.BadParameter(f"--engine {engine!r}: choose hf, vllm, sglang or scripted")
     token = admin_token or os.environ.get("MILES_ENV_ADMIN_TOKEN")
     if not token:
         token = secrets.token_urlsafe(24)
         typer.echo(f"admin token: {token}")
-    anyio.run(_serve, engine, model, url, host, port, store, token)
+    opts = parse_opts(engine_opt, "--engine-opt")
+    anyio.run(_serve, engine, model, url, host, port, store, token, opts)
