@@ -337,3 +337,63 @@ def test_train_two_steps_on_vllm_syncs_weights(tmp_path: Path, hf_model) -> None
 
     out = anyio.run(go)
     assert out == _hf_greedy(trained, PROMPT, 16)[: len(out)]
+
+
+# -- the sglang launch option: the same managed-server path, over a stand-in `sglang.launch_server` ---------
+# No GPU here, so a real SGLang cannot serve (scripts/gpu-sglang-check.sh does that on a GPU machine).
+# The stand-in parses SGLang's flags and serves our SGLang-compatible app over a scripted engine.
+FAKE_LAUNCH_SERVER = """
+import argparse, json, os, sys
+from pathlib import Path
+ap = argparse.ArgumentParser()
+for flag in ("--model-path", "--host", "--port", "--dtype", "--random-seed", "--context-length"):
+    ap.add_argument(flag)
+a = ap.parse_args()
+print("stand-in sglang:", json.dumps(vars(a)), flush=True)
+if os.environ.get("FAKE_SGLANG_EXIT"):
+    print("stand-in sglang: failing on purpose", flush=True)
+    sys.exit(int(os.environ["FAKE_SGLANG_EXIT"]))
+assert "quantization_config" not in json.loads((Path(a.model_path) / "config.json").read_text())
+import anyio
+from miles_env.engines.scripted import ScriptedEngine
+from miles_env.engines.sglang_server import serve
+from miles_env.models import load_tokenizer
+anyio.run(serve, ScriptedEngine(load_tokenizer(a.model_path), ["hello from sglang"]), a.host, int(a.port))
+"""
+
+
+@pytest.fixture
+def fake_sglang(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    pkg = tmp_path / "fake" / "sglang"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
+    monkeypatch.setenv("PYTHONPATH", f"{pkg.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return tmp_path / "logs"
+
+
+@pytest.mark.anyio
+async def test_sglang_launch_starts_serves_and_stops_a_managed_server(fake_sglang: Path) -> None:
+    cfg = EngineConfig(kind="sglang", launch=True, python=sys.executable, log_dir=str(fake_sglang), seed=1)
+    engine = await build_engine(cfg)
+    server = engine.servers[0]  # type: ignore[attr-defined]
+    try:
+        assert server.alive()
+        g = await engine.generate(PROMPT, SamplingParams(max_new_tokens=16), session_id="s1")
+        assert _TOK.decode(g.output_ids, skip_special_tokens=True) == "hello from sglang"
+        assert (await engine.info()).name == "sglang"
+    finally:
+        await engine.close()
+    assert not server.alive() and server.exit_code() is None  # handed back, process reaped
+    log = next(fake_sglang.glob("sglang-*.log")).read_text()
+    assert '"random_seed": "1"' in log and "--model-path" in log
+
+
+@pytest.mark.anyio
+async def test_a_server_that_dies_while_starting_fails_fast_with_its_log(
+    fake_sglang: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_SGLANG_EXIT", "3")
+    cfg = EngineConfig(kind="sglang", launch=True, python=sys.executable, log_dir=str(fake_sglang))
+    with pytest.raises(EngineError, match=r"(?s)exited with status 3 while starting.*failing on purpose"):
+        await build_engine(cfg)
