@@ -78,6 +78,10 @@ class MegatronTrainer(TorchTrainer):
         self.device = self._pick_device()
         apply_cpu_shims()
         init_distributed(cfg.tp, cfg.pp)
+        if torch.cuda.is_available():  # megatron's model-parallel CUDA RNG streams (the CPU shim skips them)
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(cfg.seed)
         from megatron.core import parallel_state as ps
 
         self.tp_rank, self.tp_size = (
