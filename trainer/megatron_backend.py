@@ -78,6 +78,11 @@ class MegatronTrainer(TorchTrainer):
         self.device = self._pick_device()
         apply_cpu_shims()
         init_distributed(cfg.tp, cfg.pp)
+        world = torch.distributed.get_world_size()
+        if world != cfg.tp * cfg.pp:
+            raise ValueError(
+                f"world size {world} != tp * pp = {cfg.tp * cfg.pp}: data parallel is not wired yet"
+            )
         if torch.cuda.is_available():  # megatron's model-parallel CUDA RNG streams (the CPU shim skips them)
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

@@ -100,16 +100,22 @@ def _int_bits(t: torch.Tensor) -> np.ndarray:
 
 
 def _planes(values: np.ndarray) -> bytes:
-    """uint64 values -> their k low byte planes (k = bytes of the largest value), zlib-compressed,
-    prefixed by k: small numbers (gaps, one-ulp steps) keep k at 1 or 2."""
+    """uint64 values -> their k low byte planes (k = bytes of the largest value), prefixed by k and a
+    flag: zlib-compressed when a 64 KiB sample compresses well (gaps, one-ulp bf16 steps), raw when it
+    does not (multi-byte fp32 steps are near random: compressing them costs time and saves nothing)."""
     k = max(1, (int(values.max()).bit_length() + 7) // 8) if values.size else 1
     raw = values.astype("<u8").view(np.uint8).reshape(-1, 8)[:, :k]
-    return bytes([k]) + zlib.compress(np.ascontiguousarray(raw.T).tobytes(), 1)
+    data = np.ascontiguousarray(raw.T).tobytes()
+    sample = data[: 1 << 16]
+    if len(zlib.compress(sample, 1)) < 0.9 * len(sample):
+        return bytes([k, 1]) + zlib.compress(data, 1)
+    return bytes([k, 0]) + data
 
 
 def _unplanes(blob: bytes, n: int) -> np.ndarray:
-    k = blob[0] if blob else 0
-    raw = np.frombuffer(zlib.decompress(blob[1:]), dtype=np.uint8)
+    k, packed = (blob[0], blob[1]) if len(blob) >= 2 else (0, 0)
+    data = zlib.decompress(blob[2:]) if packed else blob[2:]
+    raw = np.frombuffer(data, dtype=np.uint8)
     if not 1 <= k <= 8 or raw.size != k * n:
         raise DeltaError(f"sparse payload holds {raw.size} bytes in {k} planes, expected {n} values")
     full = np.zeros((n, 8), dtype=np.uint8)
