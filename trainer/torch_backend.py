@@ -191,9 +191,24 @@ class TorchTrainer:
         dev = self.device
         return _Batch(ids.to(dev), mask.to(dev), rollout.to(dev), adv.to(dev), lengths)
 
-    def _forward_logprobs(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        logits = model(input_ids=ids, use_cache=False).logits
-        return token_logprobs(logits, ids, self.config.temperature)
+    def _forward_logprobs(
+        self, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[B, L] logprobs of each next token (column 0 is 0). With `mask`, the LM head runs only
+        where mask == 1: agentic samples are mostly prompt, and [tokens x vocab] logits dominate
+        both time and memory; positions outside the mask are 0."""
+        head = model.get_output_embeddings() if mask is not None else None
+        if head is None:
+            logits = model(input_ids=ids, use_cache=False).logits
+            return token_logprobs(logits, ids, self.config.temperature)
+        assert mask is not None
+        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+        sel = mask[:, 1:] > 0  # the logprob of token t comes from position t - 1
+        logits = head(hidden[:, :-1][sel]).float() / self.config.temperature
+        picked = logits.gather(-1, ids[:, 1:][sel].unsqueeze(-1)).squeeze(-1)
+        out = torch.zeros(ids.shape, dtype=logits.dtype, device=logits.device)
+        out[:, 1:][sel] = picked - torch.logsumexp(logits, dim=-1)
+        return out
 
     # -- training ------------------------------------------------------------------------------
 
@@ -214,7 +229,7 @@ class TorchTrainer:
         for idx in pack_microbatches([len(s.token_ids) for s in samples], cfg.max_tokens_per_microbatch):
             batch = self._collate([samples[i] for i in idx])
             n_tokens += sum(batch.lengths)
-            logp = self._forward_logprobs(self.model, batch.ids)
+            logp = self._forward_logprobs(self.model, batch.ids, batch.mask)
             old = logp.detach()
             weights = tis_weights(old, batch.rollout, cfg.tis_cap) if cfg.tis_cap is not None else None
             tok_loss, clipped = policy_loss(
@@ -224,7 +239,7 @@ class TorchTrainer:
             loss, kl_value = pg, 0.0
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref = self._forward_logprobs(self.ref_model, batch.ids)
+                    ref = self._forward_logprobs(self.ref_model, batch.ids, batch.mask)
                 kl = aggregate(kl_k3(logp, ref), batch.mask, cfg.loss_agg, **totals)
                 loss = loss + cfg.kl_coef * kl
                 kl_value = float(kl.detach())
