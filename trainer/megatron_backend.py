@@ -138,8 +138,30 @@ class MegatronTrainer(TorchTrainer):
 
     # -- forward -------------------------------------------------------------------------------
 
-    def _forward_logprobs(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        return token_logprobs(self.logits(ids, model), ids, self.config.temperature)
+    def _forward_logprobs(
+        self, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[B, L] logprobs of each next token (column 0 is 0). With `mask`, as the torch backend, the
+        LM head runs only where mask == 1 (a pre-hook on megatron's output layer keeps just those
+        hidden states); positions outside the mask are 0."""
+        if mask is None:
+            return token_logprobs(self.logits(ids, model), ids, self.config.temperature)
+        sel = mask[:, 1:] > 0  # the logprob of token t comes from position t - 1
+
+        def keep_loss_positions(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            hidden = args[0].transpose(0, 1)[:, :-1][sel]  # megatron is [s, b, h]; -> [n, h]
+            return (hidden.unsqueeze(1), *args[1:]), kwargs
+
+        head = model.output_layer  # type: ignore[union-attr]
+        handle = head.register_forward_pre_hook(keep_loss_positions, with_kwargs=True)
+        try:
+            logits = self.logits(ids, model)[0].float() / self.config.temperature  # [n, V]
+        finally:
+            handle.remove()
+        picked = logits.gather(-1, ids[:, 1:][sel].unsqueeze(-1)).squeeze(-1)
+        out = torch.zeros(ids.shape, dtype=logits.dtype, device=logits.device)
+        out[:, 1:][sel] = picked - torch.logsumexp(logits, dim=-1)
+        return out
 
     def logits(self, ids: torch.Tensor, model: torch.nn.Module | None = None) -> torch.Tensor:
         """[B, L] ids -> [B, L, V] logits (causal; right padding never reaches a real token)."""

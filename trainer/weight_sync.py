@@ -100,26 +100,35 @@ def _int_bits(t: torch.Tensor) -> np.ndarray:
 
 
 def _planes(values: np.ndarray) -> bytes:
-    """uint64 values -> their k low byte planes (k = bytes of the largest value), prefixed by k and a
-    flag: zlib-compressed when a 64 KiB sample compresses well (gaps, one-ulp bf16 steps), raw when it
-    does not (multi-byte fp32 steps are near random: compressing them costs time and saves nothing)."""
+    """uint64 values -> their k low byte planes (k = bytes of the largest value), each stored as
+    flag + length + data: zlib-compressed when a 64 KiB sample compresses well (gaps, high bytes,
+    one-ulp bf16 steps), raw when it does not (low bytes of fp32 steps are near random)."""
     k = max(1, (int(values.max()).bit_length() + 7) // 8) if values.size else 1
-    raw = values.astype("<u8").view(np.uint8).reshape(-1, 8)[:, :k]
-    data = np.ascontiguousarray(raw.T).tobytes()
-    sample = data[: 1 << 16]
-    if len(zlib.compress(sample, 1)) < 0.9 * len(sample):
-        return bytes([k, 1]) + zlib.compress(data, 1)
-    return bytes([k, 0]) + data
+    raw = values.astype("<u8").view(np.uint8).reshape(-1, 8)
+    out = [bytes([k])]
+    for j in range(k):
+        plane = np.ascontiguousarray(raw[:, j]).tobytes()
+        sample = plane[: 1 << 16]
+        packed = len(zlib.compress(sample, 1)) < 0.9 * len(sample)
+        data = zlib.compress(plane, 1) if packed else plane
+        out.append(bytes([packed]) + len(data).to_bytes(8, "little") + data)
+    return b"".join(out)
 
 
 def _unplanes(blob: bytes, n: int) -> np.ndarray:
-    k, packed = (blob[0], blob[1]) if len(blob) >= 2 else (0, 0)
-    data = zlib.decompress(blob[2:]) if packed else blob[2:]
-    raw = np.frombuffer(data, dtype=np.uint8)
-    if not 1 <= k <= 8 or raw.size != k * n:
-        raise DeltaError(f"sparse payload holds {raw.size} bytes in {k} planes, expected {n} values")
+    k = blob[0] if blob else 0
+    if not 1 <= k <= 8:
+        raise DeltaError(f"sparse payload has {k} byte planes")
     full = np.zeros((n, 8), dtype=np.uint8)
-    full[:, :k] = raw.reshape(k, n).T
+    pos = 1
+    for j in range(k):
+        packed, size = blob[pos], int.from_bytes(blob[pos + 1 : pos + 9], "little")
+        data = blob[pos + 9 : pos + 9 + size]
+        pos += 9 + size
+        plane = np.frombuffer(zlib.decompress(data) if packed else data, dtype=np.uint8)
+        if plane.size != n:
+            raise DeltaError(f"sparse byte plane {j} holds {plane.size} bytes, expected {n}")
+        full[:, j] = plane
     return full.view("<u8").reshape(-1)
 
 
