@@ -12,10 +12,11 @@ tensor-parallel ranks), so the engine never sees megatron names; HF -> megatron 
 bit-exact; logits are gathered over the vocabulary (parallel_output=False) so logprobs
 use the same code as the torch backend.
 
-Parallelism: tensor parallel (tp) on any backend; on CPU a gloo process group and the two
-shims of `megatron_cpu_shims` (TP=2 tested under torchrun on CPU). Every rank is given the
-same groups (no data parallel: world size must equal tp). Pipeline parallel and megatron's
-distributed optimizer are not wired yet (pp > 1 is refused at build).
+Parallelism: tensor parallel (tp); on CPU a gloo process group and the two shims of
+`megatron_cpu_shims` (TP=2 tested under torchrun on CPU; on GPUs, nccl: TP=1 checked once on
+an H200, TP>1 untested). Every rank is given the same groups (no data parallel: world size
+must equal tp), so megatron's distributed optimizer (which shards over data-parallel ranks)
+has nothing to shard and is not used; pipeline parallel is not wired (pp > 1 is refused).
 
 Lifecycle: as TorchTrainer: build -> (load_checkpoint) -> train_step* -> state_dict /
 export_weights for weight sync -> save_checkpoint.
