@@ -28,6 +28,7 @@ stops a launched server (its process group) and closes the client.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -347,9 +348,11 @@ class VLLMEngine:
             try:
                 await self._reload(target)
                 await self._set_version(version)
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await self._request("POST", "/resume")
+            except BaseException:
+                with anyio.CancelScope(shield=True), contextlib.suppress(EngineError):
+                    await self._request("POST", "/resume")  # the reload's error is the one to report
+                raise
+            await self._request("POST", "/resume")
         self._weights_path = target
         return version
 
