@@ -51,7 +51,10 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
 
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    fresh = type(loaded)(loaded.config)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # the weights are de-quantized: say so (vLLM refuses it)
+        del config.quantization_config
+    fresh = type(loaded)(config)
     fresh.load_state_dict(loaded.state_dict())
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
@@ -65,12 +68,25 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
             raise
 
 
+def _drop_quantization_config(path: Path) -> None:
+    """Older caches kept the GGUF's quantization_config although the weights are plain fp32."""
+    import json
+
+    data = json.loads(path.read_text())
+    if "quantization_config" in data:
+        del data["quantization_config"]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(path)
+
+
 def resolve_model(model: str | os.PathLike[str] = DEFAULT_MODEL) -> Path:
     """Return a local HF checkpoint directory for `model` (a name or a path)."""
     if str(model) == DEFAULT_MODEL:
         target = cache_dir() / "models" / _CONVERTED_NAME
         if not (target / "config.json").is_file():
             _convert_gguf(_gguf_path(), target)
+        _drop_quantization_config(target / "config.json")
         return target
     path = Path(model).expanduser()
     if not path.exists():
