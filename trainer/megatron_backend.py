@@ -153,7 +153,7 @@ class MegatronTrainer(TorchTrainer):
             hidden = args[0].transpose(0, 1)[:, :-1][sel]  # megatron is [s, b, h]; -> [n, h]
             return (hidden.unsqueeze(1), *args[1:]), kwargs
 
-        head = model.output_layer  # type: ignore[union-attr]
+        head: Any = model.output_layer
         handle = head.register_forward_pre_hook(keep_loss_positions, with_kwargs=True)
         try:
             logits = self.logits(ids, model)[0].float() / self.config.temperature  # [n, V]
