@@ -46,7 +46,7 @@ def _args(run_dir: Path, model: Path, steps: int, *extra: str) -> list[str]:
     sets = [
         f"run_dir={run_dir}", f"engine.model={model}", f"trainer.steps={steps}", "rollout.group_size=2",
         "rollout.groups_per_step=2", "rollout.concurrency=4", "harness.max_tokens=8", "harness.max_turns=1",
-        "eval.rollouts=1", "eval.tiers=[1]", "trainer.lr=1e-3", *extra,
+        "eval.rollouts=1", "eval.tiers=[1]", "trainer.lr=1e-3", "trainer.skip_zero_advantage=false", *extra,
     ]  # fmt: skip
     out = [sys.executable, "-m", "miles_env.cli.main", "train", str(ROOT / "examples/terminal-cpu.yaml")]
     for s in sets:
