@@ -112,6 +112,8 @@ class _Job:
         self.console = console
         self.rng = random.Random(cfg.seed)
         self.state = TrainState()
+        self.progress: Any = None  # a rich Progress, while the loop runs
+        self.bar: Any = None
 
     # -- rollouts --------------------------------------------------------------------------
     async def _produce_groups(
@@ -202,6 +204,10 @@ class _Job:
 
     def _report(self, metrics: dict[str, Any]) -> None:
         self.log.log(self.state.step, "train", metrics)
+        if self.progress is not None:
+            self.progress.update(
+                self.bar, completed=self.state.step, description=f"reward {metrics['reward_mean']:.2f}"
+            )
         self.console.print(
             f"step {self.state.step}/{self.cfg.trainer.steps}  reward {metrics['reward_mean']:.3f}  "
             f"pass {metrics['pass_rate']:.3f}  loss {metrics.get('loss', float('nan')):.4f}  "
@@ -278,6 +284,18 @@ class _Job:
     _syncer: Any  # trainer.weight_sync.WeightSyncer, for weight_sync: delta | delta_disk
     _eval_ctx: RolloutContext | None
     _env: Environment
+
+
+def _progress(console: Any) -> Any:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (
+        TextColumn("[bold]train[/] {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    return Progress(*columns, console=console)
 
 
 def _write_resolved(cfg: RunConfig) -> None:
@@ -365,7 +383,11 @@ async def run_training(cfg: RunConfig, console: Any) -> dict[str, Any]:
             if cfg.eval.enabled and job.state.step == 0:
                 before = await job.evaluate(job._eval_ctx, env, 0)
             runner = job.run_sync if cfg.mode == Mode.SYNC else job.run_fully_async
-            await runner(ctx, queue, trainer, engine, train_tasks)
+            with _progress(console) as progress:
+                job.progress, job.console = progress, progress.console
+                job.bar = progress.add_task("train", total=cfg.trainer.steps, completed=job.state.step)
+                await runner(ctx, queue, trainer, engine, train_tasks)
+            job.progress = None
             after = await job.evaluate(job._eval_ctx, env, job.state.step) if cfg.eval.enabled else None
     finally:
         await engine.close()
