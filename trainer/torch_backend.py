@@ -192,7 +192,7 @@ class TorchTrainer:
         return _Batch(ids.to(dev), mask.to(dev), rollout.to(dev), adv.to(dev), lengths)
 
     def _forward_logprobs(
-        self, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None
+        self, model: Any, ids: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """[B, L] logprobs of each next token (column 0 is 0). With `mask`, the LM head runs only
         where mask == 1: agentic samples are mostly prompt, and [tokens x vocab] logits dominate
