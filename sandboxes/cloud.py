@@ -34,8 +34,9 @@ from miles_env.errors import ConfigError, SandboxError, SandboxThrottled, Sandbo
 from miles_env.sandbox import Command
 from miles_env.types import ExecResult, SandboxSpec
 
+from .execargs import exec_args
 from .local.process import RawResult
-from .local.sandbox import DEFAULT_PATH, classify
+from .local.sandbox import classify
 from .ownership import Ownership, is_stale, owner_labels
 
 __all__ = [
@@ -183,19 +184,11 @@ class CloudSandbox:
         env: Mapping[str, str] | None = None,
         stdin: bytes | str | None = None,
     ) -> ExecResult:
-        limit = self.spec.resources.timeout_s if timeout is None else timeout
-        if limit <= 0:
-            raise SandboxError(f"exec: timeout={timeout!r} must be > 0")
-        merged = {
-            "PATH": DEFAULT_PATH,
-            "HOME": self.workdir,
-            "LANG": "C.UTF-8",
-            **self.spec.env,
-            **(env or {}),
-        }
-        chdir = self.workdir if cwd is None else posixpath.join(self.workdir, cwd)
-        data = stdin.encode() if isinstance(stdin, str) else stdin
-        script = frame_script(cmd, env=merged, cwd=chdir, stdin=data, timeout=limit, spec=self.spec)
+        args = exec_args(self.spec, self.workdir, timeout=timeout, cwd=cwd, env=env, stdin=stdin)
+        limit = args.timeout
+        script = frame_script(
+            cmd, env=args.env, cwd=args.cwd, stdin=args.stdin, timeout=limit, spec=self.spec
+        )
         start = anyio.current_time()
         raw = parse_frame(await self._script(script, limit, "exec"), self.spec, f"sandbox {self.id}: exec")
         code, killed_by = classify(raw, procs_refused=False)

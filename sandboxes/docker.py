@@ -48,8 +48,9 @@ from miles_env.sandbox import Command
 from miles_env.types import ExecResult, NetworkPolicy, SandboxSpec
 
 from ._docker_exec import ExecOutcome, kill_token_argv, run_exec
+from .execargs import exec_args
 from .local.bridge import _FORWARDER, _HostListener
-from .local.sandbox import DEFAULT_PATH, classify
+from .local.sandbox import classify
 from .ownership import Ownership, owner_labels
 
 __all__ = ["DockerSandboxConfig", "DockerSandboxProvider", "DockerSandbox", "DEFAULT_IMAGE"]
@@ -352,20 +353,14 @@ class DockerSandbox:
         stdin: bytes | str | None = None,
     ) -> ExecResult:
         res = self.spec.resources
-        limit = res.timeout_s if timeout is None else timeout
-        if limit <= 0:
-            raise SandboxError(f"exec: timeout={timeout!r} must be > 0")
-        merged = {
-            "PATH": DEFAULT_PATH,
-            "HOME": self.workdir,
-            "LANG": "C.UTF-8",
-            **self.spec.env,
-            **(env or {}),
-        }
-        chdir = self.workdir if cwd is None else posixpath.join(self.workdir, cwd)
-        data = stdin.encode() if isinstance(stdin, str) else stdin
+        args = exec_args(self.spec, self.workdir, timeout=timeout, cwd=cwd, env=env, stdin=stdin)
         out = await self._run(
-            self._wrap(cmd), env=merged, cwd=chdir, stdin=data, timeout=limit, cap=res.output_bytes
+            self._wrap(cmd),
+            env=args.env,
+            cwd=args.cwd,
+            stdin=args.stdin,
+            timeout=args.timeout,
+            cap=res.output_bytes,
         )
         code, killed_by = classify(out.raw, procs_refused=False)
         if out.raw.timed_out:

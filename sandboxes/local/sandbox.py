@@ -29,6 +29,7 @@ from miles_env.errors import SandboxError
 from miles_env.sandbox import Command
 from miles_env.types import ExecResult, Resources, SandboxSpec
 
+from ..execargs import exec_args, exec_cwd, exec_env
 from .cgroup import PidsCgroup
 from .paths import safe_read, safe_write, split_inner_path
 from .process import RawResult, run_capped
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 
 __all__ = ["LocalSandbox", "classify"]
 
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _MEMORY_HINTS = re.compile(
     rb"MemoryError|Cannot allocate memory|std::bad_alloc|out of memory|memory exhausted"
     rb"|failed to reserve",
@@ -107,13 +107,7 @@ class LocalSandbox:
             argv = [str(a) for a in cmd]
             if not argv:
                 raise SandboxError("exec: cmd is an empty argv list")
-        merged = {
-            "PATH": DEFAULT_PATH,
-            "HOME": self.workdir,
-            "LANG": "C.UTF-8",
-            **self.spec.env,
-            **(env or {}),
-        }
+        merged = exec_env(self.spec, self.workdir, env)
         out = list(self._limit_prefix)
         if self._bridge is not None:
             out += self._bridge.nsenter_prefix()
@@ -122,8 +116,7 @@ class LocalSandbox:
             out.append("--share-net")
         for key, value in merged.items():
             out += ["--setenv", key, value]
-        chdir = self.workdir if cwd is None else (cwd if cwd.startswith("/") else f"{self.workdir}/{cwd}")
-        out += ["--chdir", chdir, "--", *argv]
+        out += ["--chdir", exec_cwd(self.workdir, cwd), "--", *argv]
         return out
 
     async def exec(
@@ -137,10 +130,8 @@ class LocalSandbox:
     ) -> ExecResult:
         self._check_open()
         res: Resources = self.spec.resources
-        limit = res.timeout_s if timeout is None else timeout
-        if limit <= 0:
-            raise SandboxError(f"exec: timeout={timeout!r} must be > 0")
-        data = stdin.encode() if isinstance(stdin, str) else stdin
+        args = exec_args(self.spec, self.workdir, timeout=timeout, cwd=cwd, env=env, stdin=stdin)
+        limit, data = args.timeout, args.stdin
         refused_before = self._cgroup.max_events() if self._cgroup else 0
         raw = await run_capped(
             self._argv(cmd, cwd, env), stdin=data, timeout=limit, output_cap=res.output_bytes, live=self._live
