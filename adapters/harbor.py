@@ -27,12 +27,22 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward
+
 from miles_env.environment import Environment, Transcript
 from miles_env.errors import TaskError
+from miles_env.harness import Endpoint, HarnessResult
 from miles_env.sandbox import Sandbox
 from miles_env.types import Resources, Reward, SandboxSpec, Task
 
-__all__ = ["HarborTasksEnvironment", "HARBOR_ROOT", "rebase_paths", "read_task_dir", "find_task_dirs"]
+__all__ = [
+    "HarborTasksEnvironment",
+    "run_episode",
+    "HARBOR_ROOT",
+    "rebase_paths",
+    "read_task_dir",
+    "find_task_dirs",
+]
 
 HARBOR_ROOT = "/tmp/harbor"
 _ABS = re.compile(r"(?<![\w.~/-])/(logs|tests|solution)(?=/|\b)")
@@ -143,7 +153,10 @@ def read_task_dir(task_dir: Path, env_name: str) -> Task:
         ),
         verifier={"task_dir": str(task_dir), "timeout_s": float(ver_cfg.get("timeout_sec", 120.0))},
         solution=solution,
-        metadata={"harbor": {"metadata": cfg.get("metadata", {}), "version": cfg.get("version")}},
+        metadata={
+            "adapter": "harbor",  # `--harness framework` runs Harbor's own agent (harbor_trial.run_episode)
+            "harbor": {"metadata": cfg.get("metadata", {}), "version": cfg.get("version")},
+        },
     )
 
 
@@ -177,6 +190,8 @@ class HarborTasksEnvironment(Environment):
         return [read_task_dir(d, self.name) for d in find_task_dirs(self.path)]
 
     async def verify(self, task: Task, sandbox: Sandbox, transcript: Transcript) -> Reward:
+        if any(m.get("role") == FRAMEWORK_ROLE for m in transcript):  # Harbor's own verifier already ran
+            return framework_reward(task, transcript)
         tests = {
             k: rebase_paths(v) for k, v in _read_text_tree(Path(task.verifier["task_dir"]) / "tests").items()
         }
@@ -208,3 +223,10 @@ class HarborTasksEnvironment(Environment):
 async def _maybe_read(sandbox: Sandbox, path: str) -> str | None:
     res = await sandbox.exec(f"cat {shlex.quote(path)}", timeout=30)
     return res.stdout if res.exit_code == 0 else None
+
+
+async def run_episode(task: Task, sandbox: Sandbox, endpoint: Endpoint, **config: Any) -> HarnessResult:
+    """`--harness framework`: Harbor's own agent (default terminus-2) on the TITO session."""
+    from miles_env.adapters.harbor_trial import run_episode as trial_episode
+
+    return await trial_episode(task, sandbox, endpoint, **config)

@@ -1,18 +1,24 @@
 """Harbor's own Trial on our sandbox: the harbor package (its venv) drives, our sandbox executes.
 
 Concept: `run_harbor_trial(task_dir, agent, provider)` creates one of our sandboxes
-for the task (the same spec the native reader builds), then asks the harbor worker
-to run `Trial.create(TrialConfig(environment.import_path="harbor_env:MilesSandboxEnvironment"))`.
-That environment class calls back into this process (`sandbox.exec/write/read/list`)
-for every command and file transfer, so Harbor's agent and verifier run in our
-sandbox. The reward is Harbor's own `verifier_result.rewards`.
+for the task (the same spec the native reader builds) and `trial_in_sandbox` asks the
+harbor worker to run `Trial.create(TrialConfig(environment.import_path=
+"harbor_env:MilesSandboxEnvironment"))` in it. That environment class calls back into
+this process (`sandbox.exec/keep/write/read/list`) for every command and file
+transfer, so Harbor's agent and verifier run in our sandbox. The reward is Harbor's
+own `verifier_result.rewards`. `run_episode` (the `framework` harness on a
+`harbor:` task) does the same in the episode's sandbox with an LLM agent
+(`terminus-2` by default) whose model endpoint is the episode's TITO session, so
+every model token is captured by our proxy.
 
-Invariant: callbacks reach only the sandbox registered for the running trial; the
-sandbox is closed when the trial returns or fails.
+Invariant: callbacks reach only the sandbox registered for the running trial;
+keeper execs (a tmux server's namespace) are cancelled when the trial returns; the
+sandbox is closed by whoever created it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import shlex
 import tempfile
@@ -21,14 +27,18 @@ from pathlib import Path
 from typing import Any
 
 from miles_env.adapters.harbor import read_task_dir
-from miles_env.adapters.harness import worker_for
+from miles_env.adapters.harness import FRAMEWORK_ROLE, worker_for
 
 from miles_env.errors import SandboxError
+from miles_env.harness import Endpoint, HarnessResult
 from miles_env.sandbox import Sandbox, SandboxProvider
+from miles_env.types import Status, Task
 
-__all__ = ["run_harbor_trial"]
+__all__ = ["run_harbor_trial", "trial_in_sandbox", "run_episode"]
 
 _SANDBOXES: dict[str, Sandbox] = {}
+_KEEPERS: dict[str, list[asyncio.Task[Any]]] = {}
+_KEEP_S = 6 * 3600.0  # a keeper's exec limit; it ends with the trial anyway
 
 
 def _sandbox(params: dict[str, Any]) -> Sandbox:
@@ -43,6 +53,42 @@ async def _exec(params: dict[str, Any]) -> dict[str, Any]:
         params["command"], cwd=params.get("cwd"), env=params.get("env") or None, timeout=params.get("timeout")
     )
     return {"stdout": r.stdout, "stderr": r.stderr, "exit_code": r.exit_code}
+
+
+async def _keep(params: dict[str, Any]) -> dict[str, Any]:
+    """Run `command` in an exec that then stays alive while `alive` succeeds (a tmux server).
+
+    The exit code lands in `<tag>.rc` by rename, so a poll never reads it half-written.
+    """
+    sb, sid = _sandbox(params), str(params["sandbox"])
+    tag = f"/tmp/.miles-keep-{uuid.uuid4().hex[:12]}"
+    alive = params.get("alive") or "false"
+    script = (
+        f"{{ {params['command']}\n}} >{tag}.out 2>{tag}.err </dev/null; echo $? >{tag}.tmp; mv {tag}.tmp {tag}.rc\n"
+        f"while {alive} >/dev/null 2>&1; do sleep 0.5; done"
+    )
+    keeper = asyncio.get_running_loop().create_task(
+        sb.exec(["bash", "-c", script], env=params.get("env") or None, timeout=_KEEP_S)
+    )
+    _KEEPERS.setdefault(sid, []).append(keeper)
+    deadline = asyncio.get_running_loop().time() + float(params.get("timeout") or 60)
+    while asyncio.get_running_loop().time() < deadline:
+        r = await sb.exec(
+            f"test -f {tag}.rc || exit 3; cat {tag}.rc {tag}.out; echo; echo @@; cat {tag}.err", timeout=30
+        )
+        if r.exit_code == 0:
+            code, _, rest = r.stdout.partition("\n")
+            out, _, err = rest.partition("\n@@\n")
+            return {"stdout": out.removesuffix("\n"), "stderr": err, "exit_code": int(code)}
+        if keeper.done():
+            res = keeper.result()
+            return {"stdout": res.stdout, "stderr": res.stderr, "exit_code": res.exit_code or 1}
+        await asyncio.sleep(0.1)
+    return {
+        "stdout": "",
+        "stderr": f"keeper command did not finish: {params['command'][:200]}",
+        "exit_code": 124,
+    }
 
 
 async def _write(params: dict[str, Any]) -> bool:
@@ -62,24 +108,120 @@ async def _list(params: dict[str, Any]) -> list[str]:
     return [line for line in r.stdout.splitlines() if line]
 
 
-CALLBACKS = {"sandbox.exec": _exec, "sandbox.write": _write, "sandbox.read": _read, "sandbox.list": _list}
+CALLBACKS = {
+    "sandbox.exec": _exec,
+    "sandbox.keep": _keep,
+    "sandbox.write": _write,
+    "sandbox.read": _read,
+    "sandbox.list": _list,
+}
+
+
+async def trial_in_sandbox(
+    sandbox: Sandbox,
+    task_dir: str | Path,
+    agent: str,
+    *,
+    model: dict[str, str] | None = None,
+    agent_kwargs: dict[str, Any] | None = None,
+    trials_dir: str | Path | None = None,
+    timeout: float = 1800.0,
+) -> dict[str, Any]:
+    """One Harbor trial in an open sandbox; `model` = {base_url, api_key, model} for LLM agents."""
+    worker = worker_for("harbor", "harbor_worker.py")
+    worker.callbacks.update(CALLBACKS)
+    sid = uuid.uuid4().hex
+    trials = Path(trials_dir) if trials_dir else Path(tempfile.mkdtemp(prefix="miles-harbor-trials-"))
+    _SANDBOXES[sid] = sandbox
+    params: dict[str, Any] = {
+        "sandbox": sid,
+        "task_dir": str(Path(task_dir).resolve()),
+        "agent": agent,
+        "trials_dir": str(trials),
+        "model": model,
+        "agent_kwargs": agent_kwargs or {},
+    }
+    try:
+        return await worker.call("trial", params, timeout=timeout)  # type: ignore[no-any-return]
+    finally:
+        _SANDBOXES.pop(sid, None)
+        keepers = _KEEPERS.pop(sid, [])
+        if keepers:
+            await _stop_keepers(sandbox, keepers)
+
+
+async def _stop_keepers(sandbox: Sandbox, keepers: list[asyncio.Task[Any]]) -> None:
+    try:
+        await sandbox.exec("tmux kill-server >/dev/null 2>&1; true", timeout=30)
+    except Exception:  # the sandbox may already be gone; the keepers die with it
+        pass
+    for k in keepers:
+        k.cancel()
+    await asyncio.gather(*keepers, return_exceptions=True)
 
 
 async def run_harbor_trial(
     task_dir: str | Path, agent: str, provider: SandboxProvider, *, trials_dir: str | Path | None = None
 ) -> dict[str, Any]:
-    """One Harbor trial of `task_dir` with Harbor agent `agent`, in a sandbox from `provider`."""
+    """One Harbor trial of `task_dir` with Harbor agent `agent`, in a fresh sandbox from `provider`."""
     task_dir = Path(task_dir).resolve()
     task = read_task_dir(task_dir, f"harbor:{task_dir}")
-    worker = worker_for("harbor", "harbor_worker.py")
-    worker.callbacks.update(CALLBACKS)
-    sid = uuid.uuid4().hex
-    trials = Path(trials_dir) if trials_dir else Path(tempfile.mkdtemp(prefix="miles-harbor-trials-"))
     sandbox = await provider.create(task.sandbox)
     async with sandbox:
-        _SANDBOXES[sid] = sandbox
-        try:
-            params = {"sandbox": sid, "task_dir": str(task_dir), "agent": agent, "trials_dir": str(trials)}
-            return await worker.call("trial", params, timeout=1800)  # type: ignore[no-any-return]
-        finally:
-            _SANDBOXES.pop(sid, None)
+        return await trial_in_sandbox(sandbox, task_dir, agent, trials_dir=trials_dir)
+
+
+async def run_episode(
+    task: Task,
+    sandbox: Sandbox,
+    endpoint: Endpoint,
+    *,
+    agent: str = "terminus-2",
+    max_turns: int | None = None,
+    temperature: float | None = None,
+    trials_dir: str | None = None,
+    isolation: object = None,
+    **agent_kwargs: Any,
+) -> HarnessResult:
+    """The `framework` harness on a Harbor task: Harbor's agent on the TITO session, Harbor's verifier.
+
+    `isolation` is accepted and not needed: every command of Harbor's agent and
+    verifier already runs in the episode's sandbox; the host worker only orchestrates
+    (Harbor's trusted package code) and calls the model.
+    """
+    if max_turns is not None:
+        agent_kwargs.setdefault("max_turns", max_turns)
+    if temperature is not None:
+        agent_kwargs.setdefault("temperature", temperature)
+    model = {"base_url": endpoint.base_url, "api_key": endpoint.api_key, "model": endpoint.model}
+    r = await trial_in_sandbox(
+        sandbox,
+        task.verifier["task_dir"],
+        agent,
+        model=model,
+        agent_kwargs=agent_kwargs,
+        trials_dir=trials_dir,
+        timeout=float(task.sandbox.resources.timeout_s) + float(task.verifier.get("timeout_s", 120.0)) + 300,
+    )
+    rewards = r.get("rewards")
+    details = {
+        "rewards": rewards,
+        "exception": r.get("exception"),
+        "trial_uri": r.get("trial_uri"),
+        "agent": agent,
+    }
+    score = _score(rewards)
+    transcript: list[dict[str, Any]] = [{"role": "user", "content": task.instruction}]
+    transcript.append({"role": FRAMEWORK_ROLE, "reward": score, "details": details})
+    if rewards is None:
+        return HarnessResult(
+            Status.FAILED, transcript, f"harbor trial: no verifier result: {r.get('exception')}", details
+        )
+    return HarnessResult(Status.COMPLETED, transcript, None, details)
+
+
+def _score(rewards: dict[str, Any] | None) -> float:
+    if not rewards:
+        return 0.0
+    nums = {k: float(v) for k, v in rewards.items() if isinstance(v, (int, float))}
+    return nums["reward"] if "reward" in nums else (sum(nums.values()) / len(nums) if nums else 0.0)

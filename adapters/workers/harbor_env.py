@@ -7,6 +7,12 @@ sandbox to use is the context variable CURRENT_SANDBOX, set by the worker's `tri
 handler. Harbor's absolute `/logs`, `/tests`, `/solution`, `/installed-agent` and
 `/oracle` paths are rebased under `/tmp/harbor` (the local sandbox's root is read-only),
 in commands and in uploaded text files alike.
+
+Each of our execs may be its own process namespace (the local sandbox: a fresh
+bwrap per exec), so a tmux server started by one exec would die with it. A command
+that starts a tmux session (Terminus-2's terminal) is therefore sent as
+`sandbox.keep`: the host runs it in an exec that stays alive while a tmux server
+does; later execs reach that server through its socket under /tmp.
 """
 
 from __future__ import annotations
@@ -71,6 +77,12 @@ class MilesSandboxEnvironment(BaseEnvironment):
         for rel in await self._call("sandbox.list", path=src):
             await self.download_file(f"{src}/{rel}", Path(target_dir) / rel)
 
+    async def _keep(self, command: str, env: dict[str, str], timeout_sec: int | None) -> ExecResult:
+        r = await self._call(
+            "sandbox.keep", command=command, env=env, timeout=timeout_sec, alive="tmux has-session"
+        )
+        return ExecResult(stdout=r["stdout"], stderr=r["stderr"], return_code=r["exit_code"])
+
     async def exec(
         self,
         command: str,
@@ -79,6 +91,10 @@ class MilesSandboxEnvironment(BaseEnvironment):
         timeout_sec: int | None = None,
         user: str | int | None = None,
     ) -> ExecResult:
+        if "tmux new-session" in command:
+            return await self._keep(
+                rebase(command), {k: rebase(v) for k, v in (env or {}).items()}, timeout_sec
+            )
         r = await self._call(
             "sandbox.exec",
             command=rebase(command),

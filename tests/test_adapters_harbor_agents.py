@@ -1,0 +1,95 @@
+"""Harbor's own LLM agent (terminus-2) in our sandbox, its model being a TITO session.
+
+The policy is a ScriptedEngine that writes the exact JSON terminus-2's parser
+expects; Harbor's verifier scores the task; the trajectory comes from the TITO
+session. Needs the harbor venv (`miles-env adapters install harbor`) and tmux.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from test_adapters_harbor import make_task
+
+from miles_env.registry import load_environment
+from miles_env.types import Status
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("tmux") is None, reason="terminus-2 drives a tmux terminal"),
+]
+
+SOLVE = "mkdir -p /app/out && echo 'hello harbor' > /app/out/hello.txt\n"
+
+
+def terminus_reply(keystrokes: list[str], done: bool) -> str:
+    """One reply in terminus-2's JSON format (harbor/agents/terminus_2/templates/terminus-json-plain.txt)."""
+    commands = [{"keystrokes": k, "duration": 0.3} for k in keystrokes]
+    return json.dumps({"analysis": "a", "plan": "p", "commands": commands, "task_complete": done})
+
+
+def run(tmp_path: Path, replies: list[str], **harness_cfg: Any) -> tuple[Any, Any]:
+    from miles_env.adapters.harness import FrameworkHarness, close_workers
+    from miles_env.adapters.venv import install
+
+    from miles_env.engines.scripted import ScriptedEngine
+    from miles_env.models import load_tokenizer
+    from miles_env.rollout import run_episode
+    from miles_env.stack import StackConfig, open_stack
+
+    install("harbor")
+    make_task(tmp_path)
+    env = load_environment(f"harbor:{tmp_path}")
+    (task,) = env.tasks("test")
+
+    async def main() -> tuple[Any, ScriptedEngine]:
+        engine = ScriptedEngine(load_tokenizer("smollm2"), replies)
+        try:
+            async with open_stack(StackConfig(), engine=engine) as stack:
+                harness = FrameworkHarness(trials_dir=str(tmp_path / "trials"), **harness_cfg)
+                ep = await run_episode(stack.rollout_context(env, harness), task)
+        finally:
+            await close_workers()
+        return ep, engine
+
+    return anyio.run(main)
+
+
+def sampled_ids(ep: Any) -> list[int]:
+    return [t for s in ep.samples for t, m in zip(s.token_ids, s.loss_mask, strict=True) if m]
+
+
+def test_terminus2_solves_through_tito(tmp_path: Path) -> None:
+    # terminus-2 asks for confirmation after the first task_complete: two replies.
+    ep, engine = run(tmp_path, [terminus_reply([SOLVE], True), terminus_reply([], True)])
+    assert ep.status is Status.COMPLETED, ep.error
+    assert ep.score == 1.0, ep.reward
+    assert ep.reward.details["rewards"] == {"reward": 1.0}  # Harbor's own verifier
+    assert len(engine.generations) == 2
+    assert sampled_ids(ep) == [t for g in engine.generations for t in g.output_ids]
+    # The prompt the policy saw is terminus-2's, with the task's instruction in it.
+    prompt = engine.tokenizer.decode(list(engine.calls[0].input_ids))
+    assert "Format your response as JSON" in prompt and "hello harbor" in prompt
+    trial = Path(ep.reward.details["trial_uri"].removeprefix("file://"))
+    assert (trial / "result.json").is_file()
+
+
+def test_terminus2_doing_nothing_scores_zero(tmp_path: Path) -> None:
+    ep, engine = run(tmp_path, [terminus_reply(["ls\n"], True), terminus_reply([], True)])
+    assert ep.status is Status.COMPLETED, ep.error
+    assert ep.score == 0.0 and ep.reward.details["rewards"] == {"reward": 0.0}
+    assert sampled_ids(ep) == [t for g in engine.generations for t in g.output_ids]
+
+
+def test_terminus2_turn_budget_ends_the_agent(tmp_path: Path) -> None:
+    """Unparseable replies: terminus-2 retries until max_turns; Harbor still verifies (reward 0)."""
+    ep, engine = run(tmp_path, ["not json"] * 3, max_turns=3)
+    assert ep.status is Status.COMPLETED, ep.error
+    assert ep.score == 0.0
+    assert len(engine.generations) == 3
+    assert sampled_ids(ep) == [t for g in engine.generations for t in g.output_ids]
