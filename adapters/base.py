@@ -65,8 +65,12 @@ class WorkerClient:
         env: Mapping[str, str] | None = None,
         name: str = "worker",
         start_timeout_s: float = 120.0,
+        opener: Callable[[], Awaitable[anyio.abc.Process]] | None = None,
     ) -> None:
         self.argv = list(argv)
+        # Why an opener: the same protocol runs over a process started elsewhere (inside a
+        # sandbox, `sandboxes/local/spawn.py`); None = a plain child process with `argv`.
+        self.opener = opener
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.name = name
         self.start_timeout_s = start_timeout_s
@@ -91,7 +95,10 @@ class WorkerClient:
         t0 = time.perf_counter()
         self._dead, self._ready, self._pending = None, anyio.Event(), {}
         self._stderr.clear()
-        self._proc = await anyio.open_process(self.argv, env=self.env, start_new_session=True)
+        if self.opener is not None:
+            self._proc = await self.opener()
+        else:
+            self._proc = await anyio.open_process(self.argv, env=self.env, start_new_session=True)
         self._loop = _loop_id()
         self._spawn(self._read_stdout())
         self._spawn(self._read_stderr())

@@ -9,8 +9,10 @@ framework's reward travels back in the transcript as one final message
 `verify` reads (`framework_reward`).
 
 Invariant: a worker crash, hang or garbage answer never raises out of `run`; it
-is an episode with Status.FAILED and the error kept. Workers are pooled per
-(adapter, target) and per event loop (`worker_for`).
+is an episode with Status.FAILED and the error kept. By default each episode's
+worker runs inside that episode's sandbox (`isolation.py`); with
+`isolation="none"` workers are pooled on the host per (adapter, target) and per
+event loop (`worker_for`).
 """
 
 from __future__ import annotations
@@ -70,6 +72,11 @@ class FrameworkHarness:
     name = "framework"
 
     def __init__(self, **config: Any) -> None:
+        from miles_env.adapters.isolation import isolation_of
+
+        # isolation: "sandbox" (default: a fresh worker inside the episode's sandbox) or
+        # "none" (the pooled worker on the host); see adapters/isolation.py.
+        config["isolation"] = isolation_of(config.get("isolation"))
         self.config = config
 
     async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint) -> HarnessResult:

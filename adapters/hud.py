@@ -15,14 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from miles_env.adapters.base import call_once, python_argv
-from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward, worker_for
+from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward
+from miles_env.adapters.isolation import Isolation, adapter_sandbox_spec, episode_worker
 from miles_env.adapters.venv import get_spec, venv_python
 
 from miles_env.environment import Environment, Transcript
 from miles_env.errors import RegistryError
 from miles_env.harness import Endpoint, HarnessResult
 from miles_env.sandbox import Sandbox
-from miles_env.types import Reward, Status, Task
+from miles_env.types import Reward, SandboxSpec, Status, Task
 
 __all__ = ["HudEnvironment", "run_episode"]
 
@@ -59,20 +60,34 @@ class HudEnvironment(Environment):
             ]
         return list(self._tasks)
 
+    def sandbox_spec(self, task: Task) -> SandboxSpec:
+        return adapter_sandbox_spec()
+
     async def verify(self, task: Task, sandbox: Sandbox, transcript: Transcript) -> Reward:
         return framework_reward(task, transcript)
 
 
-async def run_episode(task: Task, sandbox: Sandbox, endpoint: Endpoint, **_: Any) -> HarnessResult:
-    worker = worker_for("hud", "hud_worker.py", task.metadata["path"])
-    params = {
-        "idx": task.metadata["idx"],
-        "base_url": endpoint.base_url,
-        "api_key": endpoint.api_key,
-        "model": endpoint.model,
-        "timeout": 600,
-    }
-    r = await worker.call("run", params, timeout=900)
+async def run_episode(
+    task: Task, sandbox: Sandbox, endpoint: Endpoint, *, isolation: Isolation = Isolation.SANDBOX, **_: Any
+) -> HarnessResult:
+    path = task.metadata["path"]
+    async with episode_worker(
+        "hud",
+        "hud_worker.py",
+        (path,),
+        sandbox=sandbox,
+        endpoint=endpoint,
+        isolation=isolation,
+        mounts=(str(Path(path).parent),),
+    ) as (worker, base_url):
+        params = {
+            "idx": task.metadata["idx"],
+            "base_url": base_url,
+            "api_key": endpoint.api_key,
+            "model": endpoint.model,
+            "timeout": 600,
+        }
+        r = await worker.call("run", params, timeout=900)
     details = {"error": r["error"]}
     transcript: list[dict[str, Any]] = [
         {"role": "assistant", "content": r["answer"]},

@@ -11,17 +11,19 @@ No head server and no `ng_run` (which wants the network). Tasks: every row in `t
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from miles_env.adapters.base import call_once, python_argv
-from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward, worker_for
+from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward
+from miles_env.adapters.isolation import Isolation, adapter_sandbox_spec, episode_worker
 from miles_env.adapters.venv import get_spec, venv_python
 
 from miles_env.environment import Environment, Transcript
 from miles_env.errors import RegistryError
 from miles_env.harness import Endpoint, HarnessResult
 from miles_env.sandbox import Sandbox
-from miles_env.types import Reward, Status, Task
+from miles_env.types import Reward, SandboxSpec, Status, Task
 
 __all__ = ["NemoGymEnvironment", "run_episode"]
 
@@ -31,6 +33,11 @@ class NemoGymEnvironment(Environment):
 
     def __init__(self, ref: str, name: str | None = None) -> None:
         target, _, data = ref.partition("?data=")
+        # Absolute paths: the worker's cwd is the sandbox's workspace, not ours.
+        if target.endswith(".py"):
+            target = str(Path(target).expanduser().resolve())
+        if data:
+            data = str(Path(data).expanduser().resolve())
         self.args = (target, data) if data else (target,)
         self.name = name or f"nemo-gym:{ref}"
         self.description = f"NeMo Gym resources server {target}"
@@ -62,23 +69,48 @@ class NemoGymEnvironment(Environment):
                 )
         return list(self._tasks)
 
+    def sandbox_spec(self, task: Task) -> SandboxSpec:
+        return adapter_sandbox_spec()
+
     async def verify(self, task: Task, sandbox: Sandbox, transcript: Transcript) -> Reward:
         return framework_reward(task, transcript)
 
 
+def _mounts(args: tuple[str, ...]) -> list[str]:
+    """The directories of a resources server file and a data file given by path."""
+    target, data = args[0], (args[1] if len(args) > 1 else "")
+    paths = [target] if target.endswith(".py") else []
+    return [str(Path(p).expanduser().resolve().parent) for p in [*paths, data] if p]
+
+
 async def run_episode(
-    task: Task, sandbox: Sandbox, endpoint: Endpoint, *, max_turns: int = 4, **_: Any
+    task: Task,
+    sandbox: Sandbox,
+    endpoint: Endpoint,
+    *,
+    max_turns: int = 4,
+    isolation: Isolation = Isolation.SANDBOX,
+    **_: Any,
 ) -> HarnessResult:
-    worker = worker_for("nemo-gym", "nemo_gym_worker.py", *task.metadata["args"])
-    params = {
-        "idx": task.metadata["idx"],
-        "base_url": endpoint.base_url,
-        "api_key": endpoint.api_key,
-        "model": endpoint.model,
-        "max_steps": max_turns,
-        "timeout": 600,
-    }
-    r = await worker.call("run", params, timeout=900)
+    args = tuple(task.metadata["args"])
+    async with episode_worker(
+        "nemo-gym",
+        "nemo_gym_worker.py",
+        args,
+        sandbox=sandbox,
+        endpoint=endpoint,
+        isolation=isolation,
+        mounts=_mounts(args),
+    ) as (worker, base_url):
+        params = {
+            "idx": task.metadata["idx"],
+            "base_url": base_url,
+            "api_key": endpoint.api_key,
+            "model": endpoint.model,
+            "max_steps": max_turns,
+            "timeout": 600,
+        }
+        r = await worker.call("run", params, timeout=900)
     transcript: list[dict[str, Any]] = [
         {"role": "user", "content": task.instruction},
         {"role": "assistant", "content": r["answer"]},

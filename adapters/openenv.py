@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 from typing import Any
 
-from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward, worker_for
+from miles_env.adapters.base import WorkerClient
+from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward
+from miles_env.adapters.isolation import Isolation, adapter_sandbox_spec, episode_worker
 
 from miles_env.environment import Environment, Transcript
 from miles_env.harness import Endpoint, HarnessResult
 from miles_env.sandbox import Sandbox
-from miles_env.types import Reward, Status, Task
+from miles_env.types import Reward, SandboxSpec, Status, Task
 
 __all__ = ["OpenEnvEnvironment", "run_episode", "action_field"]
 
@@ -47,6 +50,9 @@ class OpenEnvEnvironment(Environment):
 
     def __init__(self, target: str, name: str | None = None) -> None:
         target, _, query = target.partition("?n=")
+        file, sep, attr = target.rpartition(":")
+        if sep and file.endswith(".py"):  # absolute: the worker's cwd is the sandbox's workspace
+            target = f"{Path(file).expanduser().resolve()}:{attr}"
         self.target = target
         self.n = int(query) if query else 4
         self.name = name or f"openenv:{target}"
@@ -69,16 +75,45 @@ class OpenEnvEnvironment(Environment):
                 )
         return out
 
+    def sandbox_spec(self, task: Task) -> SandboxSpec:
+        return adapter_sandbox_spec()
+
     async def verify(self, task: Task, sandbox: Sandbox, transcript: Transcript) -> Reward:
         return framework_reward(task, transcript)
 
 
 async def run_episode(
-    task: Task, sandbox: Sandbox, endpoint: Endpoint, *, max_turns: int = 4, max_tokens: int = 64, **_: Any
+    task: Task,
+    sandbox: Sandbox,
+    endpoint: Endpoint,
+    *,
+    max_turns: int = 4,
+    max_tokens: int = 64,
+    isolation: Isolation = Isolation.SANDBOX,
+    **_: Any,
 ) -> HarnessResult:
+    target = task.metadata["target"]
+    file, sep, _ = target.rpartition(":")
+    mounts = [str(Path(file).parent)] if sep and file.endswith(".py") else []
+    async with episode_worker(
+        "openenv",
+        "openenv_worker.py",
+        (target,),
+        sandbox=sandbox,
+        endpoint=endpoint,
+        isolation=isolation,
+        mounts=mounts,
+    ) as (worker, _inner_url):
+        # Our loop runs on the host, so it calls the model at the endpoint's own URL.
+        return await _drive(worker, task, endpoint, max_turns, max_tokens)
+
+
+async def _drive(
+    worker: WorkerClient, task: Task, endpoint: Endpoint, max_turns: int, max_tokens: int
+) -> HarnessResult:
+    """Our agent loop over the env's reset/step; the model is called from the host."""
     import openai
 
-    worker = worker_for("openenv", "openenv_worker.py", task.metadata["target"])
     info = await worker.call("info", timeout=120)
     field = action_field(info["schema"])
     session = uuid.uuid4().hex

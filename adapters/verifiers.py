@@ -16,14 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from miles_env.adapters.base import call_once, python_argv
-from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward, worker_for
+from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward
+from miles_env.adapters.isolation import Isolation, adapter_sandbox_spec, episode_worker
 from miles_env.adapters.venv import get_spec, venv_python
 
 from miles_env.environment import Environment, Transcript
 from miles_env.errors import RegistryError
 from miles_env.harness import Endpoint, HarnessResult
 from miles_env.sandbox import Sandbox
-from miles_env.types import Reward, Status, Task
+from miles_env.types import Reward, SandboxSpec, Status, Task
 
 __all__ = ["VerifiersEnvironment", "run_episode", "worker_args"]
 
@@ -66,23 +67,34 @@ class VerifiersEnvironment(Environment):
             ]
         return list(self._tasks)
 
+    def sandbox_spec(self, task: Task) -> SandboxSpec:
+        return adapter_sandbox_spec()
+
     async def verify(self, task: Task, sandbox: Sandbox, transcript: Transcript) -> Reward:
         return framework_reward(task, transcript)
 
 
-async def run_episode(task: Task, sandbox: Sandbox, endpoint: Endpoint, **_: Any) -> HarnessResult:
-    worker = worker_for("verifiers", "verifiers_worker.py", *worker_args(task.metadata["ref"]))
-    r = await worker.call(
-        "run",
-        {
+async def run_episode(
+    task: Task, sandbox: Sandbox, endpoint: Endpoint, *, isolation: Isolation = Isolation.SANDBOX, **_: Any
+) -> HarnessResult:
+    args = worker_args(task.metadata["ref"])
+    async with episode_worker(
+        "verifiers",
+        "verifiers_worker.py",
+        args,
+        sandbox=sandbox,
+        endpoint=endpoint,
+        isolation=isolation,
+        mounts=args[1:],
+    ) as (worker, base_url):
+        params = {
             "idx": task.metadata["idx"],
-            "base_url": endpoint.base_url,
+            "base_url": base_url,
             "api_key": endpoint.api_key,
             "model": endpoint.model,
             "session": endpoint.session_id,
-        },
-        timeout=900,
-    )
+        }
+        r = await worker.call("run", params, timeout=900)
     details = {k: r[k] for k in ("rewards", "ok", "errors", "trace_errors")}
     transcript: list[dict[str, Any]] = [{"role": "user", "content": task.instruction}]
     transcript.append({"role": "assistant", "content": r.get("reply", "")})

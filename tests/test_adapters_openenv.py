@@ -95,7 +95,8 @@ def test_broken_worker_fails_its_episode_and_the_run_goes_on(tmp_path: Path) -> 
     async def main() -> list:
         engine = ScriptedEngine(load_tokenizer("smollm2"), ["river"])
         async with open_stack(StackConfig(), engine=engine) as stack:
-            ctx = stack.rollout_context(env, get_harness("framework"))
+            # isolation=none: the pooled host worker is the one replaced by the garbage script
+            ctx = stack.rollout_context(env, get_harness("framework", isolation="none"))
             eps = await run_many(ctx, [bad, good], concurrency=2)
         await close_workers()
         return eps
