@@ -151,9 +151,9 @@ def test_sandboxed_worker_failure_is_a_failed_episode_and_leaves_nothing(tmp_pat
     """A worker that cannot start inside the sandbox fails its episode with the error kept."""
     from miles_env.adapters import openenv as oe
     from miles_env.adapters.venv import install
+    from miles_env.sandboxes.local import LocalSandboxProvider
 
     from miles_env.harness import Endpoint
-    from miles_env.sandboxes.local import LocalSandboxProvider
 
     install("openenv")
     env = load_environment(f"openenv:{EXAMPLES / 'openenv_guess.py'}:app")
