@@ -27,6 +27,15 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from miles_env.adapters.harbor_dockerfile import (
+    Step,
+    build_image,
+    docker_build_ready,
+    final_stage,
+    parse_dockerfile,
+    run_setup,
+    static_env,
+)
 from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward
 
 from miles_env.environment import Environment, Transcript
@@ -79,33 +88,13 @@ def _read_text_tree(root: Path) -> dict[str, str]:
     return out
 
 
-def _dockerfile(env_dir: Path) -> tuple[str, dict[str, str]]:
-    """WORKDIR and the files COPY/ADD place, from environment/Dockerfile."""
-    workdir, files = "/app", dict[str, str]()
-    df = env_dir / "Dockerfile"
-    if not df.is_file():
-        return workdir, files
-    tree = _read_text_tree(env_dir)
-    for raw in df.read_text().splitlines():
-        parts = raw.strip().split()
-        if len(parts) >= 2 and parts[0].upper() == "WORKDIR":
-            workdir = parts[1] if parts[1].startswith("/") else f"{workdir.rstrip('/')}/{parts[1]}"
-        elif len(parts) >= 3 and parts[0].upper() in ("COPY", "ADD") and not parts[1].startswith("--"):
-            *srcs, dst = parts[1:]
-            dst_abs = dst if dst.startswith("/") else f"{workdir.rstrip('/')}/{dst}"
-            for src in srcs:
-                src = src.strip("./") if src not in (".", "./") else ""
-                for rel, text in tree.items():
-                    if rel == "Dockerfile" or not (src == "" or rel == src or rel.startswith(src + "/")):
-                        continue
-                    tail = (
-                        rel[len(src) :].lstrip("/")
-                        if src and rel != src
-                        else (Path(rel).name if rel == src else rel)
-                    )
-                    into_dir = dst.endswith("/") or len(srcs) > 1 or src == "" or rel != src
-                    files[f"{dst_abs.rstrip('/')}/{tail}" if into_dir else dst_abs] = text
-    return workdir, files
+def _workdir(steps: list[Step]) -> str:
+    """The final stage's last WORKDIR (Harbor's default /app)."""
+    workdir = "/app"
+    for step in final_stage(steps):
+        if step.op == "WORKDIR" and step.args:
+            workdir = step.args if step.args.startswith("/") else f"{workdir.rstrip('/')}/{step.args}"
+    return workdir
 
 
 def _heredocs(base: str, files: dict[str, str]) -> str:
@@ -128,8 +117,9 @@ def read_task_dir(task_dir: Path, env_name: str) -> Task:
     if not (task_dir / "tests" / "test.sh").is_file():
         raise TaskError(f"{task_dir / 'tests' / 'test.sh'}: missing")
     env_cfg, agent_cfg, ver_cfg = cfg.get("environment", {}), cfg.get("agent", {}), cfg.get("verifier", {})
-    workdir, files = _dockerfile(task_dir / "environment")
-    abs_files = {k: v for k, v in files.items() if k.startswith(workdir.rstrip("/") + "/")}
+    df = task_dir / "environment" / "Dockerfile"
+    steps = parse_dockerfile(df.read_text()) if df.is_file() else []
+    workdir = _workdir(steps)
     resources = Resources.model_validate(
         {
             "memory_mb": int(env_cfg.get("memory_mb", 1024)),
@@ -149,7 +139,7 @@ def read_task_dir(task_dir: Path, env_name: str) -> Task:
         instruction=instruction_path.read_text().strip() or task_dir.name,
         split="test",
         sandbox=SandboxSpec(
-            image=env_cfg.get("docker_image"), files=abs_files, workdir=workdir, resources=resources
+            image=env_cfg.get("docker_image"), env=static_env(steps), workdir=workdir, resources=resources
         ),
         verifier={"task_dir": str(task_dir), "timeout_s": float(ver_cfg.get("timeout_sec", 120.0))},
         solution=solution,
@@ -183,11 +173,40 @@ class HarborTasksEnvironment(Environment):
         self.path = Path(path).expanduser().resolve()
         self.name = name or f"harbor:{path}"
         self.description = f"Harbor tasks in {self.path}"
+        self._built: dict[str, str | None] = {}  # environment dir -> built image tag
+        self._build_errors: dict[str, str] = {}
 
     def tasks(self, split: str | None = None) -> list[Task]:
         if split not in (None, "test"):
             return []
         return [read_task_dir(d, self.name) for d in find_task_dirs(self.path)]
+
+    def sandbox_spec(self, task: Task) -> SandboxSpec:
+        """With a docker daemon and the base image local, the image built from the Dockerfile."""
+        env_dir = Path(task.verifier["task_dir"]) / "environment"
+        if task.sandbox.image or not (env_dir / "Dockerfile").is_file():
+            return task.sandbox
+        key = str(env_dir)
+        if key not in self._built:
+            self._built[key] = None
+            if docker_build_ready(env_dir):
+                try:
+                    self._built[key] = build_image(env_dir)
+                except TaskError as e:  # setup() then replays the steps and names the one that fails
+                    self._build_errors[key] = str(e)
+        tag = self._built[key]
+        return task.sandbox.model_copy(update={"image": tag}) if tag else task.sandbox
+
+    async def setup(self, task: Task, sandbox: Sandbox) -> None:
+        """Replay the Dockerfile in the sandbox, unless the sandbox runs an image (built or docker_image)."""
+        df = Path(task.verifier["task_dir"]) / "environment" / "Dockerfile"
+        if not df.is_file() or _runs_image(sandbox):
+            return
+        try:
+            await run_setup(sandbox, df, timeout=float(task.verifier.get("setup_timeout_s", 600.0)))
+        except TaskError as e:
+            error = self._build_errors.get(str(df.parent))
+            raise TaskError(f"task {task.id!r}: {e}" + (f" (docker build: {error})" if error else "")) from e
 
     async def verify(self, task: Task, sandbox: Sandbox, transcript: Transcript) -> Reward:
         if any(m.get("role") == FRAMEWORK_ROLE for m in transcript):  # Harbor's own verifier already ran
@@ -218,6 +237,14 @@ class HarborTasksEnvironment(Environment):
         except (TaskError, ValueError) as e:
             return Reward(score=0.0, details={**details, "error": str(e)})
         return Reward(score=score, details={**details, **more})
+
+
+def _runs_image(sandbox: Sandbox) -> bool:
+    """A container made from an image (the local bwrap sandbox ignores SandboxSpec.image)."""
+    from miles_env.sandboxes.local import LocalSandbox
+
+    spec = getattr(sandbox, "spec", None)
+    return not isinstance(sandbox, LocalSandbox) and bool(getattr(spec, "image", None))
 
 
 async def _maybe_read(sandbox: Sandbox, path: str) -> str | None:

@@ -1,7 +1,7 @@
 """Harbor's own Trial on our sandbox: the harbor package (its venv) drives, our sandbox executes.
 
-Concept: `run_harbor_trial(task_dir, agent, provider)` creates one of our sandboxes
-for the task (the same spec the native reader builds) and `trial_in_sandbox` asks the
+Concept: `run_harbor_trial(task_dir, agent, provider)` creates and sets up one of our
+sandboxes for the task (the same spec and Dockerfile setup as a native episode) and `trial_in_sandbox` asks the
 harbor worker to run `Trial.create(TrialConfig(environment.import_path=
 "harbor_env:MilesSandboxEnvironment"))` in it. That environment class calls back into
 this process (`sandbox.exec/keep/write/read/list`) for every command and file
@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from miles_env.adapters.harbor import read_task_dir
+from miles_env.adapters.harbor import HarborTasksEnvironment
 from miles_env.adapters.harness import FRAMEWORK_ROLE, worker_for
 
 from miles_env.errors import SandboxError
@@ -165,9 +165,11 @@ async def run_harbor_trial(
 ) -> dict[str, Any]:
     """One Harbor trial of `task_dir` with Harbor agent `agent`, in a fresh sandbox from `provider`."""
     task_dir = Path(task_dir).resolve()
-    task = read_task_dir(task_dir, f"harbor:{task_dir}")
-    sandbox = await provider.create(task.sandbox)
+    env = HarborTasksEnvironment(task_dir)
+    (task,) = env.tasks("test")
+    sandbox = await provider.create(env.sandbox_spec(task))
     async with sandbox:
+        await env.setup(task, sandbox)  # the Dockerfile, as for a native episode
         return await trial_in_sandbox(sandbox, task_dir, agent, trials_dir=trials_dir)
 
 

@@ -1,0 +1,3 @@
+#!/bin/bash
+mkdir -p /app/out
+echo "hello harbor" > /app/out/hello.txt

@@ -1,0 +1,3 @@
+#!/bin/bash
+mkdir -p /app/out
+count-words /app/data/words.txt > /app/out/count.txt
