@@ -12,11 +12,12 @@ tensor-parallel ranks), so the engine never sees megatron names; HF -> megatron 
 bit-exact; logits are gathered over the vocabulary (parallel_output=False) so logprobs
 use the same code as the torch backend.
 
-Parallelism: tensor parallel (tp); on CPU a gloo process group and the two shims of
-`megatron_cpu_shims` (TP=2 tested under torchrun on CPU; on GPUs, nccl: TP=1 checked once on
-an H200, TP>1 untested). Every rank is given the same groups (no data parallel: world size
-must equal tp), so megatron's distributed optimizer (which shards over data-parallel ranks)
-has nothing to shard and is not used; pipeline parallel is not wired (pp > 1 is refused).
+Parallelism: world = tp * pp * dp (megatron's parallel_state layout). tp = tensor parallel; pp =
+pipeline stages run by megatron-core's 1F1B schedule; dp = data parallel, microbatches split over
+dp ranks, grads summed (see `megatron_parallel`). On CPU a gloo process group and the shims of
+`megatron_cpu_shims`; TP=2, PP=2 and DP=2 are each tested against 1 under torchrun on CPU. On GPUs,
+nccl: TP=1 checked once on an H200, the rest untested there. megatron's DistributedOptimizer is not
+used (`distributed_optimizer` is refused): see MegatronTrainerConfig.
 
 Lifecycle: as TorchTrainer: build -> (load_checkpoint) -> train_step* -> state_dict /
 export_weights for weight sync -> save_checkpoint.
@@ -24,9 +25,9 @@ export_weights for weight sync -> save_checkpoint.
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,18 +35,21 @@ import torch
 from miles_env.trainer.checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
 from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.losses import token_logprobs
-from miles_env.trainer.megatron_convert import (
-    hf_to_megatron,
-    megatron_to_hf,
-    model_shape,
-    shard,
-    transformer_config,
-)
+from miles_env.trainer.megatron_convert import model_shape, transformer_config
 from miles_env.trainer.megatron_cpu_shims import apply_cpu_shims, init_distributed
-from miles_env.trainer.torch_backend import TorchTrainer
+from miles_env.trainer.megatron_parallel import (
+    build_stage_model,
+    gather_hf_state,
+    grad_norm,
+    pipeline_logprobs,
+    pipeline_train_step,
+    reduce_grads,
+)
+from miles_env.trainer.torch_backend import Sample, TorchTrainer
 from pydantic import Field
 
 from miles_env.models import resolve_model
+from miles_env.types import Episode, Trajectory
 
 __all__ = ["MegatronTrainer", "MegatronTrainerConfig"]
 
@@ -53,8 +57,14 @@ __all__ = ["MegatronTrainer", "MegatronTrainerConfig"]
 class MegatronTrainerConfig(TrainerConfig):
     """TrainerConfig plus megatron's parallel layout."""
 
-    tp: int = Field(1, ge=1, description="tensor-parallel size (torchrun world size must equal tp * pp)")
-    pp: int = Field(1, ge=1, description="pipeline-parallel size (not wired yet: must be 1)")
+    tp: int = Field(1, ge=1, description="tensor-parallel size")
+    pp: int = Field(1, ge=1, description="pipeline-parallel size; data parallel = world / (tp * pp)")
+    distributed_optimizer: bool = Field(
+        False,
+        description="megatron DDP + DistributedOptimizer (optimizer state sharded over dp). Not wired: "
+        "it needs megatron's grad buffers, reduce-scatter (gloo has none) and CUDA; dp uses a plain "
+        "all-reduce of the grads and a full AdamW per replica",
+    )
 
 
 class MegatronTrainer(TorchTrainer):
@@ -67,10 +77,8 @@ class MegatronTrainer(TorchTrainer):
         cfg = config if isinstance(config, MegatronTrainerConfig) else MegatronTrainerConfig(
             **(config.model_dump() if config is not None else {})
         )  # fmt: skip
-        if cfg.pp != 1:
-            raise ValueError(
-                f"pp={cfg.pp}: pipeline parallel is not wired in the megatron backend yet; use pp=1"
-            )
+        if cfg.distributed_optimizer:
+            raise ValueError("distributed_optimizer=true: not wired (see MegatronTrainerConfig); use false")
         self.config = cfg
         torch.manual_seed(cfg.seed)
         self.model_path = resolve_model(model_path)
@@ -80,10 +88,8 @@ class MegatronTrainer(TorchTrainer):
         apply_cpu_shims()
         init_distributed(cfg.tp, cfg.pp)
         world = torch.distributed.get_world_size()
-        if world != cfg.tp * cfg.pp:
-            raise ValueError(
-                f"world size {world} != tp * pp = {cfg.tp * cfg.pp}: data parallel is not wired yet"
-            )
+        if world % (cfg.tp * cfg.pp):
+            raise ValueError(f"world size {world} is not a multiple of tp * pp = {cfg.tp * cfg.pp}")
         if torch.cuda.is_available():  # megatron's model-parallel CUDA RNG streams (the CPU shim skips them)
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -94,6 +100,9 @@ class MegatronTrainer(TorchTrainer):
             ps.get_tensor_model_parallel_rank(),
             ps.get_tensor_model_parallel_world_size(),
         )
+        self.pp_rank, self.pp_size = ps.get_pipeline_model_parallel_rank(), cfg.pp
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.layer_offset = 0
         self.model = self._build_model()
         self.ref_model = self._frozen_copy() if cfg.kl_coef > 0 else None
         self.sharded = False
@@ -108,32 +117,24 @@ class MegatronTrainer(TorchTrainer):
         self.step = 0
 
     def _build_model(self) -> torch.nn.Module:
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
         dtype = getattr(torch, self.config.dtype)
-        s = self.shape
-        tcfg = transformer_config(s, dtype, tensor_model_parallel_size=self.tp_size)
-        model = GPTModel(
-            tcfg,
-            get_gpt_layer_local_spec(qk_layernorm=s.qk_norm),
-            vocab_size=s.vocab,
-            max_sequence_length=s.max_positions,
-            position_embedding_type="rope",
-            rotary_base=int(s.rope_theta) if float(s.rope_theta).is_integer() else s.rope_theta,  # type: ignore[arg-type]
-            share_embeddings_and_output_weights=s.tied,
-            parallel_output=False,  # gather logits over the vocab: losses.token_logprobs as is
+        tcfg = transformer_config(
+            self.shape,
+            dtype,
+            tensor_model_parallel_size=self.tp_size,
+            pipeline_model_parallel_size=self.pp_size,
+            pipeline_dtype=dtype,
+            variable_seq_lengths=True,  # microbatches differ in shape: stages exchange shapes first
+            moe_token_dispatcher_type="alltoall",  # no MoE; the default one refuses variable lengths
+            batch_p2p_comm=False,  # plain isend/irecv (batched p2p syncs CUDA)
+            calculate_per_token_loss=True,  # the losses carry global denominators: no 1/num_microbatches
         )
-        full = hf_to_megatron(_read_hf_weights(self.model_path), s)
-        local = {k: shard(k, v, self.tp_rank, self.tp_size).to(dtype) for k, v in full.items()}
-        missing, unexpected = model.load_state_dict(local, strict=False)
-        real_missing = [k for k in missing if not k.endswith("_extra_state")]
-        if real_missing or unexpected:
-            raise ValueError(f"HF -> megatron: missing {real_missing[:4]}, unexpected {unexpected[:4]}")
-        return model.to(self.device)
+        return build_stage_model(self, tcfg, _read_hf_weights(self.model_path))
 
     def _frozen_copy(self) -> torch.nn.Module:
-        ref = copy.deepcopy(self.model).eval()
+        """The reference model: a second build from the HF weights (a deepcopy would have to copy the
+        process groups that pipeline-stage modules hold)."""
+        ref = self._build_model().eval()
         ref.requires_grad_(False)
         return ref
 
@@ -172,59 +173,48 @@ class MegatronTrainer(TorchTrainer):
         out: torch.Tensor = (model or self.model)(ids, pos, attention_mask=mask)
         return out
 
-    def _clip_and_step(self) -> float:
-        """Global grad norm: tensor-parallel shards summed over TP ranks, replicated tensors once."""
-        grads = [(p.grad, bool(getattr(p, "tensor_model_parallel", False))) for p in self.model.parameters()]
-        present = [(g, tp) for g, tp in grads if g is not None]
-        if not present:
-            return 0.0
-        sharded = sum((float(g.float().pow(2).sum()) for g, tp in present if tp), 0.0)
-        replicated = sum((float(g.float().pow(2).sum()) for g, tp in present if not tp), 0.0)
-        if self.tp_size > 1:
-            from megatron.core import parallel_state as ps
+    def train_step(self, groups: Sequence[Sequence[Episode]]) -> dict[str, float]:
+        if self.pp_size == 1 and self.dp_size == 1:
+            return super().train_step(groups)  # exactly the torch backend's step
+        return pipeline_train_step(self, groups)
 
-            t = torch.tensor([sharded], dtype=torch.float64)
-            torch.distributed.all_reduce(t, group=ps.get_tensor_model_parallel_group())
-            sharded = float(t)
-        norm = (sharded + replicated) ** 0.5
+    def logprobs(self, samples: Sequence[Trajectory | Sample]) -> list[torch.Tensor]:
+        if self.pp_size == 1:
+            return super().logprobs(samples)
+        wrapped = [
+            s if isinstance(s, Sample) else Sample(s.token_ids, s.loss_mask, s.logprobs, 0.0, 0.0)
+            for s in samples
+        ]
+        return pipeline_logprobs(self, wrapped)
+
+    def _clip_and_step(self) -> float:
+        """Grads reduced (dp, tied copies), global norm over tp x pp, clipped, one AdamW step."""
+        reduce_grads(self)
+        if not any(p.grad is not None for p in self.model.parameters()):
+            return 0.0
+        norm = grad_norm(self)
         limit = self.config.grad_clip
         if limit is not None and norm > limit:
-            for g, _ in present:
-                g.mul_(limit / (norm + 1e-6))
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(limit / (norm + 1e-6))
         self.optimizer.step()
         return norm
 
     # -- weights -------------------------------------------------------------------------------
 
-    def megatron_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (TP-gathered) megatron-named tensors, detached."""
-        from miles_env.trainer.megatron_convert import unshard
-
-        local = {k: v.detach() for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
-        if self.tp_size == 1:
-            return local
-        from megatron.core import parallel_state as ps
-
-        group = ps.get_tensor_model_parallel_group()
-        full = {}
-        for name, t in local.items():
-            pieces = [torch.empty_like(t) for _ in range(self.tp_size)]
-            torch.distributed.all_gather(pieces, t.contiguous(), group=group)
-            full[name] = unshard(name, pieces)
-        return full
-
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full HF-named weights (identical on every TP rank)."""
-        return megatron_to_hf(self.megatron_state_dict(), self.shape)
+        """Full HF-named weights (gathered over TP ranks and pipeline stages; identical on every rank)."""
+        return gather_hf_state(self)
 
     def export_weights(self, path: str | os.PathLike[str]) -> Path:
         """HF checkpoint dir (model.safetensors + config.json), tied tensors once, written by TP rank 0
-        atomically (tmp dir, then rename); every rank takes part in the gather."""
+        atomically (tmp dir, then rename) by global rank 0; every rank takes part in the gather."""
         from safetensors.torch import save_file
 
         state = self.state_dict()
         target = Path(path)
-        if self.tp_rank == 0:
+        if torch.distributed.get_rank() == 0:
             tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -240,7 +230,7 @@ class MegatronTrainer(TorchTrainer):
             if target.exists():
                 shutil.rmtree(target)
             os.rename(tmp, target)
-        if self.tp_size > 1:
+        if torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()
         return target
 
@@ -248,10 +238,16 @@ class MegatronTrainer(TorchTrainer):
 
     def _rank_dir(self, ckpt_dir: str | os.PathLike[str]) -> Path:
         root = Path(ckpt_dir)
+        if self.pp_size > 1:
+            return root / f"tp{self.tp_rank}_pp{self.pp_rank}"
         return root if self.tp_size == 1 else root / f"tp{self.tp_rank}"
 
     def save_checkpoint(self, ckpt_dir: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> Path:
-        """This rank's megatron tensors and optimizer state (one dir per TP rank when tp > 1)."""
+        """This rank's megatron tensors and optimizer state (one dir per TP rank / pipeline stage),
+        written by data-parallel rank 0 (the replicas are identical)."""
+        if self.dp_rank != 0:
+            torch.distributed.barrier()
+            return self._rank_dir(ckpt_dir)
         local = {k: v.detach() for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
         state = {
             "model": local,
@@ -262,11 +258,15 @@ class MegatronTrainer(TorchTrainer):
             "extra": extra or {},
             "model_path": str(self.model_path),
             "tp": self.tp_size,
+            "pp": self.pp_size,
             "backend": "megatron",
         }
-        return write_checkpoint(
+        path = write_checkpoint(
             self._rank_dir(ckpt_dir), self.step, state, meta, self.config.keep_checkpoints
         )
+        if self.dp_size > 1:
+            torch.distributed.barrier()
+        return path
 
     def load_checkpoint(self, ckpt_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
         root = self._rank_dir(ckpt_dir)

@@ -1,10 +1,19 @@
 """CPU shims for megatron-core: the only place miles-env patches megatron or torch.cuda.
 
-Concept: megatron-core 0.16 assumes CUDA in two spots that a CPU run reaches:
-`torch.cuda.current_device()` (device placement of freshly created buffers) and
-`CudaRNGStatesTracker.fork()` (the model-parallel RNG stream, which swaps CUDA RNG
-state). On a CPU-only torch we make the first return the CPU device and the second
-a null context (our runs use no dropout, so no RNG stream is consumed inside it).
+Concept: megatron-core 0.16 assumes CUDA in four spots that a CPU run reaches:
+`torch.cuda.current_device()` (device placement of freshly created buffers, also the
+pipeline's p2p receive buffers), `CudaRNGStatesTracker.fork()` (the model-parallel RNG
+stream, which swaps CUDA RNG state) and the pipeline schedules' token counter
+(`torch.zeros(..., device="cuda")` in `pipeline_parallel/schedules.py`). On a CPU-only
+torch we make the first return the CPU device, the second a null context (our runs use
+no dropout, so no RNG stream is consumed inside it), and give the schedules module a
+`torch` whose `zeros` maps device "cuda" to the CPU (everything else is torch itself).
+Fourth, with pipeline stages and tied embeddings, `LanguageModule.setup_embeddings_and_output_layer`
+moves the last stage's copy of the embedding with `.cuda()` before all-reducing it over the
+first and last stage: during that one method `Tensor.cuda` is the identity.
+The p2p module gets the same `torch`, whose `cuda.synchronize()` is a no-op: exchanging
+the shapes of variable-length microbatches calls it unconditionally; the tensors themselves
+go over gloo's isend/irecv (`batch_p2p_comm=False`, set by the backend).
 
 Invariant: the shims apply only when CUDA is unavailable, are idempotent, and are
 installed before any megatron model is built. On GPUs nothing is patched.
@@ -47,8 +56,49 @@ def apply_cpu_shims() -> bool:
 
     torch.cuda.current_device = _cpu_device  # type: ignore[assignment]
     mrandom.CudaRNGStatesTracker.fork = _no_fork  # type: ignore[method-assign,assignment]
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    schedules.torch = p2p_communication.torch = _CudaToCpuTorch()  # type: ignore[attr-defined]
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    setup = LanguageModule.setup_embeddings_and_output_layer
+
+    def _setup_on_cpu(self: Any) -> None:
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t  # type: ignore[method-assign,assignment]
+        try:
+            setup(self)
+        finally:
+            torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+
+    LanguageModule.setup_embeddings_and_output_layer = _setup_on_cpu  # type: ignore[method-assign]
     _APPLIED = True
     return True
+
+
+class _NoSyncCuda:
+    """`torch.cuda` whose `synchronize` is a no-op (nothing to wait for without a GPU)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        return None
+
+
+class _CudaToCpuTorch:
+    """`torch` for megatron's schedules and p2p modules: `zeros(device="cuda")` lands on the CPU and
+    `cuda.synchronize()` is a no-op; everything else is torch itself."""
+
+    cuda = _NoSyncCuda()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
 def _free_port() -> int:

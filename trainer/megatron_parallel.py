@@ -1,0 +1,341 @@
+"""Pipeline and data parallelism of the megatron backend: stage models, megatron's pipeline
+schedule, gradient reductions and the gather of every stage's weights back into full HF tensors.
+
+Concept: the world is tp * pp * dp ranks (megatron's parallel_state lays them out). Each pipeline
+stage builds a GPTModel with pre_process (embedding) on the first stage, post_process (final norm
+and LM head) on the last, and the layers megatron's own `get_num_layers_to_build` /
+`get_transformer_layer_offset` give it. A step splits the step's microbatches round-robin over
+data-parallel ranks and runs them through megatron-core's `get_forward_backward_func` schedule
+(1F1B for pp > 1); the last stage applies the same GRPO losses as the torch backend, with the
+step's global token/sequence denominators, so summing gradients over data-parallel ranks gives the
+gradient of the whole batch.
+
+Invariants: after `reduce_grads` every data-parallel replica holds the same gradients and the tied
+embedding / output-layer copies on the first and last stage hold the same (summed) gradient, so the
+replicas and the two copies stay bit-identical under the same AdamW step. The grad norm counts each
+parameter once (TP shards summed, replicated tensors and the tied copy once). Metrics are reduced
+over data-parallel ranks and broadcast from the last stage, so every rank returns the same dict.
+
+Lifecycle: `build_stage_model` at construction; `pipeline_train_step` per step (only when pp > 1 or
+dp > 1: pp = dp = 1 keeps TorchTrainer's step); `gather_hf_state` for weight sync and export.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from miles_env.trainer.losses import aggregate, kl_k3, policy_loss, tis_weights
+from miles_env.trainer.megatron_convert import hf_to_megatron, megatron_to_hf, shard, unshard
+from miles_env.trainer.torch_backend import Sample, _Metrics, flatten_groups, pack_microbatches
+
+from miles_env.types import Episode
+
+if TYPE_CHECKING:
+    from miles_env.trainer.megatron_backend import MegatronTrainer
+
+__all__ = [
+    "build_stage_model",
+    "pipeline_train_step",
+    "pipeline_logprobs",
+    "reduce_grads",
+    "grad_norm",
+    "gather_hf_state",
+]
+
+
+def _ps() -> Any:
+    from megatron.core import parallel_state
+
+    return parallel_state
+
+
+def build_stage_model(tr: MegatronTrainer, tcfg: Any, full_hf: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """This rank's GPTModel (its pipeline stage, its TP shard) holding the converted HF weights."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    ps, s = _ps(), tr.shape
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    model = GPTModel(
+        tcfg,
+        get_gpt_layer_local_spec(qk_layernorm=s.qk_norm),
+        vocab_size=s.vocab,
+        max_sequence_length=s.max_positions,
+        pre_process=first,
+        post_process=last,
+        position_embedding_type="rope",
+        rotary_base=int(s.rope_theta) if float(s.rope_theta).is_integer() else s.rope_theta,  # type: ignore[arg-type]
+        share_embeddings_and_output_weights=s.tied,
+        parallel_output=False,  # gather logits over the vocab: losses.token_logprobs as is
+    )
+    offset, n = get_transformer_layer_offset(tcfg), get_num_layers_to_build(tcfg)
+    full = hf_to_megatron(full_hf, s, layer_offset=offset, num_layers=n)
+    if not first:
+        full.pop("embedding.word_embeddings.weight")
+    if not last:
+        full.pop("decoder.final_layernorm.weight")
+        full.pop("output_layer.weight", None)
+    elif s.tied and not first:  # the last stage's own copy of the tied embedding
+        full["output_layer.weight"] = full_hf["model.embed_tokens.weight"]
+    dtype = tcfg.params_dtype
+    local = {k: shard(k, v, tr.tp_rank, tr.tp_size).to(dtype) for k, v in full.items()}
+    missing, unexpected = model.load_state_dict(local, strict=False)
+    real_missing = [k for k in missing if not k.endswith("_extra_state")]
+    if real_missing or unexpected:
+        raise ValueError(f"HF -> megatron: missing {real_missing[:4]}, unexpected {unexpected[:4]}")
+    tr.layer_offset = offset
+    return model.to(tr.device)
+
+
+# -- the step ------------------------------------------------------------------------------------
+
+
+def _run_schedule(
+    tr: MegatronTrainer,
+    model: torch.nn.Module,
+    batches: Sequence[Any],
+    loss_fn: Callable[[int, Any, torch.Tensor], torch.Tensor],
+    forward_only: bool,
+    masked: bool = True,
+) -> None:
+    """Every batch through megatron's schedule; on the last stage `loss_fn(i, batch, logp)` gives the
+    loss to backpropagate (not divided by the number of microbatches: calculate_per_token_loss)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not batches:
+        return
+    last = _ps().is_pipeline_last_stage()
+    data = iter(enumerate(batches))
+
+    def forward_step(data_iterator: Any, stage: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+        i, b = next(data_iterator)
+        if not last:
+            return tr.logits(b.ids, stage), None  # hidden states [s, b, h], sent to the next stage
+        logp = tr._forward_logprobs(stage, b.ids, b.mask if masked else None)
+
+        def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+            return loss_fn(i, b, output), torch.tensor(0, dtype=torch.int), {}
+
+        return logp, loss_func
+
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data,
+        model=[model],
+        num_microbatches=len(batches),
+        seq_length=max(b.ids.shape[1] for b in batches),
+        micro_batch_size=max(b.ids.shape[0] for b in batches),
+        forward_only=forward_only,
+    )
+
+
+def pipeline_train_step(tr: MegatronTrainer, groups: Sequence[Sequence[Episode]]) -> dict[str, float]:
+    """TorchTrainer.train_step over pipeline stages and data-parallel ranks (same losses, metrics)."""
+    t0 = time.perf_counter()
+    cfg = tr.config
+    samples = flatten_groups(groups, cfg)
+    totals = {
+        "total_tokens": sum(sum(s.loss_mask[1:]) for s in samples),
+        "total_seqs": len(samples),
+        "norm_tokens": cfg.loss_norm_tokens,
+    }
+    mbs = pack_microbatches([len(s.token_ids) for s in samples], cfg.max_tokens_per_microbatch)
+    batches = [tr._collate([samples[i] for i in idx]) for idx in mbs[tr.dp_rank :: tr.dp_size]]
+    tr.model.train()
+    tr.optimizer.zero_grad(set_to_none=True)
+    refs: dict[int, torch.Tensor] = {}
+    if tr.ref_model is not None:
+        ref_model = tr.ref_model
+
+        def keep_ref(i: int, _b: Any, logp: torch.Tensor) -> torch.Tensor:
+            refs[i] = logp.detach()
+            return logp.sum() * 0.0
+
+        with torch.no_grad():
+            _run_schedule(tr, ref_model, batches, keep_ref, forward_only=True)
+    acc = _Metrics()
+
+    def loss_fn(i: int, b: Any, logp: torch.Tensor) -> torch.Tensor:
+        old = logp.detach()
+        weights = tis_weights(old, b.rollout, cfg.tis_cap) if cfg.tis_cap is not None else None
+        tok_loss, clipped = policy_loss(
+            logp, old, b.adv, clip_low=cfg.clip_eps_low, clip_high=cfg.clip_eps_high, weights=weights
+        )
+        pg = aggregate(tok_loss, b.mask, cfg.loss_agg, **totals)
+        loss, kl_value = pg, 0.0
+        if i in refs:
+            kl = aggregate(kl_k3(logp, refs[i]), b.mask, cfg.loss_agg, **totals)
+            loss, kl_value = loss + cfg.kl_coef * kl, float(kl.detach())
+        acc.add(float(pg.detach()), kl_value, clipped, weights, old - b.rollout, b.mask)
+        return loss
+
+    _run_schedule(tr, tr.model, batches, loss_fn, forward_only=False)
+    norm = tr._clip_and_step()
+    tr.step += 1
+    n_tokens = sum(sum(b.lengths) for b in batches)
+    pg, kl, clip, tis, dsum, dmax, ntok, mtok = _reduce_metrics(acc, n_tokens)
+    dt = time.perf_counter() - t0
+    denom = max(mtok, 1.0)
+    return {
+        "step": float(tr.step),
+        "loss": pg + cfg.kl_coef * kl,
+        "pg_loss": pg,
+        "kl": kl,
+        "clip_frac": clip / denom,
+        "tis_mean": tis / denom,
+        "grad_norm": norm,
+        "reward_mean": sum(ep.score for g in groups for ep in g) / max(sum(len(g) for g in groups), 1),
+        "samples": float(len(samples)),
+        "tokens": ntok,
+        "loss_tokens": mtok,
+        "tokens_per_s": ntok / dt if dt > 0 else 0.0,
+        "step_time_s": dt,
+        "logprob_diff_mean": dsum / denom if mtok else float("nan"),
+        "logprob_diff_max": dmax if mtok else float("nan"),
+        "skipped_samples": float(sum(len(ep.samples) for g in groups for ep in g) - len(samples)),
+    }
+
+
+@torch.no_grad()
+def pipeline_logprobs(tr: MegatronTrainer, samples: Sequence[Sample]) -> list[torch.Tensor]:
+    """TorchTrainer.logprobs through the pipeline: a forward-only schedule, the last stage's
+    [L] logprobs per sample broadcast to every stage (each data-parallel replica runs them all)."""
+    ps = _ps()
+    tr.model.eval()
+    mbs = pack_microbatches([len(s.token_ids) for s in samples], tr.config.max_tokens_per_microbatch)
+    batches = [tr._collate([samples[i] for i in idx]) for idx in mbs]
+    got: dict[int, torch.Tensor] = {}
+
+    def keep(i: int, _b: Any, logp: torch.Tensor) -> torch.Tensor:
+        got[i] = logp.float().contiguous()
+        return logp.sum() * 0.0
+
+    _run_schedule(tr, tr.model, batches, keep, forward_only=True, masked=False)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+    for i, (idx, b) in enumerate(zip(mbs, batches, strict=True)):
+        t = got.get(i, torch.empty(b.ids.shape, dtype=torch.float32, device=tr.device))
+        torch.distributed.broadcast(
+            t, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        )
+        for row, j in enumerate(idx):
+            out[j] = t[row, : b.lengths[row]].cpu()
+    return out
+
+
+def _reduce_metrics(acc: _Metrics, n_tokens: int) -> list[float]:
+    """Sums over data-parallel ranks (max for diff_max), then the last stage's values everywhere."""
+    dist, ps = torch.distributed, _ps()
+    vec = torch.tensor([acc.pg, acc.kl, acc.clip, acc.tis, acc.diff_sum, acc.diff_max, n_tokens,
+                        acc.mask_tokens], dtype=torch.float64)  # fmt: skip
+    if ps.get_data_parallel_world_size() > 1:
+        group = ps.get_data_parallel_group()
+        top = vec[5:6].clone()
+        dist.all_reduce(vec, group=group)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        vec[5] = top[0]
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(
+            vec, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        )
+    return [float(v) for v in vec]
+
+
+# -- gradients -------------------------------------------------------------------------------------
+
+
+def _tied_copy(tr: MegatronTrainer) -> torch.nn.Parameter | None:
+    """The embedding (first stage) or output-layer (last stage) weight of a tied model split over
+    pipeline stages; None when the tied weight lives on one stage only."""
+    ps = _ps()
+    if not tr.shape.tied or ps.get_pipeline_model_parallel_world_size() == 1:
+        return None
+    if ps.is_pipeline_first_stage():
+        return tr.model.embedding.word_embeddings.weight  # type: ignore[no-any-return]
+    if ps.is_pipeline_last_stage():
+        return tr.model.output_layer.weight  # type: ignore[no-any-return]
+    return None
+
+
+def reduce_grads(tr: MegatronTrainer) -> None:
+    """Sum the tied copies' grads over the embedding group and every grad over data-parallel ranks."""
+    dist, ps = torch.distributed, _ps()
+    params = [p for p in tr.model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:  # a data-parallel rank without microbatches still takes part
+            p.grad = torch.zeros_like(p)
+    tied = _tied_copy(tr)
+    if tied is not None and tied.grad is not None:
+        dist.all_reduce(tied.grad, group=ps.get_embedding_group())
+    if ps.get_data_parallel_world_size() > 1:
+        flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+        dist.all_reduce(flat, group=ps.get_data_parallel_group())
+        pos = 0
+        for p in params:
+            assert p.grad is not None
+            p.grad.copy_(flat[pos : pos + p.numel()].view_as(p.grad))
+            pos += p.numel()
+
+
+def grad_norm(tr: MegatronTrainer) -> float:
+    """Global L2 norm: TP shards summed, replicated tensors on TP rank 0 only, the tied copy on the
+    last stage skipped, all summed over the model-parallel (tp x pp) group."""
+    ps = _ps()
+    tied = _tied_copy(tr)
+    skip = tied if tied is not None and not ps.is_pipeline_first_stage() else None
+    sq = 0.0
+    for p in tr.model.parameters():
+        if p.grad is None or p is skip:
+            continue
+        if getattr(p, "tensor_model_parallel", False) or tr.tp_rank == 0:
+            sq += float(p.grad.float().pow(2).sum())
+    if tr.tp_size * tr.pp_size > 1:
+        t = torch.tensor([sq], dtype=torch.float64)
+        torch.distributed.all_reduce(t, group=ps.get_model_parallel_group())
+        sq = float(t)
+    return float(sq**0.5)
+
+
+# -- weights ---------------------------------------------------------------------------------------
+
+
+def _tp_gathered(tr: MegatronTrainer) -> dict[str, torch.Tensor]:
+    local = {k: v.detach() for k, v in tr.model.state_dict().items() if isinstance(v, torch.Tensor)}
+    if tr.tp_size == 1:
+        return local
+    group = _ps().get_tensor_model_parallel_group()
+    full = {}
+    for name, t in local.items():
+        pieces = [torch.empty_like(t) for _ in range(tr.tp_size)]
+        torch.distributed.all_gather(pieces, t.contiguous(), group=group)
+        full[name] = unshard(name, pieces)
+    return full
+
+
+def gather_hf_state(tr: MegatronTrainer) -> dict[str, torch.Tensor]:
+    """Full HF-named tensors of every layer, identical on every rank of this pipeline."""
+    ps, s = _ps(), tr.shape
+    mc = _tp_gathered(tr)
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if s.tied and pp > 1 and not ps.is_pipeline_first_stage():
+        mc.pop("output_layer.weight", None)  # the first stage's embedding is the one exported
+    hf = megatron_to_hf(mc, s, layer_offset=tr.layer_offset)
+    if pp == 1:
+        return hf
+    dist, group = torch.distributed, ps.get_pipeline_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group)
+    metas: list[Any] = [None] * pp
+    dist.all_gather_object(metas, [(k, tuple(v.shape), v.dtype) for k, v in hf.items() if k != "lm_head.weight" or not s.tied], group=group)  # fmt: skip
+    out: dict[str, torch.Tensor] = {}
+    for stage, meta in enumerate(metas):
+        for name, shape, dtype in meta:
+            t = hf[name].contiguous() if stage == ps.get_pipeline_model_parallel_rank() else torch.empty(shape, dtype=dtype, device=tr.device)  # fmt: skip
+            dist.broadcast(t, ranks[stage], group=group)
+            out[name] = t
+    if s.tied:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
