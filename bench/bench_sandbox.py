@@ -1,9 +1,16 @@
 """Benchmark of the local sandbox: create/exec/close latency against bare bwrap, then 32 at once.
 
-Run: python bench/bench_sandbox.py [--iterations 60] [--concurrency 32]
-Baselines, measured in the same run and spawned the same way (anyio.run_process):
+Run: python bench/bench_sandbox.py [--iterations 40] [--gap-ms 20] [--concurrency 32]
+Baselines, measured in the same run, interleaved with the sandbox series:
   bare-same   : one `bwrap` call with exactly the sandbox's namespaces and mounts, running `true`
   bare-minimal: `bwrap --unshare-all --ro-bind /usr /usr (+ /lib symlinks) --proc --dev -- true`
+Series (each: create, exec `true`, close):
+  warm    : provider with warm=2 (what miles_env.stack uses): create takes a prepared slot
+  cold    : provider with warm=0: create makes dirs + cgroup and prestarts the exec's bwrap
+  legacy  : prestart off: each exec joins the cgroup itself (the path before spare.py)
+  re-exec : a second exec on an open sandbox (its bwrap was prestarted during the first)
+`--gap-ms` sleeps before every measured call, as an agent's think time would: joining a cgroup
+waits for an RCU grace period, which is short only while other joins keep it warm.
 Target: the whole create+exec+close cycle within 1.5x of a bare bwrap call.
 """
 
@@ -12,10 +19,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 
 import anyio
 from miles_env.sandboxes.local import LocalSandboxConfig, LocalSandboxProvider
 from miles_env.sandboxes.local.config import host_root_binds
+from miles_env.sandboxes.local.process import run_capped
 
 from miles_env.types import SandboxSpec
 
@@ -24,37 +33,63 @@ def ms(values: list[float]) -> float:
     return statistics.median(values) * 1000
 
 
-async def latency(provider: LocalSandboxProvider, iterations: int) -> dict[str, float]:
-    probe = await provider.create(SandboxSpec())
+def _bare_run(argv: list[str]) -> Callable[[], Awaitable[None]]:
+    async def run() -> None:  # spawned and collected exactly as the sandbox's own execs are
+        raw = await run_capped(argv, stdin=None, timeout=60, output_cap=1 << 20)
+        assert raw.returncode == 0, raw
+
+    return run
+
+
+async def latency(iterations: int, gap_s: float) -> dict[str, float]:
+    warm = LocalSandboxProvider(LocalSandboxConfig(warm=2))
+    cold = LocalSandboxProvider(LocalSandboxConfig(warm=0))
+    legacy = LocalSandboxProvider(LocalSandboxConfig(warm=0, prestart=False))
+    probe = await cold.create(SandboxSpec())  # stays open: its dirs are bound by bare-same
     argv = probe._argv(["true"], None, None)
-    bare_same = argv[argv.index(provider.bwrap) :]  # the probe stays open: its dirs are bound
+    bare_same = argv[argv.index(cold.bwrap) :]
     system = host_root_binds()
     links = [a for i in range(0, len(system), 3) if system[i] == "--symlink" for a in system[i : i + 3]]
-    bare_min = [provider.bwrap, "--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr", *links]
+    bare_min = [cold.bwrap, "--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr", *links]
     bare_min += ["--proc", "/proc", "--dev", "/dev", "--", "true"]
-    samples: dict[str, list[float]] = {k: [] for k in ("create", "exec", "close", "cycle", "same", "minimal")}
+
+    def cycle(provider: LocalSandboxProvider) -> Callable[[], Awaitable[None]]:
+        async def run() -> None:
+            sb = await provider.create(SandboxSpec())
+            result = await sb.exec(["true"])
+            await sb.close()
+            assert result.exit_code == 0, result
+
+        return run
+
+    async def re_exec() -> None:
+        assert (await probe.exec(["true"])).exit_code == 0
+
+    series: dict[str, Callable[[], Awaitable[None]]] = {
+        "warm": cycle(warm),
+        "cold": cycle(cold),
+        "legacy": cycle(legacy),
+        "re-exec": re_exec,
+        "same": _bare_run(bare_same),
+        "minimal": _bare_run(bare_min),
+    }
+    await series["warm"]()  # fills the warm slots, as a running stack's first exec does
+    await re_exec()
+    samples: dict[str, list[float]] = {k: [] for k in series}
     for _ in range(iterations):  # interleaved, so load from elsewhere hits every series alike
-        t0 = time.perf_counter()
-        sb = await provider.create(SandboxSpec())
-        t1 = time.perf_counter()
-        result = await sb.exec(["true"])
-        t2 = time.perf_counter()
-        await sb.close()
-        t3 = time.perf_counter()
-        assert result.exit_code == 0, result
-        samples["create"].append(t1 - t0)
-        samples["exec"].append(t2 - t1)
-        samples["close"].append(t3 - t2)
-        samples["cycle"].append(t3 - t0)
-        for key, cmd in (("same", bare_same), ("minimal", bare_min)):
+        for key, run in series.items():
+            await anyio.sleep(gap_s)
             t = time.perf_counter()
-            await anyio.run_process(cmd)
+            await run()
             samples[key].append(time.perf_counter() - t)
     await probe.close()
+    for provider in (warm, cold, legacy):
+        await provider.aclose()
     return {k: ms(v) for k, v in samples.items()}
 
 
-async def concurrent(provider: LocalSandboxProvider, n: int) -> tuple[int, int, float]:
+async def concurrent(n: int) -> tuple[int, int, float]:
+    provider = LocalSandboxProvider(LocalSandboxConfig(warm=2))
     ok = failed = 0
 
     async def one(i: int) -> None:
@@ -73,29 +108,34 @@ async def concurrent(provider: LocalSandboxProvider, n: int) -> tuple[int, int, 
     async with anyio.create_task_group() as tg:
         for i in range(n):
             tg.start_soon(one, i)
-    return ok, failed, time.perf_counter() - t
+    wall = time.perf_counter() - t
+    await provider.aclose()
+    return ok, failed, wall
 
 
-async def main(iterations: int, n: int, use_cgroup: bool) -> None:
-    provider = LocalSandboxProvider(LocalSandboxConfig(use_cgroup=use_cgroup))
-    print(f"root={provider.root} pids cgroup={'on' if use_cgroup else 'off'}")
-    lat = await latency(provider, iterations)
-    print(f"local sandbox latency, median of {iterations} (ms)")
-    print(f"{'step':<28}{'ms':>8}")
-    for key in ("create", "exec", "close", "cycle"):
-        print(f"{key:<28}{lat[key]:>8.2f}")
-    print(f"{'bare bwrap, same mounts':<28}{lat['same']:>8.2f}")
-    print(f"{'bare bwrap, minimal':<28}{lat['minimal']:>8.2f}")
-    print(f"cycle / bare (same mounts)  {lat['cycle'] / lat['same']:>8.2f}x   (target <= 1.5x)")
-    print(f"cycle / bare (minimal)      {lat['cycle'] / lat['minimal']:>8.2f}x")
-    ok, failed, wall = await concurrent(provider, n)
+async def main(iterations: int, gap_ms: float, n: int) -> None:
+    lat = await latency(iterations, gap_ms / 1000)
+    print(f"local sandbox latency, median of {iterations} interleaved rounds, {gap_ms:g} ms gap (ms)")
+    print(f"{'series':<34}{'ms':>8}{'/ bare':>9}")
+    rows = [
+        ("cycle, warm slots (warm=2)", "warm"),
+        ("cycle, cold (warm=0)", "cold"),
+        ("cycle, legacy (no prestart)", "legacy"),
+        ("second exec on an open sandbox", "re-exec"),
+        ("bare bwrap, same mounts", "same"),
+        ("bare bwrap, minimal", "minimal"),
+    ]
+    for label, key in rows:
+        print(f"{label:<34}{lat[key]:>8.2f}{lat[key] / lat['same']:>8.2f}x")
+    print("target: cycle / bare (same mounts) <= 1.5x")
+    ok, failed, wall = await concurrent(n)
     print(f"\n{n} concurrent sandboxes (create, echo, close): ok={ok} failed={failed} wall={wall:.2f}s")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=60)
+    parser.add_argument("--iterations", type=int, default=40)
+    parser.add_argument("--gap-ms", type=float, default=20.0, help="idle time before each measured call")
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--no-cgroup", action="store_true", help="measure without the pids cgroup")
     args = parser.parse_args()
-    anyio.run(main, args.iterations, args.concurrency, not args.no_cgroup)
+    anyio.run(main, args.iterations, args.gap_ms, args.concurrency)

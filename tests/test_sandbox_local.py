@@ -260,3 +260,60 @@ def test_get_provider():
         get_provider("nope")
     with pytest.raises(ConfigError, match="bwrap"):
         get_provider("local", bwrap=3.5)
+
+
+# -- prestarted execs and warm slots (spare.py) -------------------------------------------------
+
+
+async def test_argv_reaches_the_command_exactly_and_the_trampoline_leaves_no_trace(provider):
+    argv = ["printf", "[%s]", "a b", "it's", "$HOME", "", "*", "new\nline", "--"]
+    async with await provider.create(SandboxSpec()) as sb:
+        r = await sb.exec(argv)
+        assert r.stdout == "[a b][it's][$HOME][][*][new\nline][--]", r
+        env = await sb.exec(["env"])
+        assert "MILES_ENV_ARGV" not in env.stdout and "HOME=" in env.stdout
+        missing = await sb.exec(["/nonexistent/tool"])
+        assert missing.exit_code == 127 and "not found" in missing.stderr
+
+
+async def test_each_exec_leaves_one_spare_already_in_the_cgroup(provider):
+    async with await provider.create(SandboxSpec()) as sb:
+        await sb.exec("true")
+        spare = sb._spare
+        assert spare is not None and spare.process.poll() is None
+        assert await anyio.to_thread.run_sync(spare.joined.wait, 5)
+        if sb._cgroup is not None:
+            assert spare.pid in sb._cgroup.pids()
+        assert (await sb.exec("echo next")).stdout == "next\n"
+        assert spare.process.poll() == 0 and sb._spare is not spare  # used, and replaced
+    assert spare.pid not in sb._live and sb._spare is None
+
+
+async def test_warm_slots_are_used_refilled_and_removed(tmp_path):
+    root = tmp_path / "sandboxes"
+    provider = LocalSandboxProvider(LocalSandboxConfig(root_dir=str(root), warm=2))
+    first = await provider.create(SandboxSpec())
+    await first.exec("true")  # the first exec fills the warm slots
+    warm = {s.host_dir for s in provider._warm}
+    assert len(warm) == 2 and all(d.parent == root for d in warm)
+    spec = SandboxSpec(files={"n.txt": "7"}, resources=Resources(max_procs=64))
+    async with await provider.create(spec) as sb:
+        assert sb.host_dir in warm
+        assert (await sb.exec("cat n.txt")).stdout == "7"
+        if sb._cgroup is not None:
+            with open(os.path.join(sb._cgroup.path, "pids.max")) as f:
+                assert f.read().strip() == "64"
+            # The slot's spare joined its cgroup from a host thread: the limit still binds.
+            many = await sb.exec("for i in $(seq 100); do sleep 5 & done; wait", timeout=20)
+            assert many.killed_by_limit == "procs" and sb._cgroup.max_events() > 0
+    await first.close()
+    assert len(provider._warm) == 2
+    await provider.aclose()
+    assert list(root.iterdir()) == []
+
+
+async def test_without_prestart_the_same_results(tmp_path):
+    provider = LocalSandboxProvider(LocalSandboxConfig(root_dir=str(tmp_path / "s"), prestart=False))
+    async with await provider.create(SandboxSpec()) as sb:
+        r = await sb.exec(["sh", "-c", "echo $0 $1", "x", "y z"])
+        assert r.stdout == "x y z\n" and sb._spare is None

@@ -63,13 +63,17 @@ class PidsCgroup:
             os.mkdir(path, 0o755)
         except OSError:
             return None
+        cgroup = cls(path)
         try:
-            with open(os.path.join(path, "pids.max"), "w") as f:
-                f.write(str(max_pids))
+            cgroup.set_max(max_pids)
         except OSError:
             os.rmdir(path)
             return None
-        return cls(path)
+        return cgroup
+
+    def set_max(self, max_pids: int) -> None:
+        with open(os.path.join(self.path, "pids.max"), "w") as f:
+            f.write(str(max_pids))
 
     @property
     def procs_file(self) -> str:

@@ -6,7 +6,9 @@ exec is a single fresh `bwrap --unshare-all` (new user, mount, pid, net, ipc,
 uts, cgroup namespaces) that sees only the read-only system dirs and those two
 writable binds; so create and close are cheap directory operations and an exec
 is one process spawn. Files persist across execs; processes do not (the pid
-namespace dies with the exec).
+namespace dies with the exec). With `prestart` (the default) that bwrap is a
+Spare started during the previous exec (or by the provider before create), so
+its cgroup join is already done when the command comes (spare.py says why).
 
 Invariants: nothing inside can reach the network (only `lo`); after `close()`
 no process of the sandbox is alive and its directory is gone. `close()` is
@@ -19,7 +21,7 @@ import os
 import re
 import shutil
 import signal
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,7 +34,8 @@ from miles_env.types import ExecResult, Resources, SandboxSpec
 from ..execargs import exec_args, exec_cwd, exec_env
 from .cgroup import PidsCgroup
 from .paths import safe_read, safe_write, split_inner_path
-from .process import RawResult, run_capped
+from .process import RawResult, collect, run_capped
+from .spare import Spare, drop_spare, start_spare, trampoline_env
 
 if TYPE_CHECKING:
     from .bridge import Bridge
@@ -71,6 +74,15 @@ def classify(raw: RawResult, procs_refused: bool) -> tuple[int, str | None]:
     return code, None
 
 
+def _argv_of(cmd: Command) -> list[str]:
+    if isinstance(cmd, str):
+        return ["/bin/sh", "-c", cmd]
+    argv = [str(a) for a in cmd]
+    if not argv:
+        raise SandboxError("exec: cmd is an empty argv list")
+    return argv
+
+
 class LocalSandbox:
     """A Sandbox (miles_env.sandbox.Sandbox) backed by bubblewrap; built by LocalSandboxProvider."""
 
@@ -84,6 +96,9 @@ class LocalSandbox:
         limit_prefix: list[str],
         cgroup: PidsCgroup | None,
         python: str,
+        spare: Spare | None = None,
+        prestart: bool = True,
+        after_exec: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.id = sandbox_id
         self.workdir = spec.workdir
@@ -93,31 +108,38 @@ class LocalSandbox:
         self._limit_prefix = limit_prefix
         self._cgroup = cgroup
         self._python = python
-        self._live: set[int] = set()
+        self._live: set[int] = {spare.pid} if spare is not None else set()
+        self._spare = spare
+        self._prestart = prestart
+        self._after_exec = after_exec  # the provider's warm-pool refill, run while a command runs
         self._closed = False
         self._bridge: Bridge | None = None
         self.mounts = {spec.workdir: str(host_dir / "work"), "/tmp": str(host_dir / "tmp")}
         self.mounts_ro: dict[str, str] = {}  # inner path -> host path, added by mount_ro()
 
     # -- exec ---------------------------------------------------------------------------
-    def _argv(self, cmd: Command, cwd: str | None, env: Mapping[str, str] | None) -> list[str]:
-        if isinstance(cmd, str):
-            argv = ["/bin/sh", "-c", cmd]
-        else:
-            argv = [str(a) for a in cmd]
-            if not argv:
-                raise SandboxError("exec: cmd is an empty argv list")
-        merged = exec_env(self.spec, self.workdir, env)
-        out = list(self._limit_prefix)
-        if self._bridge is not None:
-            out += self._bridge.nsenter_prefix()
-        out += self._bwrap_prefix
+    def _options(self, cwd: str | None, env: Mapping[str, str] | None) -> list[str]:
+        """bwrap's options after the binary: namespaces, mounts, env, cwd (no command)."""
+        out = self._bwrap_prefix[1:]
         if self._bridge is not None:
             out.append("--share-net")
-        for key, value in merged.items():
+        for key, value in exec_env(self.spec, self.workdir, env).items():
             out += ["--setenv", key, value]
-        out += ["--chdir", exec_cwd(self.workdir, cwd), "--", *argv]
-        return out
+        return [*out, "--chdir", exec_cwd(self.workdir, cwd)]
+
+    def _outer(self) -> list[str]:
+        return self._bridge.nsenter_prefix() if self._bridge is not None else []
+
+    def _argv(self, cmd: Command, cwd: str | None, env: Mapping[str, str] | None) -> list[str]:
+        """The whole argv of an exec without a spare: limits wrapper, nsenter, bwrap, its options."""
+        return [
+            *self._limit_prefix,
+            *self._outer(),
+            self._bwrap_prefix[0],
+            *self._options(cwd, env),
+            "--",
+            *_argv_of(cmd),
+        ]
 
     async def exec(
         self,
@@ -133,9 +155,30 @@ class LocalSandbox:
         args = exec_args(self.spec, self.workdir, timeout=timeout, cwd=cwd, env=env, stdin=stdin)
         limit, data = args.timeout, args.stdin
         refused_before = self._cgroup.max_events() if self._cgroup else 0
-        raw = await run_capped(
-            self._argv(cmd, cwd, env), stdin=data, timeout=limit, output_cap=res.output_bytes, live=self._live
-        )
+        if self._prestart:
+            command = [*self._options(cwd, env), *trampoline_env(_argv_of(cmd))]
+            spare = await self._take_spare()
+            try:
+                await spare.launch(command, res, nproc=self._cgroup is None)
+            except SandboxError:
+                await self._drop(spare)
+                raise
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._prepare_next)  # overlaps the command, off the caller's path
+                raw = await collect(
+                    spare.process, stdin=data, timeout=limit, output_cap=res.output_bytes, live=self._live
+                )
+        else:
+            raw = await run_capped(
+                self._argv(cmd, cwd, env),
+                stdin=data,
+                timeout=limit,
+                output_cap=res.output_bytes,
+                live=self._live,
+            )
+        return self._result(raw, refused_before)
+
+    def _result(self, raw: RawResult, refused_before: int) -> ExecResult:
         refused = self._cgroup is not None and self._cgroup.max_events() > refused_before
         code, killed_by = classify(raw, refused)
         if raw.timed_out:
@@ -149,6 +192,32 @@ class LocalSandbox:
             truncated=raw.truncated,
             duration_s=raw.duration_s,
         )
+
+    # -- spares (spare.py) ----------------------------------------------------------------
+    async def _take_spare(self) -> Spare:
+        spare, self._spare = self._spare, None
+        outer = tuple(self._outer())
+        if spare is not None and (spare.outer != outer or spare.process.poll() is not None):
+            await self._drop(spare)  # made before expose() changed the netns, or died
+            spare = None
+        if spare is None:
+            spare = start_spare(self._bwrap_prefix[0], outer, self._cgroup, self._live)
+        return spare
+
+    async def _prepare_next(self) -> None:
+        # Shielded: a spare abandoned half-started would leak its process and pipe.
+        with anyio.CancelScope(shield=True):
+            if not self._closed and self._spare is None:
+                spare = start_spare(self._bwrap_prefix[0], self._outer(), self._cgroup, self._live)
+                if self._closed or self._spare is not None:  # closed, or a concurrent exec won
+                    await self._drop(spare)
+                else:
+                    self._spare = spare
+            if self._after_exec is not None and not self._closed:
+                await self._after_exec()
+
+    async def _drop(self, spare: Spare) -> None:
+        await drop_spare(spare, self._live)
 
     # -- files --------------------------------------------------------------------------
     async def write_file(self, path: str, data: bytes | str) -> None:
@@ -202,6 +271,9 @@ class LocalSandbox:
         self._closed = True
         with anyio.CancelScope(shield=True):
             self._kill_everything()
+            if self._spare is not None:
+                spare, self._spare = self._spare, None
+                await self._drop(spare)  # reaped, so the cgroup is empty for rmdir
             if self._bridge is not None:
                 await self._bridge.aclose()
             self._kill_everything()
