@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_env.adapters.base import call_once, python_argv
+from miles_env.adapters.discover import remember_counts
 from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward
 from miles_env.adapters.isolation import Isolation, adapter_sandbox_spec, episode_worker
 from miles_env.adapters.venv import get_spec, venv_python
@@ -67,6 +68,7 @@ class NemoGymEnvironment(Environment):
                         metadata={"adapter": "nemo-gym", "args": list(self.args), "idx": r["idx"]},
                     )
                 )
+            remember_counts(self.name, {"test": len(self._tasks)})  # for `env list`
         return list(self._tasks)
 
     def sandbox_spec(self, task: Task) -> SandboxSpec:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_env.adapters.base import call_once, python_argv
+from miles_env.adapters.discover import remember_counts
 from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward
 from miles_env.adapters.isolation import Isolation, adapter_sandbox_spec, episode_worker
 from miles_env.adapters.venv import get_spec, venv_python
@@ -65,6 +66,7 @@ class VerifiersEnvironment(Environment):
                 )
                 for r in rows
             ]
+            remember_counts(self.name, {self.split: len(self._tasks)})  # for `env list`
         return list(self._tasks)
 
     def sandbox_spec(self, task: Task) -> SandboxSpec:

@@ -194,11 +194,20 @@ def _info(name: str, source: str, load: Any) -> EnvInfo:
     return EnvInfo(name=name, source=source, description=env.description, n_tasks=counts)
 
 
-def list_environments(extra: Sequence[str] = ()) -> list[EnvInfo]:
+def _adapter_infos() -> list[EnvInfo]:
+    """Environments of installed adapter venvs, named from files only (no worker is started)."""
+    from miles_env.adapters.discover import discover
+
+    return [EnvInfo(e.name, f"adapter:{e.framework}", e.description, dict(e.n_tasks)) for e in discover()]
+
+
+def list_environments(extra: Sequence[str] = (), *, adapters: bool = True) -> list[EnvInfo]:
     """Installed environments (sorted by name) plus explicitly given "module:attr" ones.
 
     An environment that fails to load is listed with `error` set instead of raising,
-    so one broken package does not hide the others.
+    so one broken package does not hide the others. With `adapters`, the environments
+    of installed framework venvs follow (source `adapter:<framework>`; task counts only
+    where known without starting a worker, else empty).
     """
     infos = [
         _info(name, _source(ep), lambda ep=ep: _load_entry_point(ep))
@@ -212,4 +221,7 @@ def list_environments(extra: Sequence[str] = ()) -> list[EnvInfo]:
         )
         for ref in extra
     ]
+    if adapters:
+        listed = {i.name for i in infos}
+        infos += [i for i in _adapter_infos() if i.name not in listed]
     return infos

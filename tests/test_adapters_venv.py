@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,65 @@ def test_cli_unknown_adapter() -> None:
         "adapter 'gymnasium' is unknown; known adapters: harbor, hud, nemo-gym, openenv, verifiers"
         in res.output
     )
+
+
+def _marker(d: Path, name: str) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    info = {"name": name, "path": str(d), "python": "/x/python3.13", "python_version": "3.13"}
+    info |= {"packages": [f"{name}==1"], "installed_at": 1.0, "seconds": 1.0}
+    (d / venv.MARKER).write_text(json.dumps(info))
+
+
+def _fake_venvs(root: Path) -> None:
+    """Two 'installed' framework venvs as files only (no interpreter: discovery must not start one)."""
+    vf = root / "adapters" / "verifiers"
+    _marker(vf, "verifiers")
+    site = vf / "lib" / "python3.13" / "site-packages"
+    for dist, requires, top in [
+        ("my_env-0.1", "Requires-Dist: Verifiers>=0.4; extra == 'x'", "my_env"),
+        ("other-2.0", "Requires-Dist: verifiers-extra==1", "other"),
+    ]:
+        (site / f"{dist}.dist-info").mkdir(parents=True)
+        (site / f"{dist}.dist-info" / "METADATA").write_text(f"Name: {dist}\n{requires}\n")
+        (site / f"{dist}.dist-info" / "top_level.txt").write_text(top + "\n")
+    ng = root / "adapters" / "nemo-gym"
+    _marker(ng, "nemo-gym")
+    servers = ng / "lib" / "python3.12" / "site-packages" / "resources_servers"
+    (servers / "foo" / "data").mkdir(parents=True)
+    (servers / "foo" / "app.py").write_text("")
+    (servers / "foo" / "data" / "example.jsonl").write_text('{"a": 1}\n{"a": 2}\n\n{"a": 3}\n')
+    (servers / "bar").mkdir()
+    (servers / "bar" / "app.py").write_text("")  # no example data: not listed
+
+
+def test_env_list_shows_installed_adapter_envs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from miles_env.adapters.discover import EXAMPLES_DIR, cached_counts, remember_counts
+
+    from miles_env.registry import list_environments
+
+    monkeypatch.setenv("MILES_ENV_CACHE", str(tmp_path))
+    _fake_venvs(tmp_path)
+    example = f"verifiers:{EXAMPLES_DIR / 'vf_say_word.py'}"
+    by_name = {i.name: i for i in list_environments() if i.source.startswith("adapter:")}
+    assert sorted(by_name) == sorted([example, "verifiers:my_env", "nemo-gym:foo"])
+    assert by_name["nemo-gym:foo"].source == "adapter:nemo-gym"
+    assert by_name["nemo-gym:foo"].n_tasks == {"test": 3}  # counted from the data file
+    assert by_name["verifiers:my_env"].n_tasks == {}  # not counted yet: that needs a worker
+    remember_counts("verifiers:my_env", {"test": 7})  # what the env's tasks() records
+    assert cached_counts("verifiers:my_env") == {"test": 7}
+    res = CliRunner().invoke(app, ["env", "list", "--json"])
+    assert res.exit_code == 0, res.output
+    listed = {e["name"]: e for e in json.loads(res.stdout)}
+    assert listed["verifiers:my_env"] == {
+        "name": "verifiers:my_env",
+        "source": "adapter:verifiers",
+        "description": "verifiers environment package my_env",
+        "n_tasks": {"test": 7},
+        "error": None,
+    }
+    assert "terminal-basics" in listed  # the installed native environments are still there
+    res = CliRunner().invoke(app, ["env", "list", "--json", "--no-adapters"])
+    assert not any(e["source"].startswith("adapter:") for e in json.loads(res.stdout))
+    marker = tmp_path / "adapters" / "verifiers" / venv.MARKER
+    os.utime(marker, ns=(1, 1))  # a reinstall: the cached count is stale
+    assert cached_counts("verifiers:my_env") == {}

@@ -18,6 +18,7 @@ SAY = Path(adapters_pkg.__file__).parent / "examples" / "vf_say_word.py"
 
 @pytest.mark.slow
 def test_verifiers_episode_reward_and_tokens() -> None:
+    from miles_env.adapters.discover import cached_counts
     from miles_env.adapters.venv import install
 
     from miles_env.engines.scripted import ScriptedEngine
@@ -29,6 +30,7 @@ def test_verifiers_episode_reward_and_tokens() -> None:
     env = load_environment(f"verifiers:{SAY}")
     by_id = {t.id: t for t in env.tasks("test")}
     assert sorted(by_id) == ["say-apple", "say-cloud", "say-river", "say-stone"]
+    assert cached_counts(env.name) == {"test": 4}  # what `env list` shows from now on
 
     async def main() -> tuple[list, ScriptedEngine]:
         tok = load_tokenizer("smollm2")

@@ -49,11 +49,14 @@ def _load(name: str) -> Any:
 def list_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list.")] = False,
     module: Annotated[list[str], typer.Option("--module", "-m", help="Also list a 'module.path:attr'.")] = [],  # noqa: B006
+    adapters: Annotated[
+        bool, typer.Option("--adapters/--no-adapters", help="List installed adapter venvs' environments.")
+    ] = True,
 ) -> None:
     """Installed environments: name, source and number of tasks per split."""
     from miles_env.registry import list_environments
 
-    infos = list_environments(module)
+    infos = list_environments(module, adapters=adapters)
     if as_json:
         print(json.dumps([i.to_dict() for i in infos], indent=2))
         return
@@ -62,6 +65,8 @@ def list_command(
         table.add_column(col)
     for i in infos:
         counts = ", ".join(f"{s}: {n}" for s, n in i.n_tasks.items())
+        if not counts and i.source.startswith("adapter:"):
+            counts = "[dim]not counted yet (env info NAME)[/dim]"
         table.add_row(i.name, i.source, "[red]failed to load[/red]" if i.error else counts)
     _out.print(table)
     for i in infos:

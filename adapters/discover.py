@@ -1,0 +1,165 @@
+"""Discovery of adapter environments for `miles-env env list`, without starting a worker.
+
+Concept: for every installed framework venv (`venv.installed()`), the environments
+it can run that can be named by reading files only, never by importing the
+framework: our shipped examples (adapters/examples), for verifiers the installed
+distributions that depend on verifiers (environment packages, `verifiers:<module>`),
+for nemo-gym the resources servers it ships with example data (`nemo-gym:<name>`).
+Task counts come from the data file when there is one (nemo-gym), else from a
+small cache that each adapter environment's `tasks()` fills when it lists tasks
+through its worker; an environment never listed shows no count.
+
+Invariant: discovery costs file reads only (milliseconds) and never raises for a
+broken venv: what cannot be read is left out. The cache is keyed by environment
+name and a stamp (mtimes of the venv marker and of the environment's file), so a
+reinstalled framework or an edited taskset is counted afresh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from miles_env.adapters.venv import MARKER, cache_root, installed, venv_dir
+
+__all__ = ["AdapterEnv", "discover", "remember_counts", "cached_counts"]
+
+EXAMPLES_DIR = Path(__file__).resolve().parent / "examples"
+# Our examples that run as-is (vf_probe.py needs a probe.json written by its test).
+EXAMPLES = {
+    "verifiers": ("vf_say_word.py",),
+    "hud": ("hud_say_word.py",),
+    "openenv": ("openenv_guess.py:app",),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterEnv:
+    name: str  # loadable by registry.load_environment
+    framework: str
+    description: str
+    n_tasks: dict[str, int] = field(default_factory=dict)  # empty: not counted yet
+
+
+def _counts_file() -> Path:
+    return cache_root() / "env-counts.json"
+
+
+def _stamp(name: str) -> str:
+    """mtimes of the framework's venv marker and of the file the name points at."""
+    framework, _, ref = name.partition(":")
+    parts = []
+    for p in (venv_dir(framework) / MARKER, Path(ref.split("?", 1)[0].rsplit(":", 1)[0])):
+        try:
+            parts.append(str(os.stat(p).st_mtime_ns))
+        except OSError:
+            parts.append("-")
+    return "/".join(parts)
+
+
+def _load_counts() -> dict[str, dict[str, object]]:
+    try:
+        data = json.loads(_counts_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def remember_counts(name: str, counts: dict[str, int]) -> None:
+    """Record an adapter environment's task counts (called after its worker listed them)."""
+    data = _load_counts()
+    data[name] = {"stamp": _stamp(name), "n_tasks": counts}
+    path = _counts_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)  # atomic: a concurrent reader sees the old or the new file
+    except OSError:
+        pass  # a cache that cannot be written only costs a count in `env list`
+
+
+def cached_counts(name: str) -> dict[str, int]:
+    entry = _load_counts().get(name)
+    if not isinstance(entry, dict) or entry.get("stamp") != _stamp(name):
+        return {}
+    counts = entry.get("n_tasks")
+    return {str(k): int(v) for k, v in counts.items()} if isinstance(counts, dict) else {}
+
+
+def _site_packages(framework: str) -> list[Path]:
+    return sorted((venv_dir(framework) / "lib").glob("python3*/site-packages"))
+
+
+def _requirement_name(line: str) -> str | None:
+    """`Requires-Dist: verifiers>=0.4; extra == "x"` -> "verifiers"."""
+    if not line.startswith("Requires-Dist:"):
+        return None
+    m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", line.split(":", 1)[1])
+    return re.sub(r"[-_.]+", "-", m.group(1)).lower() if m else None
+
+
+def _verifiers_packages() -> list[str]:
+    """Top-level modules of installed distributions that require verifiers (environment packages)."""
+    out: list[str] = []
+    for site in _site_packages("verifiers"):
+        for dist in sorted(site.glob("*.dist-info")):
+            try:
+                meta = (dist / "METADATA").read_text(errors="replace")
+            except OSError:
+                continue
+            if not any(_requirement_name(ln) == "verifiers" for ln in meta.splitlines()):
+                continue
+            top = dist / "top_level.txt"
+            names = top.read_text().split() if top.is_file() else [dist.name.split("-", 1)[0]]
+            out += [n for n in names if not n.startswith("_")]
+    return out
+
+
+def _nemo_gym_servers() -> list[AdapterEnv]:
+    out = []
+    for site in _site_packages("nemo-gym"):
+        for app in sorted(site.glob("resources_servers/*/app.py")):
+            data = app.parent / "data" / "example.jsonl"
+            if not data.is_file():
+                continue
+            try:
+                n = sum(1 for line in data.read_text(errors="replace").splitlines() if line.strip())
+            except OSError:
+                continue
+            name = app.parent.name
+            out.append(
+                AdapterEnv(f"nemo-gym:{name}", "nemo-gym", f"NeMo Gym resources server {name}", {"test": n})
+            )
+    return out
+
+
+def _openenv_counts(name: str) -> dict[str, int]:
+    """OpenEnv tasks are seeds: counted without a worker."""
+    from miles_env.adapters.openenv import OpenEnvEnvironment
+
+    env = OpenEnvEnvironment(name.partition(":")[2], name=name)
+    return {split: len(env.tasks(split)) for split in env.splits}
+
+
+def discover() -> list[AdapterEnv]:
+    """Every adapter environment nameable from the installed venvs, by framework then name."""
+    found: list[AdapterEnv] = []
+    for info in installed():
+        fw = info.name
+        for example in EXAMPLES.get(fw, ()):
+            name = f"{fw}:{EXAMPLES_DIR / example}"
+            counts = _openenv_counts(name) if fw == "openenv" else cached_counts(name)
+            found.append(AdapterEnv(name, fw, f"{fw} example {example}", counts))
+        if fw == "verifiers":
+            for module in _verifiers_packages():
+                name = f"verifiers:{module}"
+                found.append(
+                    AdapterEnv(name, fw, f"verifiers environment package {module}", cached_counts(name))
+                )
+        elif fw == "nemo-gym":
+            found += _nemo_gym_servers()
+    return found
