@@ -170,3 +170,20 @@ def test_sandboxed_worker_failure_is_a_failed_episode_and_leaves_nothing(tmp_pat
     res, host_dir = anyio.run(main)
     assert res.status is Status.FAILED and "No module named 'nope'" in (res.error or "")
     assert not host_dir.exists()
+
+
+def test_non_local_episode_sandbox_gets_a_private_local_one() -> None:
+    """With a docker/cloud episode sandbox the worker still runs in a local sandbox, closed after."""
+    from miles_env.adapters.isolation import _worker_box
+    from miles_env.sandboxes.local import LocalSandbox
+
+    class Remote:  # stands for a docker or cloud sandbox: not a LocalSandbox
+        pass
+
+    async def main() -> Path:
+        async with _worker_box(Remote()) as box:  # type: ignore[arg-type]
+            assert isinstance(box, LocalSandbox)
+            assert (await box.exec("echo inside")).stdout == "inside\n"
+            return box.host_dir
+
+    assert not anyio.run(main).exists()
