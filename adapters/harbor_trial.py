@@ -125,6 +125,7 @@ async def trial_in_sandbox(
     model: dict[str, str] | None = None,
     agent_kwargs: dict[str, Any] | None = None,
     trials_dir: str | Path | None = None,
+    agent_timeout_s: float | None = None,
     timeout: float = 1800.0,
 ) -> dict[str, Any]:
     """One Harbor trial in an open sandbox; `model` = {base_url, api_key, model} for LLM agents."""
@@ -140,6 +141,7 @@ async def trial_in_sandbox(
         "trials_dir": str(trials),
         "model": model,
         "agent_kwargs": agent_kwargs or {},
+        "agent_timeout_s": agent_timeout_s,
     }
     try:
         return await worker.call("trial", params, timeout=timeout)  # type: ignore[no-any-return]
@@ -181,6 +183,8 @@ async def run_episode(
     agent: str = "terminus-2",
     max_turns: int | None = None,
     temperature: float | None = None,
+    max_tokens: int | None = None,
+    agent_timeout_s: float | None = None,
     trials_dir: str | None = None,
     isolation: object = None,
     **agent_kwargs: Any,
@@ -195,6 +199,14 @@ async def run_episode(
         agent_kwargs.setdefault("max_turns", max_turns)
     if temperature is not None:
         agent_kwargs.setdefault("temperature", temperature)
+    if max_tokens is not None:  # per model call; TITO's default applies otherwise
+        agent_kwargs["llm_call_kwargs"] = {
+            **agent_kwargs.get("llm_call_kwargs", {}),
+            "max_tokens": int(max_tokens),
+        }
+    agent_s = (
+        float(agent_timeout_s) if agent_timeout_s is not None else float(task.sandbox.resources.timeout_s)
+    )
     model = {"base_url": endpoint.base_url, "api_key": endpoint.api_key, "model": endpoint.model}
     r = await trial_in_sandbox(
         sandbox,
@@ -203,7 +215,8 @@ async def run_episode(
         model=model,
         agent_kwargs=agent_kwargs,
         trials_dir=trials_dir,
-        timeout=float(task.sandbox.resources.timeout_s) + float(task.verifier.get("timeout_s", 120.0)) + 300,
+        agent_timeout_s=agent_s,
+        timeout=agent_s + float(task.verifier.get("timeout_s", 120.0)) + 300,
     )
     rewards = r.get("rewards")
     details = {
@@ -218,6 +231,10 @@ async def run_episode(
     if rewards is None:
         return HarnessResult(
             Status.FAILED, transcript, f"harbor trial: no verifier result: {r.get('exception')}", details
+        )
+    if r.get("exception_type") == "AgentTimeoutError":  # Harbor still verified what the agent left
+        return HarnessResult(
+            Status.TRUNCATED, transcript, f"harbor agent timed out after {agent_s}s", details
         )
     return HarnessResult(Status.COMPLETED, transcript, None, details)
 

@@ -27,9 +27,9 @@ pytestmark = [
 SOLVE = "mkdir -p /app/out && echo 'hello harbor' > /app/out/hello.txt\n"
 
 
-def terminus_reply(keystrokes: list[str], done: bool) -> str:
+def terminus_reply(keystrokes: list[str], done: bool, duration: float = 0.3) -> str:
     """One reply in terminus-2's JSON format (harbor/agents/terminus_2/templates/terminus-json-plain.txt)."""
-    commands = [{"keystrokes": k, "duration": 0.3} for k in keystrokes]
+    commands = [{"keystrokes": k, "duration": duration} for k in keystrokes]
     return json.dumps({"analysis": "a", "plan": "p", "commands": commands, "task_complete": done})
 
 
@@ -92,4 +92,13 @@ def test_terminus2_turn_budget_ends_the_agent(tmp_path: Path) -> None:
     assert ep.status is Status.COMPLETED, ep.error
     assert ep.score == 0.0
     assert len(engine.generations) == 3
+    assert sampled_ids(ep) == [t for g in engine.generations for t in g.output_ids]
+
+
+def test_terminus2_timeout_is_truncated(tmp_path: Path) -> None:
+    """Harbor's agent timeout ends the episode as TRUNCATED; Harbor still verifies (reward 0)."""
+    ep, engine = run(tmp_path, [terminus_reply(["sleep 30\n"], False, duration=20)], agent_timeout_s=3)
+    assert ep.status is Status.TRUNCATED, (ep.status, ep.error)
+    assert "timed out" in (ep.error or "")
+    assert ep.score == 0.0 and ep.reward.details["rewards"] == {"reward": 0.0}
     assert sampled_ids(ep) == [t for g in engine.generations for t in g.output_ids]

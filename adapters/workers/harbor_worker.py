@@ -38,8 +38,11 @@ def agent_config(params: dict[str, Any]) -> Any:
 
     name = params.get("agent", "oracle")
     model = params.get("model")
+    timeout = params.get("agent_timeout_s")
     if not model:
-        return AgentConfig(name=name, kwargs=dict(params.get("agent_kwargs") or {}))
+        return AgentConfig(
+            name=name, kwargs=dict(params.get("agent_kwargs") or {}), override_timeout_sec=timeout
+        )
     kwargs = {**_LLM_AGENT_DEFAULTS, **(params.get("agent_kwargs") or {})}
     kwargs.setdefault("api_base", model["base_url"])
     kwargs.setdefault("llm_kwargs", {"api_key": model["api_key"]})
@@ -49,6 +52,7 @@ def agent_config(params: dict[str, Any]) -> Any:
         base_url=model["base_url"],
         env={"OPENAI_API_KEY": model["api_key"], "OPENAI_BASE_URL": model["base_url"]},
         kwargs=kwargs,
+        override_timeout_sec=timeout,
     )
 
 
@@ -68,7 +72,9 @@ async def trial(params: dict[str, Any]) -> dict[str, Any]:
     result = await t.run()
     vr = result.verifier_result
     ar = result.agent_result
+    exc = getattr(result, "exception_info", None)
     return {
+        "exception_type": getattr(exc, "exception_type", None),
         "rewards": dict(vr.rewards or {}) if vr is not None else None,
         "exception": str(result.exception_info) if getattr(result, "exception_info", None) else None,
         "trial_uri": result.trial_uri,
