@@ -102,3 +102,39 @@ def test_terminus2_timeout_is_truncated(tmp_path: Path) -> None:
     assert "timed out" in (ep.error or "")
     assert ep.score == 0.0 and ep.reward.details["rewards"] == {"reward": 0.0}
     assert sampled_ids(ep) == [t for g in engine.generations for t in g.output_ids]
+
+
+def test_unknown_harbor_agent_fails_the_episode(tmp_path: Path) -> None:
+    ep, engine = run(tmp_path, [], agent="no-such-agent")
+    assert ep.status is Status.FAILED and "no-such-agent" in (ep.error or ""), ep.error
+    assert engine.generations == [] and ep.score == 0.0
+
+
+def test_cli_eval_with_real_smollm2(tmp_path: Path) -> None:
+    """`miles-env eval --env harbor:... --harness framework` with the real model: a status and a trajectory."""
+    import subprocess
+    import sys
+
+    from miles_env.adapters.venv import install
+
+    install("harbor")
+    make_task(tmp_path / "tasks")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "miles_env.cli.main", "eval", "--env", f"harbor:{tmp_path / 'tasks'}"]
+    cmd += ["--harness", "framework", "--harness-opt", "agent=terminus-2", "--harness-opt", "max_tokens=48"]
+    cmd += ["--harness-opt", "agent_timeout_s=25", "--max-turns", "2", "--out", str(out), "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (episode,) = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
+    assert episode["status"] in ("completed", "truncated"), episode["error"]
+    assert episode["reward"]["details"]["rewards"] is not None  # Harbor's verifier ran
+    sample = episode["samples"][0]
+    assert sum(sample["loss_mask"]) > 0 and len(sample["turns"]) >= 1
+
+
+@pytest.mark.parametrize(("agent", "score"), [("oracle", 1.0), ("nop", 0.0)])
+def test_framework_harness_with_harbor_oracle_and_nop(tmp_path: Path, agent: str, score: float) -> None:
+    """Agents without a model (no inference endpoint option) run too; no model call is made."""
+    ep, engine = run(tmp_path, [], agent=agent)
+    assert ep.status is Status.COMPLETED, ep.error
+    assert ep.score == score and engine.generations == []

@@ -39,6 +39,8 @@ def agent_config(params: dict[str, Any]) -> Any:
     name = params.get("agent", "oracle")
     model = params.get("model")
     timeout = params.get("agent_timeout_s")
+    if model and not _takes_a_model(AgentConfig(name=name)):
+        model = None  # oracle, nop: no model to point anywhere
     if not model:
         return AgentConfig(
             name=name, kwargs=dict(params.get("agent_kwargs") or {}), override_timeout_sec=timeout
@@ -54,6 +56,15 @@ def agent_config(params: dict[str, Any]) -> Any:
         kwargs=kwargs,
         override_timeout_sec=timeout,
     )
+
+
+def _takes_a_model(config: Any) -> bool:
+    """Whether Harbor's agent accepts an inference endpoint (its capabilities.base_url)."""
+    from harbor.agents.factory import AgentFactory
+
+    cls = AgentFactory.get_agent_class_from_config(config)
+    caps = getattr(cls, "capabilities", None)
+    return bool(getattr(caps, "base_url", False))
 
 
 async def trial(params: dict[str, Any]) -> dict[str, Any]:
