@@ -26,6 +26,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import anyio
 from miles_env.adapters.harbor import HarborTasksEnvironment
 from miles_env.adapters.harness import FRAMEWORK_ROLE, worker_for
 
@@ -128,11 +129,16 @@ async def trial_in_sandbox(
     agent_timeout_s: float | None = None,
     timeout: float = 1800.0,
 ) -> dict[str, Any]:
-    """One Harbor trial in an open sandbox; `model` = {base_url, api_key, model} for LLM agents."""
+    """One Harbor trial in an open sandbox; `model` = {base_url, api_key, model} for LLM agents.
+
+    Harbor's own record (trial dir with result.json, agent logs) is kept under `trials_dir`;
+    without one it goes to a temporary directory removed afterwards (`trial_uri` None).
+    """
     worker = worker_for("harbor", "harbor_worker.py")
     worker.callbacks.update(CALLBACKS)
     sid = uuid.uuid4().hex
-    trials = Path(trials_dir) if trials_dir else Path(tempfile.mkdtemp(prefix="miles-harbor-trials-"))
+    scratch = None if trials_dir else tempfile.TemporaryDirectory(prefix="miles-harbor-trials-")
+    trials = Path(trials_dir) if trials_dir else Path(scratch.name)  # type: ignore[union-attr]
     _SANDBOXES[sid] = sandbox
     params: dict[str, Any] = {
         "sandbox": sid,
@@ -144,12 +150,18 @@ async def trial_in_sandbox(
         "agent_timeout_s": agent_timeout_s,
     }
     try:
-        return await worker.call("trial", params, timeout=timeout)  # type: ignore[no-any-return]
+        result: dict[str, Any] = await worker.call("trial", params, timeout=timeout)
+        if scratch is not None:
+            result["trial_uri"] = None
+        return result
     finally:
         _SANDBOXES.pop(sid, None)
         keepers = _KEEPERS.pop(sid, [])
         if keepers:
-            await _stop_keepers(sandbox, keepers)
+            with anyio.CancelScope(shield=True), anyio.move_on_after(15):
+                await _stop_keepers(sandbox, keepers)
+        if scratch is not None:
+            scratch.cleanup()
 
 
 async def _stop_keepers(sandbox: Sandbox, keepers: list[asyncio.Task[Any]]) -> None:
