@@ -5,6 +5,7 @@ deltas with its version unchanged, and a full sync repairs it."""
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from pathlib import Path
 
 import anyio
@@ -46,6 +47,34 @@ def test_codec_round_trip_bit_exact(dtype: torch.dtype) -> None:
     for e in delta.entries:
         out = decode_entry(e, old_c[e.name])
         assert torch.equal(out.view(torch.uint8), new_c[e.name].view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize(("density", "kind"), [(0.01, 0), (0.2, 1), (0.9, 2)])
+def test_sparse_position_kinds_bit_exact(dtype: torch.dtype, density: float, kind: int) -> None:
+    """Gaps (sparse), bitmap (middling) and every-element (dense) positions all decode bit for bit,
+    including sign flips and NaN/inf patterns whose bit differences wrap around the integer width."""
+    g = torch.Generator().manual_seed(1)
+    old = torch.randn(20_000, generator=g).to(dtype)
+    new = old.clone()
+    hit = torch.rand(old.shape, generator=g) < density
+    new[hit] = (old[hit].double() * (1 + 1e-2 * torch.randn(int(hit.sum()), generator=g).double())).to(dtype)
+    flips = hit.nonzero().reshape(-1)[:7]
+    new[flips] = -new[flips]
+    new[flips[:2]] = torch.tensor([float("nan"), float("-inf")], dtype=dtype)
+    delta = encode_delta({"w": old}, {"w": new}, 0, 1)
+    (entry,) = delta.entries
+    assert entry.kind == "sparse" and entry.payload[8] == kind
+    out = decode_entry(entry, old)
+    assert torch.equal(out.view(torch.uint8), new.view(torch.uint8))
+    for bad in (
+        entry.payload[:-3],
+        entry.payload + b"\0",
+        entry.payload[:8] + bytes([7]) + entry.payload[9:],
+    ):
+        broken = dataclasses.replace(entry, payload=bad, payload_crc=zlib.crc32(bad))
+        with pytest.raises(ValueError, match="w: "):
+            decode_entry(broken, old)
 
 
 def test_disk_format_round_trip_and_truncation(tmp_path: Path) -> None:

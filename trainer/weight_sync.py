@@ -27,6 +27,7 @@ import os
 import time
 import zlib
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -99,59 +100,95 @@ def _int_bits(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().cpu().reshape(-1).view(_BITS[t.element_size()]).numpy()
 
 
+def _pack(data: bytes) -> bytes:
+    """flag + length + data: zlib-compressed when a 64 KiB sample compresses well (gaps, high bytes,
+    sparse bitmaps), raw when it does not (low bytes of fp32 steps, dense bitmaps are near random)."""
+    packed = len(zlib.compress(data[: 1 << 16], 1)) < 0.9 * min(len(data), 1 << 16)
+    body = zlib.compress(data, 1) if packed else data
+    return bytes([packed]) + len(body).to_bytes(8, "little") + body
+
+
+def _unpack(blob: bytes, pos: int) -> tuple[bytes, int]:
+    packed, size = blob[pos], int.from_bytes(blob[pos + 1 : pos + 9], "little")
+    body = blob[pos + 9 : pos + 9 + size]
+    if len(body) != size:
+        raise DeltaError("sparse payload is truncated")
+    return (zlib.decompress(body) if packed else body), pos + 9 + size
+
+
 def _planes(values: np.ndarray) -> bytes:
-    """uint64 values -> their k low byte planes (k = bytes of the largest value), each stored as
-    flag + length + data: zlib-compressed when a 64 KiB sample compresses well (gaps, high bytes,
-    one-ulp bf16 steps), raw when it does not (low bytes of fp32 steps are near random)."""
+    """Unsigned values -> their k low byte planes (k = bytes of the largest value), each `_pack`ed."""
+    width = values.dtype.itemsize
     k = max(1, (int(values.max()).bit_length() + 7) // 8) if values.size else 1
-    raw = values.astype("<u8").view(np.uint8).reshape(-1, 8)
-    out = [bytes([k])]
+    raw = values.astype(values.dtype.newbyteorder("<"), copy=False).view(np.uint8).reshape(-1, width)
+    return bytes([k]) + b"".join(_pack(np.ascontiguousarray(raw[:, j]).tobytes()) for j in range(k))
+
+
+def _unplanes(blob: bytes, pos: int, n: int, dtype: np.dtype) -> tuple[np.ndarray, int]:
+    k, width = (blob[pos] if pos < len(blob) else 0), np.dtype(dtype).itemsize
+    if not 1 <= k <= width:
+        raise DeltaError(f"sparse payload has {k} byte planes for {width}-byte values")
+    full = np.zeros((n, width), dtype=np.uint8)
+    pos += 1
     for j in range(k):
-        plane = np.ascontiguousarray(raw[:, j]).tobytes()
-        sample = plane[: 1 << 16]
-        packed = len(zlib.compress(sample, 1)) < 0.9 * len(sample)
-        data = zlib.compress(plane, 1) if packed else plane
-        out.append(bytes([packed]) + len(data).to_bytes(8, "little") + data)
-    return b"".join(out)
+        plane, pos = _unpack(blob, pos)
+        if len(plane) != n:
+            raise DeltaError(f"sparse byte plane {j} holds {len(plane)} bytes, expected {n}")
+        full[:, j] = np.frombuffer(plane, dtype=np.uint8)
+    return full.view(np.dtype(dtype).newbyteorder("<")).reshape(-1), pos
 
 
-def _unplanes(blob: bytes, n: int) -> np.ndarray:
-    k = blob[0] if blob else 0
-    if not 1 <= k <= 8:
-        raise DeltaError(f"sparse payload has {k} byte planes")
-    full = np.zeros((n, 8), dtype=np.uint8)
-    pos = 1
-    for j in range(k):
-        packed, size = blob[pos], int.from_bytes(blob[pos + 1 : pos + 9], "little")
-        data = blob[pos + 9 : pos + 9 + size]
-        pos += 9 + size
-        plane = np.frombuffer(zlib.decompress(data) if packed else data, dtype=np.uint8)
-        if plane.size != n:
-            raise DeltaError(f"sparse byte plane {j} holds {plane.size} bytes, expected {n}")
-        full[:, j] = plane
-    return full.view("<u8").reshape(-1)
+_GAPS, _BITMAP, _EVERY = 0, 1, 2
 
 
-def _encode_sparse(old: np.ndarray, new: np.ndarray, idx: np.ndarray) -> bytes:
-    gaps = np.diff(idx, prepend=-1).astype(np.uint64)
-    d = new[idx].astype(np.int64) - old[idx].astype(np.int64)  # widened on changed elements only
-    zig = ((d << 1) ^ (d >> 63)).astype(np.uint64)
-    a, b = _planes(gaps), _planes(zig)
-    return len(idx).to_bytes(8, "little") + len(a).to_bytes(8, "little") + a + b
+def _encode_sparse(old: np.ndarray, new: np.ndarray, changed: np.ndarray, count: int) -> bytes:
+    """n | position kind | positions | values. Values: the bit-pattern difference new - old modulo
+    2^bits in the tensor's own width (no widening; wrap-around is exact), zigzag-coded so small steps
+    of either sign have small codes, as byte planes. Positions by density: past half the elements,
+    none (every element's difference is sent, zeros included: no scan, no gather); past 1 in 8, a
+    bitmap (1 bit each); below, gaps as byte planes (sparse bf16 steps)."""
+    d = new - old  # integer arrays wrap modulo 2^bits
+    if count * 2 >= changed.size:
+        positions = bytes([_EVERY])
+    elif count * 8 >= changed.size:
+        positions = bytes([_BITMAP]) + _pack(np.packbits(changed).tobytes())
+        d = d[changed]
+    else:
+        idx = np.flatnonzero(changed)
+        positions = bytes([_GAPS]) + _planes(np.diff(idx, prepend=-1).astype(np.uint64))
+        d = d[idx]
+    d = d.view(f"i{d.itemsize}")
+    zig = (d << 1) ^ (d >> (8 * d.itemsize - 1))
+    return d.size.to_bytes(8, "little") + positions + _planes(zig.view(f"u{d.itemsize}"))
 
 
 def _decode_sparse(current: torch.Tensor, payload: bytes) -> torch.Tensor:
     """A new tensor: `current` with the payload's changed bit patterns written in."""
-    n = int.from_bytes(payload[:8], "little")
-    la = int.from_bytes(payload[8:16], "little")
-    gaps = _unplanes(payload[16 : 16 + la], n).astype(np.int64)
-    zig = _unplanes(payload[16 + la :], n)
-    d = (zig >> np.uint64(1)).astype(np.int64) ^ -(zig & np.uint64(1)).astype(np.int64)
-    idx = np.cumsum(gaps) - 1
-    if n and (idx[-1] >= current.numel() or idx[0] < 0):
-        raise DeltaError("sparse positions fall outside the tensor")
+    n, kind = int.from_bytes(payload[:8], "little"), payload[8] if len(payload) > 8 else -1
     bits = _int_bits(current).copy()  # a plain memcpy (torch's bf16 clone is several times slower on CPU)
-    bits[idx] = (bits[idx].astype(np.int64) + d).astype(bits.dtype)
+    idx: np.ndarray | slice
+    pos = 9
+    if kind == _EVERY:
+        idx = slice(None)
+        if n != bits.size:
+            raise DeltaError(f"sparse payload holds {n} differences for {bits.size} elements")
+    elif kind == _BITMAP:
+        packed, pos = _unpack(payload, pos)
+        idx = np.unpackbits(np.frombuffer(packed, dtype=np.uint8), count=bits.size).view(bool)
+        if int(np.count_nonzero(idx)) != n:
+            raise DeltaError("sparse bitmap does not match its count")
+    elif kind == _GAPS:
+        gaps, pos = _unplanes(payload, pos, n, np.dtype(np.uint64))
+        idx = np.cumsum(gaps.astype(np.int64)) - 1
+        if n and (idx[-1] >= current.numel() or idx[0] < 0):
+            raise DeltaError("sparse positions fall outside the tensor")
+    else:
+        raise DeltaError(f"sparse payload has position kind {kind}")
+    zig, pos = _unplanes(payload, pos, n, np.dtype(f"u{bits.itemsize}"))
+    if pos != len(payload):
+        raise DeltaError("sparse payload has trailing bytes")
+    d = (zig >> 1).view(bits.dtype) ^ -(zig & 1).view(bits.dtype)
+    bits[idx] += d  # modulo 2^bits, as encoded
     return torch.from_numpy(bits).view(current.dtype).reshape(current.shape)
 
 
@@ -161,12 +198,13 @@ def _entry(name: str, old: torch.Tensor | None, new: torch.Tensor) -> DeltaEntry
     size = new.numel() * new.element_size()
     if old is not None and old.shape == new.shape and old.dtype == new.dtype:
         ob, nb = _int_bits(old), _int_bits(new)
-        idx = np.flatnonzero(ob != nb)
-        if idx.size == 0:
+        changed = ob != nb
+        count = int(np.count_nonzero(changed))
+        if count == 0:
             return None
         # a sparse element costs >= ~1 byte after compression: past half the tensor, dense wins anyway
-        if idx.size * 2 < size:
-            payload = _encode_sparse(ob, nb, idx)
+        if count * 2 < size:
+            payload = _encode_sparse(ob, nb, changed, count)
             if len(payload) < size:
                 return DeltaEntry(
                     name, tuple(new.shape), dtype, "sparse", payload, tensor_crc(new), zlib.crc32(payload)
@@ -177,10 +215,19 @@ def _entry(name: str, old: torch.Tensor | None, new: torch.Tensor) -> DeltaEntry
 
 
 def encode_delta(
-    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], base_version: int, new_version: int
+    old: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    base_version: int,
+    new_version: int,
+    workers: int | None = None,
 ) -> WeightDelta:
-    """Delta from `old` to `new` (both already in the engine dtype, same names)."""
-    entries = tuple(e for name, t in new.items() if (e := _entry(name, old.get(name), t)) is not None)
+    """Delta from `old` to `new` (both already in the engine dtype, same names). Tensors are encoded
+    on `workers` threads (default: up to 8, one per core): numpy and zlib release the GIL."""
+    names = list(new)
+    n = workers or min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        found = pool.map(lambda k: _entry(k, old.get(k), new[k]), names)
+        entries = tuple(e for e in found if e is not None)
     metas = [e.meta() for e in entries]
     full = sum(t.numel() * t.element_size() for t in new.values())
     return WeightDelta(
