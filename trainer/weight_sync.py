@@ -2,10 +2,11 @@
 
 Concept: `WeightSyncer` keeps the last snapshot the engine accepted, in the engine's dtype.
 A delta compares the new weights (cast to that dtype) with the snapshot, and per tensor
-sends nothing (unchanged), a sparse encoding (positions as gaps, values as the integer
-difference of the bit patterns, zigzag-coded, split into byte planes and zlib-compressed:
-after a small optimizer step most bf16 elements move by at most one ulp), or the dense
-tensor, whichever is smaller.
+sends nothing (unchanged), a sparse encoding, or the dense tensor, whichever is smaller.
+Sparse: values are the difference of the bit patterns modulo 2^bits in the tensor's own
+width, zigzag-coded, split into byte planes and zlib-compressed (after a small optimizer
+step most bf16 elements move by at most one ulp); positions, by density, are gaps (few
+changed: bf16), a bitmap, or none (most changed: fp32; every element's difference is sent).
 
 Invariants: a delta names its base version and its new version and carries a crc32 of every
 changed tensor's new bytes, of every payload, and of its manifest. The engine applies a delta
