@@ -69,7 +69,7 @@ async def _keep(params: dict[str, Any]) -> dict[str, Any]:
         f"while {alive} >/dev/null 2>&1; do sleep 0.5; done"
     )
     keeper = asyncio.get_running_loop().create_task(
-        sb.exec(["bash", "-c", script], env=params.get("env") or None, timeout=_KEEP_S)
+        sb.exec(["bash", "-c", script], cwd=params.get("cwd"), env=params.get("env") or None, timeout=_KEEP_S)
     )
     _KEEPERS.setdefault(sid, []).append(keeper)
     deadline = asyncio.get_running_loop().time() + float(params.get("timeout") or 60)

@@ -77,9 +77,11 @@ class MilesSandboxEnvironment(BaseEnvironment):
         for rel in await self._call("sandbox.list", path=src):
             await self.download_file(f"{src}/{rel}", Path(target_dir) / rel)
 
-    async def _keep(self, command: str, env: dict[str, str], timeout_sec: int | None) -> ExecResult:
+    async def _keep(
+        self, command: str, cwd: str | None, env: dict[str, str], timeout_sec: int | None
+    ) -> ExecResult:
         r = await self._call(
-            "sandbox.keep", command=command, env=env, timeout=timeout_sec, alive="tmux has-session"
+            "sandbox.keep", command=command, cwd=cwd, env=env, timeout=timeout_sec, alive="tmux has-session"
         )
         return ExecResult(stdout=r["stdout"], stderr=r["stderr"], return_code=r["exit_code"])
 
@@ -93,7 +95,10 @@ class MilesSandboxEnvironment(BaseEnvironment):
     ) -> ExecResult:
         if "tmux new-session" in command:
             return await self._keep(
-                rebase(command), {k: rebase(v) for k, v in (env or {}).items()}, timeout_sec
+                rebase(command),
+                rebase(cwd) if cwd else None,
+                {k: rebase(v) for k, v in (env or {}).items()},
+                timeout_sec,
             )
         r = await self._call(
             "sandbox.exec",
