@@ -47,7 +47,8 @@ def list_command(as_json: Annotated[bool, typer.Option("--json")] = False) -> No
 
     ex = Path(pkg.__file__).parent / "examples"
     examples = {
-        "harbor": "harbor:/path/to/tasks --harness builtin   (native: no install needed)",
+        "harbor": f"harbor:{ex / 'harbor_tasks'} --harness framework --harness-opt agent=terminus-2"
+        "   (or any --harness natively: no install needed)",
         "hud": f"hud:{ex / 'hud_say_word.py'} --harness framework",
         "nemo-gym": "nemo-gym:mcqa --harness framework",
         "openenv": f"openenv:{ex / 'openenv_guess.py'}:app --harness framework",
