@@ -3,7 +3,8 @@
 1F1B schedule; the tied embedding lives on both stages. The exported HF weights (gathered over the
 stages) must match the single-process run after one step, and the loss of the next step too.
 
-Run by hand: torchrun --nproc_per_node 2 tests/test_megatron_pp.py OUT_DIR MODEL_DIR PP KL_COEF"""
+Run by hand: torchrun --nproc_per_node 2 tests/test_megatron_pp.py OUT_DIR MODEL_DIR PP KL_COEF [1]
+(a trailing 1: megatron's DistributedOptimizer)"""
 
 from __future__ import annotations
 
@@ -12,32 +13,51 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("megatron.core")
 
 
-def _worker(out: Path, model_dir: Path, pp: int, kl: float) -> None:
+def _worker(out: Path, model_dir: Path, pp: int, kl: float, dist_opt: bool = False) -> None:
     import torch
     from miles_env.trainer.megatron_backend import MegatronTrainer, MegatronTrainerConfig
 
     sys.path.insert(0, str(Path(__file__).parent))
     from test_megatron import groups  # type: ignore[import-not-found]
 
-    cfg = MegatronTrainerConfig(pp=pp, lr=1e-3, fused_adamw=False, kl_coef=kl, max_tokens_per_microbatch=40)
+    cfg = MegatronTrainerConfig(pp=pp, lr=1e-3, fused_adamw=False, kl_coef=kl, max_tokens_per_microbatch=40,
+                                distributed_optimizer=dist_opt)  # fmt: skip
     trainer = MegatronTrainer(model_dir, cfg)
     m1 = trainer.train_step(groups())
     trainer.export_weights(out / "export")
+    if not dist_opt:
+        trainer.save_checkpoint(out / "ckpt")  # one dir per (tp, pp) rank, written by dp rank 0
     m2 = trainer.train_step(groups(seed=1))
+    if not dist_opt:  # a resumed trainer takes the very same second step
+        resumed = MegatronTrainer(model_dir, cfg)
+        resumed.load_checkpoint(out / "ckpt")
+        m2["resumed_loss"] = resumed.train_step(groups(seed=1))["loss"]
+        del resumed
     samples = [ep.samples[0] for g in groups(seed=2) for ep in g]
     logps = trainer.logprobs(samples)  # forward-only through the pipeline, on every rank
     m2["logprobs_sum"] = float(sum(t.double().sum() for t in logps))
     m2["logprobs_len"] = float(sum(t.numel() for t in logps))
+    m2["adam_numel"] = float(_adam_state_numel(trainer.optimizer))
     state = trainer.state_dict()  # collective: every rank gathers
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(state, out / "state.pt")
         (out / "metrics.json").write_text(json.dumps([m1, m2]))
+
+
+def _adam_state_numel(optimizer: Any) -> int:
+    """Elements of AdamW's first moment held by this rank (megatron's optimizers wrap torch's)."""
+    total = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        base = getattr(opt, "optimizer", opt)
+        total += sum(s["exp_avg"].numel() for s in base.state.values() if "exp_avg" in s)
+    return total
 
 
 def run_torchrun(out: Path, nproc: int, *args: str, script: str = __file__) -> list[dict[str, float]]:
@@ -71,6 +91,8 @@ def assert_same_run(
     assert m2[0]["grad_norm"] == pytest.approx(m1[0]["grad_norm"], rel=1e-5)
     assert m2[1]["loss"] == pytest.approx(m1[1]["loss"], rel=1e-3, abs=1e-6)
     assert m2[1]["logprobs_len"] == m1[1]["logprobs_len"]
+    for m in (m1, m2):
+        assert m[1].get("resumed_loss", m[1]["loss"]) == m[1]["loss"]
     assert m2[1]["logprobs_sum"] == pytest.approx(m1[1]["logprobs_sum"], rel=1e-4)
     a, b = (
         load_file(str(one / "export" / "model.safetensors")),
@@ -100,4 +122,4 @@ def test_pp2_same_step_as_pp1(tmp_path: Path, kl: float) -> None:
 
 
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))
+    _worker(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5:] == ["1"])

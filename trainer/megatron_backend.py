@@ -14,10 +14,12 @@ use the same code as the torch backend.
 
 Parallelism: world = tp * pp * dp (megatron's parallel_state layout). tp = tensor parallel; pp =
 pipeline stages run by megatron-core's 1F1B schedule; dp = data parallel, microbatches split over
-dp ranks, grads summed (see `megatron_parallel`). On CPU a gloo process group and the shims of
-`megatron_cpu_shims`; TP=2, PP=2 and DP=2 are each tested against 1 under torchrun on CPU. On GPUs,
-nccl: TP=1 checked once on an H200, the rest untested there. megatron's DistributedOptimizer is not
-used (`distributed_optimizer` is refused): see MegatronTrainerConfig.
+dp ranks, grads summed (see `megatron_parallel`): by a plain all-reduce and a full torch AdamW per
+replica, or with `distributed_optimizer: true` by megatron's DDP + DistributedOptimizer (grads
+reduce-scattered, Adam state sharded over dp; no checkpoints yet). On CPU a gloo process group and
+the shims of `megatron_cpu_shims`; TP=2, PP=2, DP=2 and PP=2 x DP=2 (both optimizers) are tested
+against 1 under torchrun on CPU. On GPUs, nccl: TP=1 checked once on an H200, the rest untested.
+With pp = dp = 1 and no distributed optimizer the step is TorchTrainer's own.
 
 Lifecycle: as TorchTrainer: build -> (load_checkpoint) -> train_step* -> state_dict /
 export_weights for weight sync -> save_checkpoint.
@@ -39,6 +41,7 @@ from miles_env.trainer.megatron_convert import model_shape, transformer_config
 from miles_env.trainer.megatron_cpu_shims import apply_cpu_shims, init_distributed
 from miles_env.trainer.megatron_parallel import (
     build_stage_model,
+    distributed_optimizer,
     gather_hf_state,
     grad_norm,
     pipeline_logprobs,
@@ -61,9 +64,8 @@ class MegatronTrainerConfig(TrainerConfig):
     pp: int = Field(1, ge=1, description="pipeline-parallel size; data parallel = world / (tp * pp)")
     distributed_optimizer: bool = Field(
         False,
-        description="megatron DDP + DistributedOptimizer (optimizer state sharded over dp). Not wired: "
-        "it needs megatron's grad buffers, reduce-scatter (gloo has none) and CUDA; dp uses a plain "
-        "all-reduce of the grads and a full AdamW per replica",
+        description="megatron DDP + DistributedOptimizer (grads reduce-scattered, AdamW state sharded "
+        "over dp); false: grads all-reduced, a full torch AdamW per replica. Checkpoints: false only",
     )
 
 
@@ -77,8 +79,6 @@ class MegatronTrainer(TorchTrainer):
         cfg = config if isinstance(config, MegatronTrainerConfig) else MegatronTrainerConfig(
             **(config.model_dump() if config is not None else {})
         )  # fmt: skip
-        if cfg.distributed_optimizer:
-            raise ValueError("distributed_optimizer=true: not wired (see MegatronTrainerConfig); use false")
         self.config = cfg
         torch.manual_seed(cfg.seed)
         self.model_path = resolve_model(model_path)
@@ -103,9 +103,15 @@ class MegatronTrainer(TorchTrainer):
         self.pp_rank, self.pp_size = ps.get_pipeline_model_parallel_rank(), cfg.pp
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.layer_offset = 0
+        self.step = 0
         self.model = self._build_model()
         self.ref_model = self._frozen_copy() if cfg.kl_coef > 0 else None
         self.sharded = False
+        self.ddp: Any = None
+        self.optimizer: Any
+        if cfg.distributed_optimizer:
+            self.ddp, self.optimizer = distributed_optimizer(self)
+            return
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=cfg.lr,
@@ -114,7 +120,6 @@ class MegatronTrainer(TorchTrainer):
             eps=cfg.adam_eps,
             fused=cfg.fused_adamw,
         )
-        self.step = 0
 
     def _build_model(self) -> torch.nn.Module:
         dtype = getattr(torch, self.config.dtype)
@@ -174,7 +179,7 @@ class MegatronTrainer(TorchTrainer):
         return out
 
     def train_step(self, groups: Sequence[Sequence[Episode]]) -> dict[str, float]:
-        if self.pp_size == 1 and self.dp_size == 1:
+        if self.pp_size == 1 and self.dp_size == 1 and self.ddp is None:
             return super().train_step(groups)  # exactly the torch backend's step
         return pipeline_train_step(self, groups)
 
@@ -189,6 +194,12 @@ class MegatronTrainer(TorchTrainer):
 
     def _clip_and_step(self) -> float:
         """Grads reduced (dp, tied copies), global norm over tp x pp, clipped, one AdamW step."""
+        if self.ddp is not None:  # megatron's own: reduce-scatter, tied copies, clip, sharded step
+            from megatron.core.distributed import finalize_model_grads
+
+            finalize_model_grads([self.ddp])
+            _ok, norm, _zeros = self.optimizer.step()
+            return float(norm or 0.0)
         reduce_grads(self)
         if not any(p.grad is not None for p in self.model.parameters()):
             return 0.0
@@ -245,6 +256,7 @@ class MegatronTrainer(TorchTrainer):
     def save_checkpoint(self, ckpt_dir: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> Path:
         """This rank's megatron tensors and optimizer state (one dir per TP rank / pipeline stage),
         written by data-parallel rank 0 (the replicas are identical)."""
+        self._no_sharded_optimizer_checkpoints()
         if self.dp_rank != 0:
             torch.distributed.barrier()
             return self._rank_dir(ckpt_dir)
@@ -268,7 +280,15 @@ class MegatronTrainer(TorchTrainer):
             torch.distributed.barrier()
         return path
 
+    def _no_sharded_optimizer_checkpoints(self) -> None:
+        if self.ddp is not None:
+            raise NotImplementedError(
+                "trainer.distributed_optimizer=true: checkpoints of the sharded optimizer state are not "
+                "wired; use distributed_optimizer=false for runs that save or resume"
+            )
+
     def load_checkpoint(self, ckpt_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+        self._no_sharded_optimizer_checkpoints()
         root = self._rank_dir(ckpt_dir)
         path = root if (root / "trainer.json").is_file() else latest_checkpoint(root)
         if path is None:

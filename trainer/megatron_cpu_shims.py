@@ -7,7 +7,7 @@ stream, which swaps CUDA RNG state) and the pipeline schedules' token counter
 (`torch.zeros(..., device="cuda")` in `pipeline_parallel/schedules.py`). On a CPU-only
 torch we make the first return the CPU device, the second a null context (our runs use
 no dropout, so no RNG stream is consumed inside it), and give the schedules module a
-`torch` whose `zeros` maps device "cuda" to the CPU (everything else is torch itself).
+`torch` whose `zeros` / `tensor` / `empty` map device "cuda" to the CPU (the rest is torch).
 Fourth, with pipeline stages and tied embeddings, `LanguageModule.setup_embeddings_and_output_layer`
 moves the last stage's copy of the embedding with `.cuda()` before all-reducing it over the
 first and last stage: during that one method `Tensor.cuda` is the identity.
@@ -15,24 +15,34 @@ The p2p module gets the same `torch`, whose `cuda.synchronize()` is a no-op: exc
 the shapes of variable-length microbatches calls it unconditionally; the tensors themselves
 go over gloo's isend/irecv (`batch_p2p_comm=False`, set by the backend).
 
+For megatron's DistributedOptimizer (`apply_optimizer_shims`, only when it is asked for): its
+modules (optimizer, distrib_optimizer, clip_grads, param_and_grad_buffer, finalize_model_grads,
+and utils' local multi-tensor l2 norm) get the same CPU `torch`, and the two spots that dispatch
+on `Tensor.type()` strings ('torch.cuda.FloatTensor', else TypeError) see CPU tensors named as
+CUDA ones while they run. gloo itself has every collective needed (reduce_scatter_tensor and
+all_gather_into_tensor work on torch 2.13).
+
 Invariant: the shims apply only when CUDA is unavailable, are idempotent, and are
 installed before any megatron model is built. On GPUs nothing is patched.
 
-Lifecycle: `apply_cpu_shims()` once per process, then `init_distributed()`.
+Lifecycle: `apply_cpu_shims()` once per process, then `init_distributed()`;
+`apply_optimizer_shims()` before building a DistributedOptimizer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 from typing import Any
 
 import torch
 
-__all__ = ["apply_cpu_shims", "init_distributed", "shims_active"]
+__all__ = ["apply_cpu_shims", "apply_optimizer_shims", "init_distributed", "shims_active"]
 
 _APPLIED = False
+_OPT_APPLIED = False
 
 
 def shims_active() -> bool:
@@ -87,18 +97,74 @@ class _NoSyncCuda:
         return None
 
 
+def _on_cpu(make: Any) -> Any:
+    def create(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return make(*args, device="cpu" if device == "cuda" else device, **kwargs)  # type: ignore[no-any-return]
+
+    return staticmethod(create)
+
+
 class _CudaToCpuTorch:
-    """`torch` for megatron's schedules and p2p modules: `zeros(device="cuda")` lands on the CPU and
-    `cuda.synchronize()` is a no-op; everything else is torch itself."""
+    """`torch` for megatron modules that hard-code CUDA: `zeros` / `tensor` / `empty` with
+    device="cuda" land on the CPU and `cuda.synchronize()` is a no-op; the rest is torch itself."""
 
     cuda = _NoSyncCuda()
+    zeros, tensor, empty = _on_cpu(torch.zeros), _on_cpu(torch.tensor), _on_cpu(torch.empty)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
 
-    @staticmethod
-    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
-        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+_CUDA_TYPE_NAMES = {f"torch.{k}Tensor": f"torch.cuda.{k}Tensor" for k in ("Float", "Half", "BFloat16")}
+
+
+def _cuda_type_names(fn: Any) -> Any:
+    """`fn` run while `Tensor.type()` (no arguments) names CPU float tensors as CUDA ones: megatron's
+    optimizers dispatch on those strings ('torch.cuda.FloatTensor') and refuse anything else."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        original = torch.Tensor.type
+
+        def type_name(t: torch.Tensor, *a: Any, **k: Any) -> Any:
+            name = original(t, *a, **k)
+            return _CUDA_TYPE_NAMES.get(name, name) if not a and not k else name  # type: ignore[call-overload]
+
+        torch.Tensor.type = type_name  # type: ignore[method-assign,assignment]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.type = original  # type: ignore[method-assign]
+
+    return wrapper
+
+
+def apply_optimizer_shims() -> None:
+    """For megatron's DistributedOptimizer on CPU: the CUDA-hard-coding modules get the CPU `torch`,
+    the two places that dispatch on tensor type names get CPU tensors named as CUDA ones."""
+    global _OPT_APPLIED
+    if not _APPLIED or _OPT_APPLIED:
+        return
+    _OPT_APPLIED = True
+    from megatron.core import utils
+    from megatron.core.distributed import finalize_model_grads, param_and_grad_buffer
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    cpu_torch = _CudaToCpuTorch()  # utils: the local (no Apex) multi-tensor l2 norm
+    for mod in (
+        clip_grads,
+        distrib_optimizer,
+        moptimizer,
+        param_and_grad_buffer,
+        finalize_model_grads,
+        utils,
+    ):
+        mod.torch = cpu_torch  # type: ignore[attr-defined]
+    dopt = distrib_optimizer.DistributedOptimizer
+    build = dopt.__dict__["_build_model_and_main_param_groups"].__func__
+    dopt._build_model_and_main_param_groups = classmethod(_cuda_type_names(build))  # type: ignore[method-assign,assignment]
+    moptimizer.clip_grad_by_total_norm_fp32 = _cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
 
 
 def _free_port() -> int:

@@ -43,6 +43,7 @@ __all__ = [
     "reduce_grads",
     "grad_norm",
     "gather_hf_state",
+    "distributed_optimizer",
 ]
 
 
@@ -92,6 +93,27 @@ def build_stage_model(tr: MegatronTrainer, tcfg: Any, full_hf: dict[str, torch.T
     return model.to(tr.device)
 
 
+def distributed_optimizer(tr: MegatronTrainer) -> tuple[Any, Any]:
+    """megatron's DDP wrapper (grads in one contiguous buffer, reduce-scattered over data-parallel
+    ranks) and DistributedOptimizer (each dp rank holds and steps 1/dp of the optimizer state, then
+    the updated params are all-gathered). The optimizer is torch's AdamW (no Apex / TE), weight decay
+    on every parameter as in the torch backend."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from miles_env.trainer.megatron_cpu_shims import apply_optimizer_shims
+
+    apply_optimizer_shims()
+    cfg, model = tr.config, tr.model
+    ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False)
+    ddp = DistributedDataParallel(model.config, ddp_cfg, model)  # type: ignore[arg-type]
+    ocfg = OptimizerConfig(
+        optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.betas[0],
+        adam_beta2=cfg.betas[1], adam_eps=cfg.adam_eps, clip_grad=cfg.grad_clip or 0.0,
+        use_distributed_optimizer=True, bf16=cfg.dtype == "bfloat16", params_dtype=getattr(torch, cfg.dtype),
+    )  # fmt: skip
+    return ddp, get_megatron_optimizer(ocfg, [ddp], config_overrides={})
+
+
 # -- the step ------------------------------------------------------------------------------------
 
 
@@ -102,6 +124,7 @@ def _run_schedule(
     loss_fn: Callable[[int, Any, torch.Tensor], torch.Tensor],
     forward_only: bool,
     masked: bool = True,
+    wrapper: Any = None,
 ) -> None:
     """Every batch through megatron's schedule; on the last stage `loss_fn(i, batch, logp)` gives the
     loss to backpropagate (not divided by the number of microbatches: calculate_per_token_loss)."""
@@ -112,11 +135,11 @@ def _run_schedule(
     last = _ps().is_pipeline_last_stage()
     data = iter(enumerate(batches))
 
-    def forward_step(data_iterator: Any, stage: torch.nn.Module) -> tuple[torch.Tensor, Any]:
-        i, b = next(data_iterator)
+    def forward_step(data_iterator: Any, _wrapped: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+        i, b = next(data_iterator)  # the bare model runs: DDP's grad hooks sit on its parameters
         if not last:
-            return tr.logits(b.ids, stage), None  # hidden states [s, b, h], sent to the next stage
-        logp = tr._forward_logprobs(stage, b.ids, b.mask if masked else None)
+            return tr.logits(b.ids, model), None  # hidden states [s, b, h], sent to the next stage
+        logp = tr._forward_logprobs(model, b.ids, b.mask if masked else None)
 
         def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
             return loss_fn(i, b, output), torch.tensor(0, dtype=torch.int), {}
@@ -126,7 +149,7 @@ def _run_schedule(
     get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=data,
-        model=[model],
+        model=[wrapper or model],  # the DDP wrapper when there is one: its no-sync and config
         num_microbatches=len(batches),
         seq_length=max(b.ids.shape[1] for b in batches),
         micro_batch_size=max(b.ids.shape[0] for b in batches),
@@ -147,7 +170,11 @@ def pipeline_train_step(tr: MegatronTrainer, groups: Sequence[Sequence[Episode]]
     mbs = pack_microbatches([len(s.token_ids) for s in samples], cfg.max_tokens_per_microbatch)
     batches = [tr._collate([samples[i] for i in idx]) for idx in mbs[tr.dp_rank :: tr.dp_size]]
     tr.model.train()
-    tr.optimizer.zero_grad(set_to_none=True)
+    if tr.ddp is not None:
+        tr.ddp.zero_grad_buffer()
+        tr.optimizer.zero_grad()
+    else:
+        tr.optimizer.zero_grad(set_to_none=True)
     refs: dict[int, torch.Tensor] = {}
     if tr.ref_model is not None:
         ref_model = tr.ref_model
@@ -174,7 +201,7 @@ def pipeline_train_step(tr: MegatronTrainer, groups: Sequence[Sequence[Episode]]
         acc.add(float(pg.detach()), kl_value, clipped, weights, old - b.rollout, b.mask)
         return loss
 
-    _run_schedule(tr, tr.model, batches, loss_fn, forward_only=False)
+    _run_schedule(tr, tr.model, batches, loss_fn, forward_only=False, wrapper=tr.ddp)
     norm = tr._clip_and_step()
     tr.step += 1
     n_tokens = sum(sum(b.lengths) for b in batches)
