@@ -16,7 +16,7 @@ Parallelism: world = tp * pp * dp (megatron's parallel_state layout). tp = tenso
 pipeline stages run by megatron-core's 1F1B schedule; dp = data parallel, microbatches split over
 dp ranks, grads summed (see `megatron_parallel`): by a plain all-reduce and a full torch AdamW per
 replica, or with `distributed_optimizer: true` by megatron's DDP + DistributedOptimizer (grads
-reduce-scattered, Adam state sharded over dp; no checkpoints yet). On CPU a gloo process group and
+reduce-scattered, Adam state sharded over dp, gathered to dp rank 0 in checkpoints). On CPU a gloo process group and
 the shims of `megatron_cpu_shims`; TP=2, PP=2, DP=2 and PP=2 x DP=2 (both optimizers) are tested
 against 1 under torchrun on CPU. On GPUs, nccl: TP=1 checked once on an H200, the rest untested.
 With pp = dp = 1 and no distributed optimizer the step is TorchTrainer's own.
@@ -65,7 +65,7 @@ class MegatronTrainerConfig(TrainerConfig):
     distributed_optimizer: bool = Field(
         False,
         description="megatron DDP + DistributedOptimizer (grads reduce-scattered, AdamW state sharded "
-        "over dp); false: grads all-reduced, a full torch AdamW per replica. Checkpoints: false only",
+        "over dp); false: grads all-reduced, a full torch AdamW per replica",
     )
 
 
@@ -253,10 +253,16 @@ class MegatronTrainer(TorchTrainer):
             return root / f"tp{self.tp_rank}_pp{self.pp_rank}"
         return root if self.tp_size == 1 else root / f"tp{self.tp_rank}"
 
+    def _sharded_optimizers(self) -> list[Any]:
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
     def save_checkpoint(self, ckpt_dir: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> Path:
         """This rank's megatron tensors and optimizer state (one dir per TP rank / pipeline stage),
-        written by data-parallel rank 0 (the replicas are identical)."""
-        self._no_sharded_optimizer_checkpoints()
+        written by data-parallel rank 0 (the replicas are identical). With the distributed optimizer,
+        its Adam shards are first gathered to dp rank 0 (a collective: every rank calls this)."""
+        param_states = None
+        if self.ddp is not None:
+            param_states = [o.get_parameter_state_dp_zero() for o in self._sharded_optimizers()]
         if self.dp_rank != 0:
             torch.distributed.barrier()
             return self._rank_dir(ckpt_dir)
@@ -264,6 +270,7 @@ class MegatronTrainer(TorchTrainer):
         state = {
             "model": local,
             "optimizer": self.optimizer.state_dict(),
+            "optimizer_shards": param_states,
             "rng": {"torch": torch.get_rng_state()},
         }
         meta = {
@@ -271,6 +278,7 @@ class MegatronTrainer(TorchTrainer):
             "model_path": str(self.model_path),
             "tp": self.tp_size,
             "pp": self.pp_size,
+            "distributed_optimizer": self.ddp is not None,
             "backend": "megatron",
         }
         path = write_checkpoint(
@@ -280,22 +288,34 @@ class MegatronTrainer(TorchTrainer):
             torch.distributed.barrier()
         return path
 
-    def _no_sharded_optimizer_checkpoints(self) -> None:
-        if self.ddp is not None:
-            raise NotImplementedError(
-                "trainer.distributed_optimizer=true: checkpoints of the sharded optimizer state are not "
-                "wired; use distributed_optimizer=false for runs that save or resume"
-            )
-
     def load_checkpoint(self, ckpt_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-        self._no_sharded_optimizer_checkpoints()
+        """Every rank reads its (tp, pp) dir; with the distributed optimizer dp rank 0 scatters the
+        Adam shards (a collective). The optimizer kind must match the one that saved."""
         root = self._rank_dir(ckpt_dir)
         path = root if (root / "trainer.json").is_file() else latest_checkpoint(root)
         if path is None:
             return None
         state, meta = read_checkpoint(path)
+        if bool(meta.get("distributed_optimizer", False)) != (self.ddp is not None):
+            raise ValueError(
+                f"checkpoint {str(path)!r}: distributed_optimizer={meta.get('distributed_optimizer', False)}, "
+                f"this trainer has {self.ddp is not None}"
+            )
         self.model.load_state_dict(state["model"], strict=False)
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.ddp is not None:
+            for opt, shard in zip(self._sharded_optimizers(), state["optimizer_shards"], strict=True):
+                # torch AdamW's per-param "step" (restored by load_state_dict above) is not in the saved
+                # shards and megatron's loader copies every state key: set it aside meanwhile; megatron
+                # restores it as ONE tensor shared by every param, which AdamW would then bump once per
+                # param: give each its own copy. fp32 main params are views of the model's leaf params:
+                # copy without autograd.
+                inner = opt.optimizer.state
+                steps = {p: st.pop("step") for p, st in inner.items() if "step" in st}
+                with torch.no_grad():
+                    opt.load_parameter_state_from_dp_zero(shard if self.dp_rank == 0 else None)
+                for p, step in steps.items():
+                    inner[p]["step"] = step.clone()
         torch.set_rng_state(state["rng"]["torch"])
         self.step = int(meta["step"])
         extra: dict[str, Any] = meta["extra"]
