@@ -3,8 +3,8 @@
 1F1B schedule; the tied embedding lives on both stages. The exported HF weights (gathered over the
 stages) must match the single-process run after one step, and the loss of the next step too.
 
-Run by hand: torchrun --nproc_per_node 2 tests/test_megatron_pp.py OUT_DIR MODEL_DIR PP KL_COEF [1]
-(a trailing 1: megatron's DistributedOptimizer)"""
+Run by hand: torchrun --nproc_per_node 2 tests/test_megatron_pp.py OUT_DIR MODEL_DIR PP KL_COEF [D [TP]]
+(D=1: megatron's DistributedOptimizer; TP: tensor-parallel size, default 1)"""
 
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ import pytest
 pytest.importorskip("megatron.core")
 
 
-def _worker(out: Path, model_dir: Path, pp: int, kl: float, dist_opt: bool = False) -> None:
+def _worker(out: Path, model_dir: Path, pp: int, kl: float, dist_opt: bool = False, tp: int = 1) -> None:
     import torch
     from miles_env.trainer.megatron_backend import MegatronTrainer, MegatronTrainerConfig
 
     sys.path.insert(0, str(Path(__file__).parent))
     from test_megatron import groups  # type: ignore[import-not-found]
 
-    cfg = MegatronTrainerConfig(pp=pp, lr=1e-3, fused_adamw=False, kl_coef=kl, max_tokens_per_microbatch=40,
+    cfg = MegatronTrainerConfig(tp=tp, pp=pp, lr=1e-3, fused_adamw=False, kl_coef=kl, max_tokens_per_microbatch=40,
                                 distributed_optimizer=dist_opt)  # fmt: skip
     trainer = MegatronTrainer(model_dir, cfg)
     m1 = trainer.train_step(groups())
@@ -122,4 +122,5 @@ def test_pp2_same_step_as_pp1(tmp_path: Path, kl: float) -> None:
 
 
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5:] == ["1"])
+    dist_opt, tp = (sys.argv[5:6] or ["0"])[0] == "1", int((sys.argv[6:7] or ["1"])[0])
+    _worker(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), dist_opt, tp)
