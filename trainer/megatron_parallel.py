@@ -205,7 +205,7 @@ def pipeline_train_step(tr: MegatronTrainer, groups: Sequence[Sequence[Episode]]
     norm = tr._clip_and_step()
     tr.step += 1
     n_tokens = sum(sum(b.lengths) for b in batches)
-    pg, kl, clip, tis, dsum, dmax, ntok, mtok = _reduce_metrics(acc, n_tokens)
+    pg, kl, clip, tis, dsum, dmax, ntok, mtok = _reduce_metrics(acc, n_tokens, tr.device)
     dt = time.perf_counter() - t0
     denom = max(mtok, 1.0)
     return {
@@ -254,11 +254,12 @@ def pipeline_logprobs(tr: MegatronTrainer, samples: Sequence[Sample]) -> list[to
     return out
 
 
-def _reduce_metrics(acc: _Metrics, n_tokens: int) -> list[float]:
-    """Sums over data-parallel ranks (max for diff_max), then the last stage's values everywhere."""
+def _reduce_metrics(acc: _Metrics, n_tokens: int, device: torch.device) -> list[float]:
+    """Sums over data-parallel ranks (max for diff_max), then the last stage's values everywhere.
+    On `device`: nccl reduces only CUDA tensors."""
     dist, ps = torch.distributed, _ps()
     vec = torch.tensor([acc.pg, acc.kl, acc.clip, acc.tis, acc.diff_sum, acc.diff_max, n_tokens,
-                        acc.mask_tokens], dtype=torch.float64)  # fmt: skip
+                        acc.mask_tokens], dtype=torch.float64, device=device)  # fmt: skip
     if ps.get_data_parallel_world_size() > 1:
         group = ps.get_data_parallel_group()
         top = vec[5:6].clone()
@@ -321,7 +322,7 @@ def grad_norm(tr: MegatronTrainer) -> float:
         if getattr(p, "tensor_model_parallel", False) or tr.tp_rank == 0:
             sq += float(p.grad.float().pow(2).sum())
     if tr.tp_size * tr.pp_size > 1:
-        t = torch.tensor([sq], dtype=torch.float64)
+        t = torch.tensor([sq], dtype=torch.float64, device=tr.device)  # nccl: CUDA tensors only
         torch.distributed.all_reduce(t, group=ps.get_model_parallel_group())
         sq = float(t)
     return float(sq**0.5)
