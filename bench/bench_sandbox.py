@@ -5,10 +5,11 @@ Baselines, measured in the same run, interleaved with the sandbox series:
   bare-same   : one `bwrap` call with exactly the sandbox's namespaces and mounts, running `true`
   bare-minimal: `bwrap --unshare-all --ro-bind /usr /usr (+ /lib symlinks) --proc --dev -- true`
 Series (each: create, exec `true`, close):
-  warm    : provider with warm=2 (what miles_env.stack uses): create takes a prepared slot
-  cold    : provider with warm=0: create makes dirs + cgroup and prestarts the exec's bwrap
-  legacy  : prestart off: each exec joins the cgroup itself (the path before spare.py)
-  re-exec : a second exec on an open sandbox (its bwrap was prestarted during the first)
+  reuse   : the default provider: create takes the zygote + pids cgroup a closed sandbox gave back
+  fresh   : warm=0: every create starts a zygote, which joins a new cgroup (the one join)
+  no-cg   : use_cgroup=False: no zygote, no pids cgroup (RLIMIT_NPROC only; does not bind root)
+  re-exec : a second exec on an open sandbox
+Before the zygote (commit b89921f and earlier) each exec joined the cgroup itself.
 `--gap-ms` sleeps before every measured call, as an agent's think time would: joining a cgroup
 waits for an RCU grace period, which is short only while other joins keep it warm.
 Target: the whole create+exec+close cycle within 1.5x of a bare bwrap call.
@@ -42,15 +43,15 @@ def _bare_run(argv: list[str]) -> Callable[[], Awaitable[None]]:
 
 
 async def latency(iterations: int, gap_s: float) -> dict[str, float]:
-    warm = LocalSandboxProvider(LocalSandboxConfig(warm=2))
-    cold = LocalSandboxProvider(LocalSandboxConfig(warm=0))
-    legacy = LocalSandboxProvider(LocalSandboxConfig(warm=0, prestart=False))
-    probe = await cold.create(SandboxSpec())  # stays open: its dirs are bound by bare-same
+    reuse = LocalSandboxProvider(LocalSandboxConfig())
+    fresh = LocalSandboxProvider(LocalSandboxConfig(warm=0))
+    no_cg = LocalSandboxProvider(LocalSandboxConfig(use_cgroup=False))
+    probe = await reuse.create(SandboxSpec())  # stays open: its dirs are bound by bare-same
     argv = probe._argv(["true"], None, None)
-    bare_same = argv[argv.index(cold.bwrap) :]
+    bare_same = argv[argv.index(reuse.bwrap) :]
     system = host_root_binds()
     links = [a for i in range(0, len(system), 3) if system[i] == "--symlink" for a in system[i : i + 3]]
-    bare_min = [cold.bwrap, "--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr", *links]
+    bare_min = [reuse.bwrap, "--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr", *links]
     bare_min += ["--proc", "/proc", "--dev", "/dev", "--", "true"]
 
     def cycle(provider: LocalSandboxProvider) -> Callable[[], Awaitable[None]]:
@@ -66,14 +67,14 @@ async def latency(iterations: int, gap_s: float) -> dict[str, float]:
         assert (await probe.exec(["true"])).exit_code == 0
 
     series: dict[str, Callable[[], Awaitable[None]]] = {
-        "warm": cycle(warm),
-        "cold": cycle(cold),
-        "legacy": cycle(legacy),
+        "reuse": cycle(reuse),
+        "fresh": cycle(fresh),
+        "no-cg": cycle(no_cg),
         "re-exec": re_exec,
         "same": _bare_run(bare_same),
         "minimal": _bare_run(bare_min),
     }
-    await series["warm"]()  # fills the warm slots, as a running stack's first exec does
+    await series["reuse"]()  # leaves an idle zygote, as any earlier sandbox of a run does
     await re_exec()
     samples: dict[str, list[float]] = {k: [] for k in series}
     for _ in range(iterations):  # interleaved, so load from elsewhere hits every series alike
@@ -83,13 +84,13 @@ async def latency(iterations: int, gap_s: float) -> dict[str, float]:
             await run()
             samples[key].append(time.perf_counter() - t)
     await probe.close()
-    for provider in (warm, cold, legacy):
+    for provider in (reuse, fresh, no_cg):
         await provider.aclose()
     return {k: ms(v) for k, v in samples.items()}
 
 
 async def concurrent(n: int) -> tuple[int, int, float]:
-    provider = LocalSandboxProvider(LocalSandboxConfig(warm=2))
+    provider = LocalSandboxProvider(LocalSandboxConfig())
     ok = failed = 0
 
     async def one(i: int) -> None:
@@ -118,9 +119,9 @@ async def main(iterations: int, gap_ms: float, n: int) -> None:
     print(f"local sandbox latency, median of {iterations} interleaved rounds, {gap_ms:g} ms gap (ms)")
     print(f"{'series':<34}{'ms':>8}{'/ bare':>9}")
     rows = [
-        ("cycle, warm slots (warm=2)", "warm"),
-        ("cycle, cold (warm=0)", "cold"),
-        ("cycle, legacy (no prestart)", "legacy"),
+        ("cycle, zygote reused (default)", "reuse"),
+        ("cycle, new zygote (warm=0)", "fresh"),
+        ("cycle, no pids cgroup", "no-cg"),
         ("second exec on an open sandbox", "re-exec"),
         ("bare bwrap, same mounts", "same"),
         ("bare bwrap, minimal", "minimal"),

@@ -31,8 +31,6 @@ class StackConfig(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict)  # miles_env.engines.EngineConfig fields
     tito: dict[str, Any] = Field(default_factory=dict)  # miles_env.tito.TitoConfig fields
     sandbox: str = "local"
-    # For "local", `warm` defaults to 2 here (the provider's own default is 0): a stack runs many
-    # sandboxes, and a prepared one skips the cgroup join's wait (sandboxes/local/spare.py).
     sandbox_config: dict[str, Any] = Field(default_factory=dict)
     store_dir: Path | None = None  # where the proxy persists sessions
 
@@ -60,10 +58,7 @@ async def open_stack(cfg: StackConfig, *, engine: Any | None = None) -> AsyncIte
     from miles_env.tito import TitoConfig, TitoProxy, create_app
 
     engine_cfg = EngineConfig(**cfg.engine)
-    sandbox_config = dict(cfg.sandbox_config)
-    if cfg.sandbox == "local":
-        sandbox_config.setdefault("warm", 2)
-    provider = get_provider(cfg.sandbox, **sandbox_config)  # fail fast on a missing bwrap
+    provider = get_provider(cfg.sandbox, **cfg.sandbox_config)  # fail fast on a missing bwrap
     own_engine = engine is None
     if engine is None:
         engine = await build_engine(engine_cfg)
@@ -73,7 +68,7 @@ async def open_stack(cfg: StackConfig, *, engine: Any | None = None) -> AsyncIte
         async with serve_app(create_app(proxy)) as url:
             yield Stack(engine, proxy, url, provider, tokenizer)
     finally:
-        closer = getattr(provider, "aclose", None)  # e.g. the local provider's warm slots
+        closer = getattr(provider, "aclose", None)  # e.g. the local provider's idle zygotes
         if closer is not None:
             await closer()
         if own_engine:

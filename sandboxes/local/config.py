@@ -38,17 +38,11 @@ class LocalSandboxConfig(BaseModel):
     use_cgroup: bool = Field(
         default=True, description="contain processes with a pids cgroup when one is writable"
     )
-    prestart: bool = Field(
-        default=True,
-        description="start each exec's bwrap ahead of time (during the previous exec), so joining the pids "
-        "cgroup, which waits for a kernel RCU grace period, is off the exec path",
-    )
     warm: int = Field(
-        default=0,
+        default=4,
         ge=0,
-        description="sandboxes kept prepared (directories, cgroup, a prestarted bwrap) after the first "
-        "create, refilled while commands run; they live under root_dir until provider.aclose(). "
-        "0 = prepare each on create (miles_env.stack uses 2)",
+        description="idle zygote + pids cgroup pairs kept for the next create after sandboxes close "
+        "(a new pair costs a cgroup join, which can wait ~10-20 ms on an idle host); 0 = none kept",
     )
     python: str = Field(default="/usr/bin/python3", description="interpreter inside the sandbox for expose()")
     extra_ro_binds: tuple[str, ...] = Field(

@@ -6,9 +6,9 @@ take every descendant with it) and reaped. Output beyond the cap is drained and
 dropped; far beyond it (`kill_factor` x cap) the process is killed, so a command
 printing 1 GB costs neither memory nor time.
 
-Why plain `subprocess.Popen` and fd readiness (anyio.wait_readable, a pidfd for
-the exit) rather than anyio.open_process: a process started ahead of time
-(spare.py) must not belong to one event loop, since a provider can outlive it.
+`collect` works on any Child: a process we spawned (PopenChild) or one a zygote
+forked for us (forkserver.ZygoteChild), so it reads raw pipe fds with
+anyio.wait_readable rather than an event loop's process streams.
 """
 
 from __future__ import annotations
@@ -20,13 +20,59 @@ import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import anyio
 
-__all__ = ["RawResult", "collect", "reap", "run_capped", "spawn"]
+__all__ = ["Child", "PopenChild", "RawResult", "collect", "run_capped"]
 
 _CHUNK = 65536
-Popen = subprocess.Popen
+
+
+class Child(Protocol):
+    """A running command: its pid (a session leader), our ends of its pipes (fds), its exit."""
+
+    pid: int
+    stdin: int
+    stdout: int
+    stderr: int
+
+    def poll(self) -> int | None: ...
+    async def wait(self) -> int: ...
+    def close_pipes(self) -> None: ...
+
+
+class PopenChild:
+    """A Child we started ourselves: reaped through a pidfd, so no event loop owns it."""
+
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+        self.process = process
+        self.pid = process.pid
+        assert process.stdin and process.stdout and process.stderr
+        self.stdin, self.stdout, self.stderr = (
+            p.fileno() for p in (process.stdin, process.stdout, process.stderr)
+        )
+        for fd in (self.stdin, self.stdout, self.stderr):
+            os.set_blocking(fd, False)
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    async def wait(self) -> int:
+        if self.process.returncode is None:
+            pidfd = os.pidfd_open(self.pid)
+            try:
+                while self.process.poll() is None:
+                    await anyio.wait_readable(pidfd)
+            finally:
+                os.close(pidfd)
+        assert self.process.returncode is not None
+        return self.process.returncode
+
+    def close_pipes(self) -> None:
+        for pipe in (self.process.stdin, self.process.stdout, self.process.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 @dataclass(slots=True)
@@ -51,43 +97,11 @@ class RawResult:
     duration_s: float
 
 
-def spawn(argv: Sequence[str], *, pass_fds: Sequence[int] = ()) -> Popen[bytes]:
-    """Start `argv` as the leader of a new session, with three non-blocking pipes."""
-    process = subprocess.Popen(
-        list(argv),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-        pass_fds=tuple(pass_fds),
-    )
-    for pipe in (process.stdin, process.stdout, process.stderr):
-        assert pipe is not None
-        os.set_blocking(pipe.fileno(), False)
-    return process
-
-
-def kill_group(process: Popen[bytes]) -> None:
+def kill_group(child: Child) -> None:
     try:
-        os.killpg(process.pid, signal.SIGKILL)
+        os.killpg(child.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-async def reap(process: Popen[bytes]) -> int:
-    """Wait for the exit without blocking the event loop, reap it, close its pipes."""
-    if process.returncode is None:
-        pidfd = os.pidfd_open(process.pid)
-        try:
-            while process.poll() is None:
-                await anyio.wait_readable(pidfd)
-        finally:
-            os.close(pidfd)
-    for pipe in (process.stdin, process.stdout, process.stderr):
-        if pipe is not None:
-            pipe.close()
-    assert process.returncode is not None
-    return process.returncode
 
 
 async def _drain(fd: int, cap: _Capture, limit: int, on_over: anyio.Event) -> None:
@@ -108,19 +122,40 @@ async def _drain(fd: int, cap: _Capture, limit: int, on_over: anyio.Event) -> No
             return
 
 
-async def _feed(process: Popen[bytes], data: bytes | None) -> None:
-    assert process.stdin is not None
+async def _feed(child: Child, data: bytes | None) -> None:
     view = memoryview(data or b"")
     try:
         while view:
             try:
-                view = view[os.write(process.stdin.fileno(), view) :]
+                view = view[os.write(child.stdin, view) :]
             except BlockingIOError:
-                await anyio.wait_writable(process.stdin.fileno())
+                await anyio.wait_writable(child.stdin)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the command exited without reading all of its input
     finally:
-        process.stdin.close()
+        _close_stdin(child)
+
+
+def _close_stdin(child: Child) -> None:
+    """EOF for the command's stdin (the fd itself is closed with the others by close_pipes)."""
+    if isinstance(child, PopenChild):
+        assert child.process.stdin is not None
+        child.process.stdin.close()
+    elif child.stdin >= 0:
+        os.close(child.stdin)
+        child.stdin = -1
+
+
+def _popen(argv: Sequence[str], pass_fds: Sequence[int]) -> subprocess.Popen[bytes]:
+    # A plain fork+exec on the caller's thread, as asyncio's own subprocess support does.
+    return subprocess.Popen(
+        list(argv),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        pass_fds=tuple(pass_fds),
+    )
 
 
 async def run_capped(
@@ -133,13 +168,13 @@ async def run_capped(
     pass_fds: Sequence[int] = (),
     live: set[int] | None = None,
 ) -> RawResult:
-    """spawn() `argv` and collect() it."""
+    """Start `argv` (new session, three pipes) and collect() it."""
     start = time.perf_counter()
-    process = spawn(argv, pass_fds=pass_fds)
+    child = PopenChild(_popen(argv, pass_fds))
     if live is not None:
-        live.add(process.pid)
+        live.add(child.pid)
     return await collect(
-        process,
+        child,
         stdin=stdin,
         timeout=timeout,
         output_cap=output_cap,
@@ -150,7 +185,7 @@ async def run_capped(
 
 
 async def collect(
-    process: Popen[bytes],
+    child: Child,
     *,
     stdin: bytes | None,
     timeout: float,
@@ -159,9 +194,8 @@ async def collect(
     live: set[int] | None = None,
     start: float | None = None,
 ) -> RawResult:
-    """Feed `stdin`, capture capped output and wait, for a spawn()ed process."""
+    """Feed `stdin`, capture capped output and wait for the exit; always kills and reaps."""
     start = time.perf_counter() if start is None else start
-    assert process.stdout is not None and process.stderr is not None
     out, err = _Capture(output_cap), _Capture(output_cap)
     limit = output_cap * kill_factor + _CHUNK
     over = anyio.Event()
@@ -172,27 +206,28 @@ async def collect(
 
                 async def watch_over() -> None:
                     await over.wait()
-                    kill_group(process)
+                    kill_group(child)
 
                 tg.start_soon(watch_over)
-                tg.start_soon(_feed, process, stdin)
+                tg.start_soon(_feed, child, stdin)
                 # EOF on both pipes comes when the pid namespace is gone, so the
                 # tail of the output is never lost to a race with the exit.
                 async with anyio.create_task_group() as pumps:
-                    pumps.start_soon(_drain, process.stdout.fileno(), out, limit, over)
-                    pumps.start_soon(_drain, process.stderr.fileno(), err, limit, over)
-                await reap(process)
+                    pumps.start_soon(_drain, child.stdout, out, limit, over)
+                    pumps.start_soon(_drain, child.stderr, err, limit, over)
+                await child.wait()
                 tg.cancel_scope.cancel()
         timed_out = scope.cancelled_caught
     finally:
         with anyio.CancelScope(shield=True):
-            if process.poll() is None:
-                kill_group(process)
-            await reap(process)
+            if child.poll() is None:
+                kill_group(child)
+            code = await child.wait()
+            child.close_pipes()
         if live is not None:
-            live.discard(process.pid)
+            live.discard(child.pid)
     return RawResult(
-        returncode=process.returncode if process.returncode is not None else -signal.SIGKILL,
+        returncode=code,
         stdout=bytes(out.data),
         stderr=bytes(err.data),
         timed_out=timed_out,

@@ -1,35 +1,32 @@
 """LocalSandboxProvider: builds LocalSandbox instances over bubblewrap.
 
-Lifecycle of create(spec): validate the spec, take a prepared slot (or prepare
-one now: `<root>/<id>/{work,tmp,run}`, the pids cgroup if possible, and with
-`prestart` a Spare bwrap joining it), place spec.files, and precompute the bwrap
-and limit argv prefixes so that each exec is one spawn. If any step fails,
-whatever was made is removed before the error propagates.
+Lifecycle of create(spec): validate the spec, make `<root>/<id>/{work,tmp,run}`
+(mode 0700), take an idle zygote with its pids cgroup (or start one: the only
+cgroup join, zygote.py says why that matters), place spec.files, and precompute
+the bwrap argv so that each exec is one fork. If any step fails, whatever was
+made is removed before the error propagates.
 
-Warm slots: after the first create, up to `config.warm` slots are kept prepared;
-sandboxes refill them while their commands run (the refill overlaps a command,
-never a create). They are removed by `aclose()`, or at garbage collection / exit.
+Reuse: a closed sandbox hands back its zygote and cgroup once nothing else is left
+in the cgroup; up to `config.warm` of them stay idle for the next create. They are
+removed by `aclose()`, or at garbage collection / interpreter exit.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import secrets
 import shutil
+import sys
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
-
-import anyio
 
 from miles_env.errors import ConfigError, SandboxError, SandboxUnavailable
 from miles_env.types import NetworkPolicy, Resources, SandboxSpec
 
 from .cgroup import PidsCgroup
 from .config import LocalSandboxConfig, find_bwrap, host_root_binds
+from .forkserver import Zygote, start_zygote
 from .sandbox import LocalSandbox
-from .spare import Spare, drop_spare, drop_spare_now, start_spare
 
 __all__ = ["LocalSandboxProvider"]
 
@@ -60,28 +57,12 @@ def _limit_prefix(res: Resources, cgroup: PidsCgroup | None, prlimit: str) -> li
     return prefix
 
 
-_log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Slot:
-    """A sandbox's host-side parts, prepared before its spec is known."""
-
-    sandbox_id: str
-    host_dir: Path
-    cgroup: PidsCgroup | None
-    spare: Spare | None
-
-
-def _dispose(slots: list[_Slot]) -> None:
-    """Synchronous clean-up of unused slots (finalizer / interpreter exit)."""
-    while slots:
-        slot = slots.pop()
-        if slot.spare is not None:
-            drop_spare_now(slot.spare)
-        if slot.cgroup is not None:
-            slot.cgroup.remove()
-        shutil.rmtree(slot.host_dir, ignore_errors=True)
+def _dispose(idle: list[tuple[Zygote, PidsCgroup]]) -> None:
+    """Synchronous clean-up of idle zygotes and their cgroups (aclose, finalizer, exit)."""
+    while idle:
+        zygote, cgroup = idle.pop()
+        zygote.close()
+        cgroup.remove()
 
 
 class LocalSandboxProvider:
@@ -97,9 +78,8 @@ class LocalSandboxProvider:
             raise SandboxUnavailable("`prlimit` (util-linux) not found on PATH; the local sandbox needs it")
         self._prlimit = prlimit
         self.root = self.config.resolved_root()
-        self._warm: list[_Slot] = []
-        self._refilling = False
-        weakref.finalize(self, _dispose, self._warm)
+        self._idle: list[tuple[Zygote, PidsCgroup]] = []
+        weakref.finalize(self, _dispose, self._idle)
 
     def _bwrap_prefix(self, spec: SandboxSpec, host_dir: Path) -> list[str]:
         args = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session"]
@@ -123,68 +103,57 @@ class LocalSandboxProvider:
         if spec.network is NetworkPolicy.HOST:
             raise ConfigError("SandboxSpec.network='host' is not supported by the local provider")
 
-    async def _prepare(self, max_procs: int) -> _Slot:
+    def _zygote(self, sandbox_id: str, max_procs: int) -> tuple[Zygote | None, PidsCgroup | None]:
+        """An idle zygote and its cgroup, or new ones; (None, None) where no cgroup can be made."""
+        if not self.config.use_cgroup:
+            return None, None
+        while self._idle:
+            zygote, cgroup = self._idle.pop()
+            if zygote.process.poll() is None:
+                break
+            cgroup.remove()  # the zygote died while idle
+        else:
+            made = PidsCgroup.create(f"miles-env-z{sandbox_id}", max_procs + 1)
+            if made is None:
+                return None, None
+            zygote, cgroup = start_zygote(sys.executable, made), made
+        cgroup.set_max(max_procs + 1)  # + the zygote itself
+        return zygote, cgroup
+
+    def _give_back(self, zygote: Zygote, cgroup: PidsCgroup) -> None:
+        if len(self._idle) < self.config.warm:
+            self._idle.append((zygote, cgroup))
+        else:
+            _dispose([(zygote, cgroup)])
+
+    async def create(self, spec: SandboxSpec) -> LocalSandbox:
+        if not isinstance(spec, SandboxSpec):
+            raise ConfigError(f"create(spec): expected a SandboxSpec, got {type(spec).__name__}")
+        self._validate(spec)
         sandbox_id = secrets.token_hex(6)
         host_dir = self.root / sandbox_id
-        slot = _Slot(sandbox_id, host_dir, None, None)
         try:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             host_dir.mkdir(mode=0o700)
             for sub in ("work", "tmp", "run"):
                 (host_dir / sub).mkdir(mode=0o755)
             os.chmod(host_dir / "tmp", 0o1777)
-            if self.config.use_cgroup:
-                slot.cgroup = PidsCgroup.create(f"miles-env-{sandbox_id}", max_procs)
-            if self.config.prestart:
-                slot.spare = start_spare(self.bwrap, (), slot.cgroup, set())
-        except BaseException as e:
-            _dispose([slot])
-            if isinstance(e, OSError):
-                raise SandboxError(f"creating sandbox under {self.root}: {e}") from e
-            raise
-        return slot
-
-    async def _refill(self) -> None:
-        """Top the warm slots up to config.warm; a failure here only costs speed, so it is logged."""
-        if self._refilling:
-            return
-        self._refilling = True
-        try:
-            while len(self._warm) < self.config.warm:
-                self._warm.append(await self._prepare(Resources().max_procs))
-        except Exception as e:  # the next create() prepares its own slot and reports the error
-            _log.warning("local sandbox: preparing a warm slot failed: %s", e)
-        finally:
-            self._refilling = False
-
-    def _take_warm(self) -> _Slot | None:
-        while self._warm:
-            slot = self._warm.pop()
-            if (slot.host_dir / "work").is_dir():
-                return slot
-            _dispose([slot])  # removed behind our back (e.g. `sandbox gc` after a long idle)
-        return None
-
-    async def create(self, spec: SandboxSpec) -> LocalSandbox:
-        if not isinstance(spec, SandboxSpec):
-            raise ConfigError(f"create(spec): expected a SandboxSpec, got {type(spec).__name__}")
-        self._validate(spec)
-        slot = self._take_warm() or await self._prepare(spec.resources.max_procs)
+            zygote, cgroup = self._zygote(sandbox_id, spec.resources.max_procs)
+        except OSError as e:
+            shutil.rmtree(host_dir, ignore_errors=True)
+            raise SandboxError(f"creating sandbox under {self.root}: {e}") from e
         sandbox = LocalSandbox(
-            sandbox_id=slot.sandbox_id,
+            sandbox_id=sandbox_id,
             spec=spec,
-            host_dir=slot.host_dir,
-            bwrap_prefix=self._bwrap_prefix(spec, slot.host_dir),
-            limit_prefix=_limit_prefix(spec.resources, slot.cgroup, self._prlimit),
-            cgroup=slot.cgroup,
+            host_dir=host_dir,
+            bwrap_prefix=self._bwrap_prefix(spec, host_dir),
+            limit_prefix=_limit_prefix(spec.resources, cgroup, self._prlimit),
+            cgroup=cgroup,
             python=self.config.python,
-            spare=slot.spare,
-            prestart=self.config.prestart,
-            after_exec=self._refill if self.config.warm else None,
+            zygote=zygote,
+            on_close=self._give_back,
         )
         try:
-            if slot.cgroup is not None and spec.resources.max_procs != Resources().max_procs:
-                slot.cgroup.set_max(spec.resources.max_procs)
             for path, text in spec.files.items():
                 await sandbox.write_file(path, text)
         except BaseException as e:
@@ -195,11 +164,5 @@ class LocalSandboxProvider:
         return sandbox
 
     async def aclose(self) -> None:
-        """Remove the warm slots (sandboxes already handed out are closed by their owners)."""
-        with anyio.CancelScope(shield=True):
-            while self._warm:
-                slot = self._warm.pop()
-                if slot.spare is not None:
-                    spare, slot.spare = slot.spare, None
-                    await drop_spare(spare, set())
-                _dispose([slot])
+        """Stop the idle zygotes and remove their cgroups (open sandboxes are their owners' to close)."""
+        _dispose(self._idle)

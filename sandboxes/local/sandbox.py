@@ -6,9 +6,9 @@ exec is a single fresh `bwrap --unshare-all` (new user, mount, pid, net, ipc,
 uts, cgroup namespaces) that sees only the read-only system dirs and those two
 writable binds; so create and close are cheap directory operations and an exec
 is one process spawn. Files persist across execs; processes do not (the pid
-namespace dies with the exec). With `prestart` (the default) that bwrap is a
-Spare started during the previous exec (or by the provider before create), so
-its cgroup join is already done when the command comes (spare.py says why).
+namespace dies with the exec). With a pids cgroup, that bwrap is forked by the
+sandbox's zygote, which already lives in the cgroup, so no exec has to join it
+(zygote.py says why that matters); the provider recycles zygote and cgroup.
 
 Invariants: nothing inside can reach the network (only `lo`); after `close()`
 no process of the sandbox is alive and its directory is gone. `close()` is
@@ -21,7 +21,8 @@ import os
 import re
 import shutil
 import signal
-from collections.abc import Awaitable, Callable, Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,9 +34,9 @@ from miles_env.types import ExecResult, Resources, SandboxSpec
 
 from ..execargs import exec_args, exec_cwd, exec_env
 from .cgroup import PidsCgroup
+from .forkserver import Zygote
 from .paths import safe_read, safe_write, split_inner_path
 from .process import RawResult, collect, run_capped
-from .spare import Spare, drop_spare, start_spare, trampoline_env
 
 if TYPE_CHECKING:
     from .bridge import Bridge
@@ -96,9 +97,8 @@ class LocalSandbox:
         limit_prefix: list[str],
         cgroup: PidsCgroup | None,
         python: str,
-        spare: Spare | None = None,
-        prestart: bool = True,
-        after_exec: Callable[[], Awaitable[None]] | None = None,
+        zygote: Zygote | None = None,
+        on_close: Callable[[Zygote, PidsCgroup], None] | None = None,
     ) -> None:
         self.id = sandbox_id
         self.workdir = spec.workdir
@@ -108,10 +108,9 @@ class LocalSandbox:
         self._limit_prefix = limit_prefix
         self._cgroup = cgroup
         self._python = python
-        self._live: set[int] = {spare.pid} if spare is not None else set()
-        self._spare = spare
-        self._prestart = prestart
-        self._after_exec = after_exec  # the provider's warm-pool refill, run while a command runs
+        self._live: set[int] = set()
+        self._zygote = zygote
+        self._on_close = on_close  # hands zygote + cgroup back to the provider for reuse
         self._closed = False
         self._bridge: Bridge | None = None
         self.mounts = {spec.workdir: str(host_dir / "work"), "/tmp": str(host_dir / "tmp")}
@@ -130,16 +129,13 @@ class LocalSandbox:
     def _outer(self) -> list[str]:
         return self._bridge.nsenter_prefix() if self._bridge is not None else []
 
+    def _bwrap_argv(self, cmd: Command, cwd: str | None, env: Mapping[str, str] | None) -> list[str]:
+        """nsenter (after expose()), bwrap, its options, `--`, the command."""
+        return [*self._outer(), self._bwrap_prefix[0], *self._options(cwd, env), "--", *_argv_of(cmd)]
+
     def _argv(self, cmd: Command, cwd: str | None, env: Mapping[str, str] | None) -> list[str]:
-        """The whole argv of an exec without a spare: limits wrapper, nsenter, bwrap, its options."""
-        return [
-            *self._limit_prefix,
-            *self._outer(),
-            self._bwrap_prefix[0],
-            *self._options(cwd, env),
-            "--",
-            *_argv_of(cmd),
-        ]
+        """The argv of a process we start ourselves: the limits wrapper (joins the cgroup), then bwrap."""
+        return [*self._limit_prefix, *self._bwrap_argv(cmd, cwd, env)]
 
     async def exec(
         self,
@@ -155,19 +151,13 @@ class LocalSandbox:
         args = exec_args(self.spec, self.workdir, timeout=timeout, cwd=cwd, env=env, stdin=stdin)
         limit, data = args.timeout, args.stdin
         refused_before = self._cgroup.max_events() if self._cgroup else 0
-        if self._prestart:
-            command = [*self._options(cwd, env), *trampoline_env(_argv_of(cmd))]
-            spare = await self._take_spare()
-            try:
-                await spare.launch(command, res, nproc=self._cgroup is None)
-            except SandboxError:
-                await self._drop(spare)
-                raise
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._prepare_next)  # overlaps the command, off the caller's path
-                raw = await collect(
-                    spare.process, stdin=data, timeout=limit, output_cap=res.output_bytes, live=self._live
-                )
+        if self._zygote is not None:
+            start = time.perf_counter()
+            child = await self._zygote.spawn(self._bwrap_argv(cmd, cwd, env), res)
+            self._live.add(child.pid)
+            raw = await collect(
+                child, stdin=data, timeout=limit, output_cap=res.output_bytes, live=self._live, start=start
+            )
         else:
             raw = await run_capped(
                 self._argv(cmd, cwd, env),
@@ -192,32 +182,6 @@ class LocalSandbox:
             truncated=raw.truncated,
             duration_s=raw.duration_s,
         )
-
-    # -- spares (spare.py) ----------------------------------------------------------------
-    async def _take_spare(self) -> Spare:
-        spare, self._spare = self._spare, None
-        outer = tuple(self._outer())
-        if spare is not None and (spare.outer != outer or spare.process.poll() is not None):
-            await self._drop(spare)  # made before expose() changed the netns, or died
-            spare = None
-        if spare is None:
-            spare = start_spare(self._bwrap_prefix[0], outer, self._cgroup, self._live)
-        return spare
-
-    async def _prepare_next(self) -> None:
-        # Shielded: a spare abandoned half-started would leak its process and pipe.
-        with anyio.CancelScope(shield=True):
-            if not self._closed and self._spare is None:
-                spare = start_spare(self._bwrap_prefix[0], self._outer(), self._cgroup, self._live)
-                if self._closed or self._spare is not None:  # closed, or a concurrent exec won
-                    await self._drop(spare)
-                else:
-                    self._spare = spare
-            if self._after_exec is not None and not self._closed:
-                await self._after_exec()
-
-    async def _drop(self, spare: Spare) -> None:
-        await drop_spare(spare, self._live)
 
     # -- files --------------------------------------------------------------------------
     async def write_file(self, path: str, data: bytes | str) -> None:
@@ -271,15 +235,34 @@ class LocalSandbox:
         self._closed = True
         with anyio.CancelScope(shield=True):
             self._kill_everything()
-            if self._spare is not None:
-                spare, self._spare = self._spare, None
-                await self._drop(spare)  # reaped, so the cgroup is empty for rmdir
             if self._bridge is not None:
                 await self._bridge.aclose()
             self._kill_everything()
-            if self._cgroup is not None:
+            if self._zygote is not None and self._cgroup is not None and self._on_close is not None:
+                if await self._empty_but_zygote(self._zygote, self._cgroup):
+                    self._on_close(self._zygote, self._cgroup)
+                else:
+                    self._zygote.close()
+                    self._cgroup.remove()
+            elif self._cgroup is not None:
                 self._cgroup.remove()
             shutil.rmtree(self.host_dir, ignore_errors=True)
+
+    @staticmethod
+    async def _empty_but_zygote(zygote: Zygote, cgroup: PidsCgroup, deadline_s: float = 5.0) -> bool:
+        """Kill whatever is left in the cgroup except the zygote, until it is the only member."""
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            left = [p for p in cgroup.pids() if p != zygote.pid]
+            if not left:
+                return zygote.process.poll() is None
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            await anyio.sleep(0.002)
+        return False
 
     def _kill_everything(self) -> None:
         for pid in list(self._live):
@@ -287,7 +270,7 @@ class LocalSandbox:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        if self._cgroup is not None:
+        if self._cgroup is not None and self._zygote is None:
             self._cgroup.kill_all()
 
     async def __aenter__(self) -> LocalSandbox:
