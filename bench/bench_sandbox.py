@@ -54,12 +54,21 @@ async def latency(iterations: int, gap_s: float) -> dict[str, float]:
     bare_min = [reuse.bwrap, "--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr", *links]
     bare_min += ["--proc", "/proc", "--dev", "/dev", "--", "true"]
 
-    def cycle(provider: LocalSandboxProvider) -> Callable[[], Awaitable[None]]:
+    parts: dict[str, list[float]] = {"create": [], "exec": [], "close": []}
+
+    def cycle(provider: LocalSandboxProvider, record: bool = False) -> Callable[[], Awaitable[None]]:
         async def run() -> None:
+            t0 = time.perf_counter()
             sb = await provider.create(SandboxSpec())
+            t1 = time.perf_counter()
             result = await sb.exec(["true"])
+            t2 = time.perf_counter()
             await sb.close()
+            t3 = time.perf_counter()
             assert result.exit_code == 0, result
+            if record:
+                for key, dt in (("create", t1 - t0), ("exec", t2 - t1), ("close", t3 - t2)):
+                    parts[key].append(dt)
 
         return run
 
@@ -67,14 +76,14 @@ async def latency(iterations: int, gap_s: float) -> dict[str, float]:
         assert (await probe.exec(["true"])).exit_code == 0
 
     series: dict[str, Callable[[], Awaitable[None]]] = {
-        "reuse": cycle(reuse),
+        "reuse": cycle(reuse, record=True),
         "fresh": cycle(fresh),
         "no-cg": cycle(no_cg),
         "re-exec": re_exec,
         "same": _bare_run(bare_same),
         "minimal": _bare_run(bare_min),
     }
-    await series["reuse"]()  # leaves an idle zygote, as any earlier sandbox of a run does
+    await cycle(reuse)()  # leaves an idle zygote, as any earlier sandbox of a run does
     await re_exec()
     samples: dict[str, list[float]] = {k: [] for k in series}
     for _ in range(iterations):  # interleaved, so load from elsewhere hits every series alike
@@ -86,7 +95,7 @@ async def latency(iterations: int, gap_s: float) -> dict[str, float]:
     await probe.close()
     for provider in (reuse, fresh, no_cg):
         await provider.aclose()
-    return {k: ms(v) for k, v in samples.items()}
+    return {k: ms(v) for k, v in (samples | parts).items()}
 
 
 async def concurrent(n: int) -> tuple[int, int, float]:
@@ -129,6 +138,7 @@ async def main(iterations: int, gap_ms: float, n: int) -> None:
     for label, key in rows:
         print(f"{label:<34}{lat[key]:>8.2f}{lat[key] / lat['same']:>8.2f}x")
     print("target: cycle / bare (same mounts) <= 1.5x")
+    print("default cycle in parts: " + ", ".join(f"{k} {lat[k]:.2f} ms" for k in ("create", "exec", "close")))
     ok, failed, wall = await concurrent(n)
     print(f"\n{n} concurrent sandboxes (create, echo, close): ok={ok} failed={failed} wall={wall:.2f}s")
 

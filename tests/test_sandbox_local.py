@@ -325,6 +325,7 @@ async def test_a_dead_zygote_is_replaced(provider):
         if sb._zygote is None:
             pytest.skip("no writable pids cgroup here")
         os.kill(sb._zygote.pid, 9)
+        sb._zygote.process.wait()
         with pytest.raises(SandboxError, match="zygote"):
             await sb.exec("true")
     async with await provider.create(SandboxSpec()) as sb:

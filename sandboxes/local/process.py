@@ -30,13 +30,13 @@ _CHUNK = 65536
 
 
 class Child(Protocol):
-    """A running command: its pid (a session leader), our ends of its pipes (fds), its exit."""
+    """A running command: our ends of its pipes (fds), a way to kill all of it, its exit."""
 
-    pid: int
     stdin: int
     stdout: int
     stderr: int
 
+    def kill(self) -> None: ...
     def poll(self) -> int | None: ...
     async def wait(self) -> int: ...
     def close_pipes(self) -> None: ...
@@ -54,6 +54,12 @@ class PopenChild:
         )
         for fd in (self.stdin, self.stdout, self.stderr):
             os.set_blocking(fd, False)
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # the session we started it in
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def poll(self) -> int | None:
         return self.process.poll()
@@ -95,13 +101,6 @@ class RawResult:
     output_killed: bool
     truncated: bool
     duration_s: float
-
-
-def kill_group(child: Child) -> None:
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 async def _drain(fd: int, cap: _Capture, limit: int, on_over: anyio.Event) -> None:
@@ -173,15 +172,13 @@ async def run_capped(
     child = PopenChild(_popen(argv, pass_fds))
     if live is not None:
         live.add(child.pid)
-    return await collect(
-        child,
-        stdin=stdin,
-        timeout=timeout,
-        output_cap=output_cap,
-        kill_factor=kill_factor,
-        live=live,
-        start=start,
-    )
+    try:
+        return await collect(
+            child, stdin=stdin, timeout=timeout, output_cap=output_cap, kill_factor=kill_factor, start=start
+        )
+    finally:
+        if live is not None:
+            live.discard(child.pid)
 
 
 async def collect(
@@ -191,7 +188,6 @@ async def collect(
     timeout: float,
     output_cap: int,
     kill_factor: int = 4,
-    live: set[int] | None = None,
     start: float | None = None,
 ) -> RawResult:
     """Feed `stdin`, capture capped output and wait for the exit; always kills and reaps."""
@@ -206,7 +202,7 @@ async def collect(
 
                 async def watch_over() -> None:
                     await over.wait()
-                    kill_group(child)
+                    child.kill()
 
                 tg.start_soon(watch_over)
                 tg.start_soon(_feed, child, stdin)
@@ -221,11 +217,9 @@ async def collect(
     finally:
         with anyio.CancelScope(shield=True):
             if child.poll() is None:
-                kill_group(child)
+                child.kill()
             code = await child.wait()
             child.close_pipes()
-        if live is not None:
-            live.discard(child.pid)
     return RawResult(
         returncode=code,
         stdout=bytes(out.data),

@@ -153,11 +153,10 @@ class LocalSandbox:
         refused_before = self._cgroup.max_events() if self._cgroup else 0
         if self._zygote is not None:
             start = time.perf_counter()
-            child = await self._zygote.spawn(self._bwrap_argv(cmd, cwd, env), res)
-            self._live.add(child.pid)
-            raw = await collect(
-                child, stdin=data, timeout=limit, output_cap=res.output_bytes, live=self._live, start=start
-            )
+            child = self._zygote.spawn(self._bwrap_argv(cmd, cwd, env), res)
+            raw = await collect(child, stdin=data, timeout=limit, output_cap=res.output_bytes, start=start)
+            if child.sandbox_pid is None and not raw.stderr and self._zygote.process.poll() is not None:
+                raise SandboxError(f"exec: the sandbox's zygote (pid {self._zygote.pid}) died")
         else:
             raw = await run_capped(
                 self._argv(cmd, cwd, env),
@@ -251,17 +250,18 @@ class LocalSandbox:
     @staticmethod
     async def _empty_but_zygote(zygote: Zygote, cgroup: PidsCgroup, deadline_s: float = 5.0) -> bool:
         """Kill whatever is left in the cgroup except the zygote, until it is the only member."""
-        end = time.monotonic() + deadline_s
+        end, pause = time.monotonic() + deadline_s, 0.0001
         while time.monotonic() < end:
             left = [p for p in cgroup.pids() if p != zygote.pid]
             if not left:
                 return zygote.process.poll() is None
-            for pid in left:
+            for pid in left:  # often just an exec's bwrap that is still finishing its exit
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            await anyio.sleep(0.002)
+            await anyio.sleep(pause)
+            pause = min(pause * 2, 0.01)
         return False
 
     def _kill_everything(self) -> None:
