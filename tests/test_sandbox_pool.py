@@ -208,3 +208,22 @@ def test_reaper_removes_what_a_killed_run_left(root, local):
     assert _left(root) == [mine.id]
     anyio.run(mine.close)
     assert _left(root) == []
+
+
+async def test_reaper_removes_orphan_zygote_cgroups_only(local, root):
+    from miles_env.sandboxes.local.cgroup import PidsCgroup, _pids_base
+    from miles_env.sandboxes.pool import reap_local
+
+    if _pids_base() is None:
+        pytest.skip("no writable pids cgroup here")
+    orphan = PidsCgroup.create("miles-env-zorphantest", 8)
+    assert orphan is not None
+    os.utime(orphan.path, (time.time() - 3600, time.time() - 3600))
+    async with await local.create(SandboxSpec()) as sb:
+        assert (await sb.exec("true")).ok
+        live = sb._cgroup
+        assert live is not None
+        os.utime(live.path, (time.time() - 3600, time.time() - 3600))
+        reap_local(root)
+        assert not os.path.exists(orphan.path)  # empty: its zygote is gone
+        assert os.path.exists(live.path) and (await sb.exec("echo ok")).stdout == "ok\n"
