@@ -17,7 +17,7 @@ from typing import Any
 from miles_env.adapters.base import call_once, python_argv
 from miles_env.adapters.discover import remember_counts
 from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward
-from miles_env.adapters.isolation import Isolation, adapter_sandbox_spec, episode_worker
+from miles_env.adapters.isolation import Isolation, adapter_sandbox_spec, episode_worker, run_params
 from miles_env.adapters.venv import get_spec, venv_python
 
 from miles_env.environment import Environment, Transcript
@@ -82,13 +82,7 @@ async def run_episode(
         isolation=isolation,
         mounts=(str(Path(path).parent),),
     ) as (worker, base_url):
-        params = {
-            "idx": task.metadata["idx"],
-            "base_url": base_url,
-            "api_key": endpoint.api_key,
-            "model": endpoint.model,
-            "timeout": 600,
-        }
+        params = run_params(task, endpoint, base_url, timeout=600)
         r = await worker.call("run", params, timeout=900)
     details = {"error": r["error"]}
     transcript: list[dict[str, Any]] = [

@@ -287,7 +287,7 @@ def _kill_by_cmdline(marker: str) -> None:
 
 def reap_local(root: Path, ttl_s: float | None = None) -> list[str]:
     """Remove stale local workspaces under `root` and their pids cgroups."""
-    from .local.cgroup import PidsCgroup, _pids_base
+    from .local.cgroup import PidsCgroup, _pids_base, remove_orphan_zygote_cgroups
 
     removed: list[str] = []
     if root.is_dir():
@@ -311,26 +311,8 @@ def reap_local(root: Path, ttl_s: float | None = None) -> list[str]:
             cg = PidsCgroup(path)
             cg.kill_all(1.0)
             cg.remove()
-    if base and os.path.isdir(base):
-        _remove_orphan_zygote_cgroups(base)
+    remove_orphan_zygote_cgroups()
     return sorted(removed)
-
-
-def _remove_orphan_zygote_cgroups(base: str, min_age_s: float = 60.0) -> None:
-    """Empty `miles-env-z*` cgroups: their zygote is gone (it exits with its provider's process).
-
-    A live zygote is always inside its cgroup, so rmdir (which refuses a populated cgroup) cannot
-    hit one; the age guard skips a cgroup made a moment ago whose zygote has not joined yet.
-    """
-    for name in os.listdir(base):
-        path = os.path.join(base, name)
-        if not name.startswith("miles-env-z") or not os.path.isdir(path):
-            continue
-        try:
-            if time.time() - os.stat(path).st_mtime > min_age_s:
-                os.rmdir(path)
-        except OSError:
-            pass  # populated (a live zygote) or already gone
 
 
 async def reap_provider(provider: SandboxProvider, ttl_s: float | None = None) -> list[str]:

@@ -18,7 +18,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-__all__ = ["PidsCgroup"]
+__all__ = ["PidsCgroup", "remove_orphan_zygote_cgroups"]
 
 
 def _pids_base() -> str | None:
@@ -120,3 +120,23 @@ class PidsCgroup:
                 # EBUSY while killed processes are still being reaped.
                 self.kill_all(0.05)
                 time.sleep(0.005)
+
+
+def remove_orphan_zygote_cgroups(min_age_s: float = 60.0) -> None:
+    """Remove empty `miles-env-z*` cgroups: their zygote is gone (it exits with its provider's process).
+
+    A live zygote is always inside its cgroup, so rmdir (which refuses a populated cgroup) cannot
+    hit one; the age guard skips a cgroup made a moment ago whose zygote has not joined yet.
+    """
+    base = _pids_base()
+    if base is None or not os.path.isdir(base):
+        return
+    for name in os.listdir(base):
+        path = os.path.join(base, name)
+        if not name.startswith("miles-env-z") or not os.path.isdir(path):
+            continue
+        try:
+            if time.time() - os.stat(path).st_mtime > min_age_s:
+                os.rmdir(path)
+        except OSError:
+            pass  # populated (a live zygote) or already gone

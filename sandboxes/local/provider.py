@@ -23,7 +23,7 @@ from pathlib import Path
 from miles_env.errors import ConfigError, SandboxError, SandboxUnavailable
 from miles_env.types import NetworkPolicy, Resources, SandboxSpec
 
-from .cgroup import PidsCgroup
+from .cgroup import PidsCgroup, remove_orphan_zygote_cgroups
 from .config import LocalSandboxConfig, find_bwrap, host_root_binds
 from .forkserver import Zygote, start_zygote
 from .sandbox import LocalSandbox
@@ -79,6 +79,8 @@ class LocalSandboxProvider:
         self._prlimit = prlimit
         self.root = self.config.resolved_root()
         self._idle: list[tuple[Zygote, PidsCgroup]] = []
+        if self.config.use_cgroup:
+            remove_orphan_zygote_cgroups()  # what killed runs left: empty cgroups, a few ms at most
         weakref.finalize(self, _dispose, self._idle)
 
     def _bwrap_prefix(self, spec: SandboxSpec, host_dir: Path) -> list[str]:
