@@ -29,8 +29,6 @@ from typing import Any
 
 from miles_env.adapters.harbor_dockerfile import (
     Step,
-    build_image,
-    docker_build_ready,
     final_stage,
     parse_dockerfile,
     run_setup,
@@ -173,8 +171,6 @@ class HarborTasksEnvironment(Environment):
         self.path = Path(path).expanduser().resolve()
         self.name = name or f"harbor:{path}"
         self.description = f"Harbor tasks in {self.path}"
-        self._built: dict[str, str | None] = {}  # environment dir -> built image tag
-        self._build_errors: dict[str, str] = {}
 
     def tasks(self, split: str | None = None) -> list[Task]:
         if split not in (None, "test"):
@@ -182,20 +178,11 @@ class HarborTasksEnvironment(Environment):
         return [read_task_dir(d, self.name) for d in find_task_dirs(self.path)]
 
     def sandbox_spec(self, task: Task) -> SandboxSpec:
-        """With a docker daemon and the base image local, the image built from the Dockerfile."""
+        """The task's Dockerfile as a build context: the docker provider builds it, others ignore it."""
         env_dir = Path(task.verifier["task_dir"]) / "environment"
         if task.sandbox.image or not (env_dir / "Dockerfile").is_file():
             return task.sandbox
-        key = str(env_dir)
-        if key not in self._built:
-            self._built[key] = None
-            if docker_build_ready(env_dir):
-                try:
-                    self._built[key] = build_image(env_dir)
-                except TaskError as e:  # setup() then replays the steps and names the one that fails
-                    self._build_errors[key] = str(e)
-        tag = self._built[key]
-        return task.sandbox.model_copy(update={"image": tag}) if tag else task.sandbox
+        return task.sandbox.model_copy(update={"build": str(env_dir)})
 
     async def setup(self, task: Task, sandbox: Sandbox) -> None:
         """Replay the Dockerfile in the sandbox, unless the sandbox runs an image (built or docker_image)."""
@@ -205,8 +192,7 @@ class HarborTasksEnvironment(Environment):
         try:
             await run_setup(sandbox, df, timeout=float(task.verifier.get("setup_timeout_s", 600.0)))
         except TaskError as e:
-            error = self._build_errors.get(str(df.parent))
-            raise TaskError(f"task {task.id!r}: {e}" + (f" (docker build: {error})" if error else "")) from e
+            raise TaskError(f"task {task.id!r}: {e}") from e
 
     async def verify(self, task: Task, sandbox: Sandbox, transcript: Transcript) -> Reward:
         if any(m.get("role") == FRAMEWORK_ROLE for m in transcript):  # Harbor's own verifier already ran
@@ -240,11 +226,17 @@ class HarborTasksEnvironment(Environment):
 
 
 def _runs_image(sandbox: Sandbox) -> bool:
-    """A container made from an image (the local bwrap sandbox ignores SandboxSpec.image)."""
+    """A container made from the task's image or built from its Dockerfile (docker provider).
+
+    The local bwrap sandbox ignores SandboxSpec.image and .build; so do providers that cannot
+    build (their sandboxes have no `built_from`): for those the Dockerfile's steps are replayed.
+    """
     from miles_env.sandboxes.local import LocalSandbox
 
+    if isinstance(sandbox, LocalSandbox):
+        return False
     spec = getattr(sandbox, "spec", None)
-    return not isinstance(sandbox, LocalSandbox) and bool(getattr(spec, "image", None))
+    return bool(getattr(spec, "image", None) or getattr(sandbox, "built_from", None))
 
 
 async def _maybe_read(sandbox: Sandbox, path: str) -> str | None:

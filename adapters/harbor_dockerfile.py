@@ -3,10 +3,10 @@
 Concept: `parse_dockerfile` reads the Dockerfile into `Step`s (line continuations
 joined, comments dropped). Two ways to make a sandbox match it:
 
-- docker provider: `build_image` builds the Dockerfile for real, offline (no pull,
-  no network), when the daemon answers and the final stage's base image is present
-  locally; the image is tagged by a hash of the environment directory, so an
-  unchanged task builds once.
+- docker provider: the environment sets `SandboxSpec.build` to the environment
+  directory and the provider builds it for real, offline (no pull, no network),
+  tagged by a hash of its content, so an unchanged task builds once
+  (sandboxes/docker.py); a failed build fails the sandbox's creation with the log.
 - any other sandbox (the local bwrap one): `run_setup` replays the steps in the
   sandbox as a setup phase: `WORKDIR` (mkdir, becomes the cwd), `ENV`/`ARG`
   (environment of later steps), `COPY`/`ADD` (files from the build context, binary
@@ -15,13 +15,12 @@ joined, comments dropped). Two ways to make a sandbox match it:
   path outside the writable workspace) raises `TaskError` naming the Dockerfile line.
   `apt-get install` steps whose packages are all already installed are skipped.
 
-Invariant: nothing on the host is written but the docker build cache; steps run in
-Dockerfile order with the cwd and environment Docker would give them.
+Invariant: nothing on the host is written; steps run in Dockerfile order with the
+cwd and environment Docker would give them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shlex
@@ -38,8 +37,6 @@ __all__ = [
     "base_image",
     "static_env",
     "run_setup",
-    "build_image",
-    "docker_build_ready",
 ]
 
 BASE_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}  # Docker's default
@@ -262,50 +259,3 @@ async def run_setup(sandbox: Sandbox, dockerfile: Path, *, timeout: float = 600.
             raise TaskError(f"{step.describe()}: instruction {step.op} is not supported")
         ran.append(step.describe())
     return {"ran": ran, "env": env}
-
-
-def image_tag(env_dir: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(env_dir.rglob("*")):
-        if p.is_file():
-            h.update(str(p.relative_to(env_dir)).encode() + b"\0" + p.read_bytes() + b"\0")
-    return f"miles-env/harbor:{h.hexdigest()[:16]}"
-
-
-def docker_build_ready(env_dir: Path) -> bool:
-    """True when a docker daemon answers and the Dockerfile's base image is present locally."""
-    df = env_dir / "Dockerfile"
-    if not df.is_file():
-        return False
-    base = base_image(parse_dockerfile(df.read_text()))
-    try:
-        import docker
-
-        client = docker.from_env(timeout=5)
-        client.ping()
-        if base and base.lower() != "scratch":
-            client.images.get(base)
-        return True
-    except Exception:  # no SDK, no daemon, or the base image is not local: no offline build
-        return False
-
-
-def build_image(env_dir: Path) -> str:
-    """`docker build` of env_dir, offline (no pull, no network); returns the image tag."""
-    import docker
-
-    tag = image_tag(env_dir)
-    client = docker.from_env()
-    try:
-        client.images.get(tag)
-        return tag
-    except docker.errors.ImageNotFound:
-        pass
-    try:
-        client.images.build(path=str(env_dir), tag=tag, pull=False, network_mode="none", rm=True)
-    except docker.errors.BuildError as e:
-        log = "".join(str(x.get("stream", x.get("error", ""))) for x in e.build_log)[-1500:]
-        raise TaskError(f"docker build of {env_dir / 'Dockerfile'} failed: {e}\n{log}") from e
-    except docker.errors.APIError as e:
-        raise TaskError(f"docker build of {env_dir / 'Dockerfile'} failed: {e}") from e
-    return tag

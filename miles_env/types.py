@@ -61,6 +61,9 @@ class SandboxSpec(_Model):
     """What a sandbox must look like before the episode starts."""
 
     image: str | None = None  # container image (docker and cloud providers)
+    # A Docker build context (a directory with a Dockerfile) for when `image` is None: the docker
+    # provider builds it offline (cached by content); providers that cannot build ignore it.
+    build: str | None = None
     rootfs: str | None = None  # host directory used as / (local provider); None = host /usr
     files: dict[str, str] = Field(default_factory=dict)  # path (relative to workdir or absolute) -> text
     env: dict[str, str] = Field(default_factory=dict)

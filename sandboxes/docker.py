@@ -22,6 +22,7 @@ The SDK is synchronous: every call runs in a worker thread.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import posixpath
@@ -138,10 +139,10 @@ class DockerSandboxProvider:
 
     def _image_sync(self, spec: SandboxSpec) -> str:
         if spec.rootfs is None:
+            if spec.image is None and spec.build is not None:
+                return self._build_sync(Path(spec.build))
             return spec.image or self.config.image
         # A local rootfs becomes an image once (tag = hash of its real path).
-        import hashlib
-
         real = os.path.realpath(spec.rootfs)
         tag = "miles-env/rootfs:" + hashlib.sha1(real.encode()).hexdigest()[:12]
         try:
@@ -153,6 +154,27 @@ class DockerSandboxProvider:
             self.client.api.import_image_from_data(
                 buf.getvalue(), repository=tag.split(":")[0], tag=tag.split(":")[1]
             )
+        return tag
+
+    def _build_sync(self, context: Path) -> str:
+        """`docker build` of `context`, offline (no pull, no network), once per content hash."""
+        h = hashlib.sha256()
+        for p in sorted(context.rglob("*")):
+            if p.is_file():
+                h.update(str(p.relative_to(context)).encode() + b"\0" + p.read_bytes() + b"\0")
+        tag = f"miles-env/build:{h.hexdigest()[:16]}"
+        try:
+            self.client.images.get(tag)
+            return tag
+        except docker.errors.ImageNotFound:
+            pass
+        try:
+            self.client.images.build(path=str(context), tag=tag, pull=False, network_mode="none", rm=True)
+        except docker.errors.BuildError as e:
+            log = "".join(str(x.get("stream", x.get("error", ""))) for x in e.build_log)[-1500:]
+            raise SandboxError(f"docker build of {context / 'Dockerfile'} failed: {e}\n{log}") from e
+        except docker.errors.APIError as e:
+            raise SandboxError(f"docker build of {context / 'Dockerfile'} failed: {e}") from e
         return tag
 
     def _create_sync(self, spec: SandboxSpec, name: str, run_dir: Path, labels: dict[str, str]) -> Any:
@@ -261,6 +283,8 @@ class DockerSandbox:
         self.container_id = cid
         self.workdir = spec.workdir
         self.spec = spec
+        # The build context this container's image was built from (SandboxSpec.build), if any.
+        self.built_from = spec.build if spec.image is None and spec.rootfs is None else None
         self.run_dir = run_dir
         self._provider = provider
         self._api = provider.client.api

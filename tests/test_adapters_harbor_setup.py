@@ -130,3 +130,25 @@ def test_docker_provider_builds_the_dockerfile(tmp_path: Path) -> None:
     assert res.error is None, res.error
     assert res.score == 1.0, res.details
     assert oracle(d, provider="local").error is not None  # /opt is not writable without a build
+
+
+@pytest.mark.slow
+def test_docker_build_failure_fails_the_episode_with_the_log(tmp_path: Path) -> None:
+    base = _docker_base()
+    if base is None:
+        pytest.skip("no docker daemon with a usable base image available locally")
+    d = copy_task(tmp_path, f"FROM {base}\nRUN echo building-step-fails >&2; exit 3\n")
+    res = oracle(d, provider="docker")
+    assert res.error is not None and "docker build" in res.error and "building-step-fails" in res.error, (
+        res.error
+    )
+
+
+def test_local_runs_build_nothing(tmp_path: Path) -> None:
+    """The spec names the build context; the local provider ignores it and the steps are replayed."""
+    env = HarborTasksEnvironment(EXAMPLE.parent)
+    task = next(t for t in env.tasks() if t.id == "setup_steps")
+    spec = env.sandbox_spec(task)
+    assert spec.build == str(EXAMPLE / "environment") and spec.image is None
+    res = oracle(EXAMPLE)
+    assert res.error is None and res.score == 1.0, res
