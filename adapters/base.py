@@ -216,8 +216,12 @@ class WorkerClient:
                 await self._send({"id": rid, "method": method, "params": {} if params is None else params})
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as e:
                 self._fail(f"{self.name} worker stdin closed: {e}")
-            with anyio.move_on_after(timeout) as scope:
-                await event.wait()
+            try:
+                with anyio.move_on_after(timeout) as scope:
+                    await event.wait()
+            except anyio.get_cancelled_exc_class():
+                await self._cancel_remote(rid)
+                raise
             if scope.cancelled_caught:
                 reason = f"{self.name} worker did not answer {method!r} within {timeout}s"
                 await self._kill(reason)
@@ -233,6 +237,14 @@ class WorkerClient:
             err = msg["error"] if isinstance(msg["error"], dict) else {"message": str(msg["error"])}
             raise WorkerError(f"{self.name} worker: {err.get('type', 'Error')}: {err.get('message', '')}")
         return msg["result"]
+
+    async def _cancel_remote(self, rid: int) -> None:
+        """Our caller was cancelled: ask the worker to cancel request `rid` too (best effort)."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(1):
+            try:
+                await self._send({"cancel": rid})
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                pass
 
     async def _kill(self, reason: str) -> None:
         self._fail(reason)

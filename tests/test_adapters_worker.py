@@ -21,13 +21,20 @@ import _rpc
 async def echo(p): return p
 async def crash(p): os._exit(3)
 async def hang(p): await asyncio.sleep(3600)
+async def stoppable(p):
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        with open(p["flag"], "w") as f:
+            f.write("cleaned up")
+        raise
 async def garbage(p):
     _rpc._out.write("this is not json\\n"); _rpc._out.flush(); await asyncio.sleep(3600)
 async def noisy(p):
     print("framework chatter on stdout"); os.system("echo child chatter"); return "clean"
 async def boom(p): raise ValueError("bad input: " + str(p))
 async def ask_host(p): return await _rpc.host_call("double", {{"x": p["x"]}})
-_rpc.serve(dict(echo=echo, crash=crash, hang=hang, garbage=garbage, noisy=noisy, boom=boom, ask_host=ask_host),
+_rpc.serve(dict(echo=echo, crash=crash, hang=hang, stoppable=stoppable, garbage=garbage, noisy=noisy, boom=boom, ask_host=ask_host),
            {{"framework": "faulty"}})
 """
 
@@ -141,3 +148,24 @@ def test_faulty_worker_fails_the_episode_and_the_run_goes_on(faulty: list[str]) 
         _POOL.clear()
     assert res.status is Status.FAILED and "exited with code 3" in (res.error or "")  # type: ignore[attr-defined]
     assert alive == "still alive"
+
+
+def test_a_cancelled_call_cancels_the_request_in_the_worker(faulty: list[str], tmp_path: Path) -> None:
+    """The caller's cancellation reaches the worker's handler, which can clean up; the worker lives on."""
+    flag = tmp_path / "flag.txt"
+
+    async def main() -> str:
+        client = WorkerClient(faulty, name="faulty")
+        try:
+            with anyio.move_on_after(1.0):
+                await client.call("stoppable", {"flag": str(flag)})
+            for _ in range(100):
+                if flag.exists():
+                    break
+                await anyio.sleep(0.05)
+            return str(await client.call("echo", "still here"))
+        finally:
+            await client.aclose()
+
+    assert anyio.run(main) == "still here"
+    assert flag.read_text() == "cleaned up"

@@ -2,13 +2,17 @@
 
 `serve(handlers, info)` takes fd 1 for the protocol and points sys.stdout (and fd 1
 of child processes) at stderr, so a framework that prints cannot corrupt the
-stream. Requests run concurrently as asyncio tasks. `await host_call(method,
-params)` calls back into the host (for example, a sandbox exec).
+stream. Requests run concurrently as asyncio tasks; `{"cancel": id}` from the
+host cancels request `id`'s task (its handler sees CancelledError and can clean
+up, e.g. a Harbor trial stops its agent), and it answers with an error.
+`await host_call(method, params)` calls back into the host (for example, a
+sandbox exec).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import sys
@@ -51,12 +55,17 @@ async def _handle(handlers: dict[str, Handler], msg: dict[str, Any]) -> None:
         _write({"id": rid, "error": {"type": type(e).__name__, "message": str(e)}})
 
 
+def _forget(by_id: dict[Any, Any], rid: Any, _task: Any) -> None:
+    by_id.pop(rid, None)
+
+
 async def _main(handlers: dict[str, Handler], info: dict[str, Any]) -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=64 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     _write({"ready": True, "pid": os.getpid(), "start_s": time.perf_counter() - _T0, **info})
     tasks: set[asyncio.Task[None]] = set()
+    by_id: dict[Any, asyncio.Task[None]] = {}
     while True:
         line = await reader.readline()
         if not line:
@@ -72,9 +81,17 @@ async def _main(handlers: dict[str, Handler], info: dict[str, Any]) -> None:
                 else:
                     fut.set_result(msg.get("result"))
             continue
+        if "cancel" in msg:
+            running = by_id.get(msg["cancel"])
+            if running is not None:
+                running.cancel()
+            continue
         task = asyncio.create_task(_handle(handlers, msg))
         tasks.add(task)
+        rid = msg.get("id")
+        by_id[rid] = task
         task.add_done_callback(tasks.discard)
+        task.add_done_callback(functools.partial(_forget, by_id, rid))
     if tasks:
         await asyncio.gather(*tasks, return_exceptions=True)
 
