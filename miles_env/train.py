@@ -324,7 +324,15 @@ async def run_training(cfg: RunConfig, console: Any) -> dict[str, Any]:
     from miles_env.queue import SqliteReplayQueue
     from miles_env.registry import load_environment
     from miles_env.stack import StackConfig, open_stack
+    from miles_env.trainer.ranks import Leader, follow, torchrun_rank
 
+    rank, world = torchrun_rank()
+    if world > 1 and cfg.trainer.backend != "megatron":
+        raise ConfigError(f"torchrun with {world} processes: only trainer.backend=megatron shards a model")
+    if rank > 0:  # this rank only repeats rank 0's trainer calls (trainer/ranks.py)
+        model = resolve_model(str(cfg.engine.get("model", "smollm2")))
+        trainer = await anyio.to_thread.run_sync(build_trainer, cfg, model)
+        return {"rank": rank, "trainer_calls": await anyio.to_thread.run_sync(follow, trainer)}
     _write_resolved(cfg)
     env = load_environment(cfg.env)
     train_tasks = _filter_tiers(env.tasks("train"), cfg.rollout.tiers)
@@ -350,6 +358,8 @@ async def run_training(cfg: RunConfig, console: Any) -> dict[str, Any]:
     job = _Job(cfg, RunLog(cfg.run_dir), console)
     job._unacked = []
     trainer = await anyio.to_thread.run_sync(build_trainer, cfg, model_path)
+    if world > 1:
+        trainer = Leader(trainer)
     queue_sync = SqliteReplayQueue(
         cfg.run_dir / "queue.db",
         group_size=cfg.rollout.group_size,
@@ -390,6 +400,8 @@ async def run_training(cfg: RunConfig, console: Any) -> dict[str, Any]:
             job.progress = None
             after = await job.evaluate(job._eval_ctx, env, job.state.step) if cfg.eval.enabled else None
     finally:
+        if isinstance(trainer, Leader):
+            await anyio.to_thread.run_sync(trainer.close)
         await engine.close()
         job.log.close()
         queue_sync.close()

@@ -32,4 +32,7 @@ def train_command(
     except MilesEnvError as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from e
+    if "rank" in summary:  # a torchrun follower (trainer/ranks.py)
+        console.print(f"rank {summary['rank']}: made {summary['trainer_calls']} trainer calls with rank 0")
+        return
     console.print(f"[green]done[/] {summary['steps']} steps; run directory {summary['run_dir']}")
