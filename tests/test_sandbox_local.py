@@ -342,3 +342,10 @@ async def test_without_cgroup_the_same_results(tmp_path):
     async with await provider.create(SandboxSpec()) as sb:
         r = await sb.exec(["sh", "-c", "echo $0 $1", "x", "y z"])
         assert r.stdout == "x y z\n" and sb._zygote is None
+
+
+async def test_a_command_line_too_big_for_the_zygote_still_runs(provider):
+    parts = ["x" * 10_000] * 40  # 400 KB in all: more than one zygote message carries
+    async with await provider.create(SandboxSpec()) as sb:
+        r = await sb.exec(["sh", "-c", 'echo "$#"', "sh", *parts])
+        assert r.ok and r.stdout == "40\n", r

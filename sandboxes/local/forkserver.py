@@ -12,6 +12,7 @@ the socket, on which the zygote exits, and reaps it.
 from __future__ import annotations
 
 import array
+import errno
 import json
 import os
 import resource
@@ -28,9 +29,13 @@ from miles_env.types import Resources
 
 from .cgroup import PidsCgroup
 
-__all__ = ["Zygote", "ZygoteChild", "start_zygote"]
+__all__ = ["RequestTooLarge", "Zygote", "ZygoteChild", "start_zygote"]
 
 _SCRIPT = Path(__file__).with_name("zygote.py")
+
+
+class RequestTooLarge(Exception):
+    """An exec whose argv and environment do not fit in one zygote message."""
 
 
 def rlimits(res: Resources, *, nproc: bool = False) -> list[list[int]]:
@@ -145,6 +150,8 @@ class Zygote:
         except OSError as e:
             for fd in ours:
                 os.close(fd)
+            if e.errno == errno.EMSGSIZE:  # over the socket's buffer (~200 KB): the caller spawns it itself
+                raise RequestTooLarge(f"{len(payload)} bytes of argv and environment") from e
             raise SandboxError(f"the sandbox's zygote (pid {self.pid}) is gone: {e}") from e
         finally:
             for fd in theirs:

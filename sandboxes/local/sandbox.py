@@ -34,7 +34,7 @@ from miles_env.types import ExecResult, Resources, SandboxSpec
 
 from ..execargs import exec_args, exec_cwd, exec_env
 from .cgroup import PidsCgroup
-from .forkserver import Zygote
+from .forkserver import RequestTooLarge, Zygote
 from .paths import safe_read, safe_write, split_inner_path
 from .process import RawResult, collect, run_capped
 
@@ -151,9 +151,14 @@ class LocalSandbox:
         args = exec_args(self.spec, self.workdir, timeout=timeout, cwd=cwd, env=env, stdin=stdin)
         limit, data = args.timeout, args.stdin
         refused_before = self._cgroup.max_events() if self._cgroup else 0
+        child = None
         if self._zygote is not None:
             start = time.perf_counter()
-            child = self._zygote.spawn(self._bwrap_argv(cmd, cwd, env), res)
+            try:
+                child = self._zygote.spawn(self._bwrap_argv(cmd, cwd, env), res)
+            except RequestTooLarge:
+                child = None  # a huge command line: started by us, joining the cgroup itself (below)
+        if child is not None and self._zygote is not None:
             raw = await collect(child, stdin=data, timeout=limit, output_cap=res.output_bytes, start=start)
             if child.sandbox_pid is None and not raw.stderr and self._zygote.process.poll() is not None:
                 raise SandboxError(f"exec: the sandbox's zygote (pid {self._zygote.pid}) died")
