@@ -14,14 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from miles_env.adapters.base import call_once, python_argv
 from miles_env.adapters.discover import remember_counts
 from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward
 from miles_env.adapters.isolation import Isolation, adapter_sandbox_spec, episode_worker, run_params
-from miles_env.adapters.venv import get_spec, venv_python
+from miles_env.adapters.venv import worker_rows
 
 from miles_env.environment import Environment, Transcript
-from miles_env.errors import RegistryError
 from miles_env.harness import Endpoint, HarnessResult
 from miles_env.sandbox import Sandbox
 from miles_env.types import Reward, SandboxSpec, Status, Task
@@ -42,12 +40,7 @@ class HudEnvironment(Environment):
         if split not in (None, "test"):
             return []
         if self._tasks is None:
-            python = venv_python("hud")
-            if not python.exists():
-                raise RegistryError(f"{self.name}: run `miles-env adapters install hud` first")
-            rows = call_once(
-                python_argv(python, "hud_worker.py", self.path), "tasks", {}, env=get_spec("hud").env
-            )
+            rows = worker_rows("hud", self.name, "hud_worker.py", self.path)
             self._tasks = [
                 Task(
                     id=str(r["id"]),

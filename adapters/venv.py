@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miles_env.errors import ConfigError, MilesEnvError
+from miles_env.errors import ConfigError, MilesEnvError, RegistryError
 
 __all__ = [
     "FrameworkSpec",
@@ -249,3 +249,16 @@ def install(
 def installed() -> list[VenvInfo]:
     """Every framework venv with a marker, in FRAMEWORKS order."""
     return [info for name in FRAMEWORKS if (info := _read_marker(name)) is not None]
+
+
+def worker_rows(adapter: str, env_name: str, script: str, *args: str) -> list[dict[str, Any]]:
+    """One `tasks` call to a one-shot worker in `adapter`'s venv (its listing of an environment)."""
+    from miles_env.adapters.base import call_once, python_argv
+
+    python = venv_python(adapter)
+    if not python.exists():
+        raise RegistryError(f"{env_name}: run `miles-env adapters install {adapter}` first")
+    rows: list[dict[str, Any]] = call_once(
+        python_argv(python, script, *args), "tasks", {}, env=get_spec(adapter).env
+    )
+    return rows

@@ -15,14 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from miles_env.adapters.base import call_once, python_argv
 from miles_env.adapters.discover import remember_counts
 from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward
 from miles_env.adapters.isolation import Isolation, adapter_sandbox_spec, episode_worker, run_params
-from miles_env.adapters.venv import get_spec, venv_python
+from miles_env.adapters.venv import worker_rows
 
 from miles_env.environment import Environment, Transcript
-from miles_env.errors import RegistryError
 from miles_env.harness import Endpoint, HarnessResult
 from miles_env.sandbox import Sandbox
 from miles_env.types import Reward, SandboxSpec, Status, Task
@@ -50,11 +48,7 @@ class VerifiersEnvironment(Environment):
         if split not in (None, self.split):
             return []
         if self._tasks is None:
-            python = venv_python("verifiers")
-            if not python.exists():
-                raise RegistryError(f"{self.name}: run `miles-env adapters install verifiers` first")
-            argv = python_argv(python, "verifiers_worker.py", *worker_args(self.ref))
-            rows = call_once(argv, "tasks", {}, env=get_spec("verifiers").env)
+            rows = worker_rows("verifiers", self.name, "verifiers_worker.py", *worker_args(self.ref))
             self._tasks = [
                 Task(
                     id=str(r["id"]),
