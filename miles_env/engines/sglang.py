@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from miles_env.engines._http import request
 from miles_env.engines.base import EngineInfo, Generation, SamplingParams
 from miles_env.errors import ConfigError, EngineError
 
@@ -98,15 +99,7 @@ class SGLangEngine:
         return self._ring.pick(session_id) if session_id else next(self._rotation)
 
     async def _request(self, method: str, url: str, **kw: Any) -> httpx.Response:
-        try:
-            resp = await self._client.request(method, url, **kw)
-        except httpx.TimeoutException as e:
-            raise EngineError(f"sglang {url}: timed out ({type(e).__name__})") from e
-        except httpx.HTTPError as e:
-            raise EngineError(f"sglang {url}: {type(e).__name__}: {e}") from e
-        if resp.status_code >= 400:
-            raise EngineError(f"sglang {url}: HTTP {resp.status_code}: {resp.text[:500]}")
-        return resp
+        return await request(self._client, "sglang", method, url, **kw)
 
     def _version(self, raw: Any) -> int:
         try:

@@ -40,6 +40,7 @@ from typing import Any
 import anyio
 import httpx
 
+from miles_env.engines._http import request
 from miles_env.engines._launch import ManagedServer, ServerSpec, servable_model_dir
 from miles_env.engines.base import EngineInfo, Generation, SamplingParams
 from miles_env.errors import ConfigError, EngineError
@@ -215,16 +216,7 @@ class VLLMEngine:
 
     # -- HTTP -------------------------------------------------------------------------------
     async def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        url = self.url + path
-        try:
-            resp = await self._client.request(method, url, **kw)
-        except httpx.TimeoutException as e:
-            raise EngineError(f"vllm {url}: timed out ({type(e).__name__})") from e
-        except httpx.HTTPError as e:
-            raise EngineError(f"vllm {url}: {type(e).__name__}: {str(e) or 'connection lost'}") from e
-        if resp.status_code >= 400:
-            raise EngineError(f"vllm {url}: HTTP {resp.status_code}: {resp.text[:500]}")
-        return resp
+        return await request(self._client, "vllm", method, self.url + path, **kw)
 
     def _parse_version(self, raw: Any) -> int:
         try:
