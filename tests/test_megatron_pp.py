@@ -124,3 +124,7 @@ def test_pp2_same_step_as_pp1(tmp_path: Path, kl: float) -> None:
 if __name__ == "__main__":
     dist_opt, tp = (sys.argv[5:6] or ["0"])[0] == "1", int((sys.argv[6:7] or ["1"])[0])
     _worker(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), dist_opt, tp)
+    import torch.distributed as dist
+
+    dist.barrier()  # leave together: a world torn down at exit can abort a rank (gloo's threads)
+    dist.destroy_process_group()

@@ -54,3 +54,7 @@ def test_tp2_same_loss_as_tp1(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]), Path(sys.argv[2]))
+    import torch.distributed as dist
+
+    dist.barrier()  # leave together: a world torn down at exit can abort a rank (gloo's threads)
+    dist.destroy_process_group()

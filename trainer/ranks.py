@@ -9,7 +9,8 @@ rank runs `follow(trainer)`, which receives each call and makes the same one.
 
 Invariant: all ranks make the same trainer calls, in the same order, with the same
 arguments (the batch included), which is what the backend's collectives need.
-Lifecycle: `Leader.close()` broadcasts "stop" and the followers return; if rank 0 dies,
+Lifecycle: `Leader.close()` broadcasts "stop", the followers return, and all ranks leave the
+process group together (barrier, destroy); if rank 0 dies,
 torchrun stops the others. Between calls the followers wait in a broadcast, bounded by
 the process group's timeout (torch's default: 30 minutes per rollout phase).
 """
@@ -59,6 +60,17 @@ class Leader:
 
     def close(self) -> None:
         _broadcast(("stop", (), {}))
+        _finish()
+
+
+def _finish() -> None:
+    """Leave the process group together: a world torn down at interpreter exit can abort a rank
+    ("terminate called without an active exception" from gloo's threads)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def follow(trainer: Any) -> int:
@@ -67,6 +79,7 @@ def follow(trainer: Any) -> int:
     while True:
         name, args, kwargs = _broadcast(None)
         if name == "stop":
+            _finish()
             return calls
         if name not in COLLECTIVE:
             raise RuntimeError(f"rank 0 announced {name!r}, which is not a collective trainer call")
