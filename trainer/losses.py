@@ -10,6 +10,9 @@ the same gradient as one large batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from miles_env.trainer.config import AdvantageKind, LossAgg
 
@@ -20,6 +23,8 @@ __all__ = [
     "policy_loss",
     "kl_k3",
     "aggregate",
+    "MicrobatchLoss",
+    "microbatch_loss",
 ]
 
 
@@ -97,3 +102,38 @@ def aggregate(
         per_seq = masked.sum(-1) / mask.sum(-1).clamp(min=1)
         return per_seq.sum() / max(total_seqs, 1)
     return masked.sum() / (max(total_seqs, 1) * norm_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class MicrobatchLoss:
+    loss: torch.Tensor  # to backpropagate: policy-gradient part (+ kl_coef * KL)
+    pg: float
+    kl: float
+    clipped: torch.Tensor
+    weights: torch.Tensor | None  # TIS weights, when tis_cap is set
+    old: torch.Tensor  # logp detached: the "old" policy of this on-policy step
+
+
+def microbatch_loss(
+    logp: torch.Tensor,
+    rollout: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    cfg: Any,
+    totals: dict[str, int],
+) -> MicrobatchLoss:
+    """One microbatch's GRPO loss, shared by every backend: PPO-clip policy loss (with TIS
+    weights against the rollout logprobs), aggregated as `cfg.loss_agg`, plus k3 KL to a
+    reference when there is one."""
+    old = logp.detach()
+    weights = tis_weights(old, rollout, cfg.tis_cap) if cfg.tis_cap is not None else None
+    tok_loss, clipped = policy_loss(
+        logp, old, adv, clip_low=cfg.clip_eps_low, clip_high=cfg.clip_eps_high, weights=weights
+    )
+    pg = aggregate(tok_loss, mask, cfg.loss_agg, **totals)
+    loss, kl_value = pg, 0.0
+    if ref_logp is not None:
+        kl = aggregate(kl_k3(logp, ref_logp), mask, cfg.loss_agg, **totals)
+        loss, kl_value = loss + cfg.kl_coef * kl, float(kl.detach())
+    return MicrobatchLoss(loss, float(pg.detach()), kl_value, clipped, weights, old)

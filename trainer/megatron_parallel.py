@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from miles_env.trainer.losses import aggregate, kl_k3, policy_loss, tis_weights
+from miles_env.trainer.losses import microbatch_loss
 from miles_env.trainer.megatron_convert import hf_to_megatron, megatron_to_hf, shard, unshard
 from miles_env.trainer.torch_backend import Sample, _Metrics, flatten_groups, pack_microbatches
 
@@ -188,18 +188,9 @@ def pipeline_train_step(tr: MegatronTrainer, groups: Sequence[Sequence[Episode]]
     acc = _Metrics()
 
     def loss_fn(i: int, b: Any, logp: torch.Tensor) -> torch.Tensor:
-        old = logp.detach()
-        weights = tis_weights(old, b.rollout, cfg.tis_cap) if cfg.tis_cap is not None else None
-        tok_loss, clipped = policy_loss(
-            logp, old, b.adv, clip_low=cfg.clip_eps_low, clip_high=cfg.clip_eps_high, weights=weights
-        )
-        pg = aggregate(tok_loss, b.mask, cfg.loss_agg, **totals)
-        loss, kl_value = pg, 0.0
-        if i in refs:
-            kl = aggregate(kl_k3(logp, refs[i]), b.mask, cfg.loss_agg, **totals)
-            loss, kl_value = loss + cfg.kl_coef * kl, float(kl.detach())
-        acc.add(float(pg.detach()), kl_value, clipped, weights, old - b.rollout, b.mask)
-        return loss
+        m = microbatch_loss(logp, b.rollout, b.adv, b.mask, refs.get(i), cfg, totals)
+        acc.add(m.pg, m.kl, m.clipped, m.weights, m.old - b.rollout, b.mask)
+        return m.loss
 
     _run_schedule(tr, tr.model, batches, loss_fn, forward_only=False, wrapper=tr.ddp)
     norm = tr._clip_and_step()

@@ -34,14 +34,7 @@ from typing import Any
 import torch
 from miles_env.trainer.checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
 from miles_env.trainer.config import TrainerConfig
-from miles_env.trainer.losses import (
-    aggregate,
-    group_advantages,
-    kl_k3,
-    policy_loss,
-    tis_weights,
-    token_logprobs,
-)
+from miles_env.trainer.losses import group_advantages, microbatch_loss, token_logprobs
 
 from miles_env.models import resolve_model
 from miles_env.types import Episode, Trajectory
@@ -230,21 +223,13 @@ class TorchTrainer:
             batch = self._collate([samples[i] for i in idx])
             n_tokens += sum(batch.lengths)
             logp = self._forward_logprobs(self.model, batch.ids, batch.mask)
-            old = logp.detach()
-            weights = tis_weights(old, batch.rollout, cfg.tis_cap) if cfg.tis_cap is not None else None
-            tok_loss, clipped = policy_loss(
-                logp, old, batch.adv, clip_low=cfg.clip_eps_low, clip_high=cfg.clip_eps_high, weights=weights
-            )
-            pg = aggregate(tok_loss, batch.mask, cfg.loss_agg, **totals)
-            loss, kl_value = pg, 0.0
+            ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref = self._forward_logprobs(self.ref_model, batch.ids, batch.mask)
-                kl = aggregate(kl_k3(logp, ref), batch.mask, cfg.loss_agg, **totals)
-                loss = loss + cfg.kl_coef * kl
-                kl_value = float(kl.detach())
-            loss.backward()
-            acc.add(float(pg.detach()), kl_value, clipped, weights, old - batch.rollout, batch.mask)
+            m = microbatch_loss(logp, batch.rollout, batch.adv, batch.mask, ref, cfg, totals)
+            m.loss.backward()
+            acc.add(m.pg, m.kl, m.clipped, m.weights, m.old - batch.rollout, batch.mask)
         grad_norm = self._clip_and_step()
         self.step += 1
         dt = time.perf_counter() - t0
