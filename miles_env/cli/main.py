@@ -25,6 +25,7 @@ _GROUPS = [
 _COMMANDS = [
     ("miles_env.cli.eval", "eval_command", "eval"),
     ("miles_env.cli.train", "train_command", "train"),
+    ("miles_env.cli.doctor", "doctor_command", "doctor"),
 ]
 
 
