@@ -9,12 +9,19 @@ Invariant: a venv counts as installed only when its marker file
 `miles-env-adapter.json` exists; the marker is written last, after the install
 succeeded, so an interrupted install is redone, never half-used.
 
-Lifecycle: `install(spec)` is idempotent (a present marker with the same pin is
-a no-op unless `force`); venvs live under `cache_root()/NAME`.
+Lifecycle: `install(spec)` is idempotent (a present marker with the same pin and
+lock is a no-op unless `force`); venvs live under `cache_root()/NAME`.
+
+Locks: the pin names only the framework; its dependencies are held by
+`adapters/locks/NAME.txt` (pip freeze of a fresh resolution, made by
+`scripts/lock.sh NAME`), passed to the installer as constraints, so an upstream
+release cannot change what a fresh machine installs. The lock's digest is in the
+marker: a changed lock reinstalls. `MILES_ENV_LOCK=none` resolves freely (re-locking).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -177,10 +184,19 @@ class VenvInfo:
     packages: tuple[str, ...]
     installed_at: float
     seconds: float = 0.0
+    lock: str = ""  # sha256 of the constraints file installed with, "" when none
     reused: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}
+
+
+def lock_file(name: str) -> Path | None:
+    """NAME's constraints file, or None (no lock shipped, or MILES_ENV_LOCK=none)."""
+    path = Path(__file__).parent / "locks" / f"{name}.txt"
+    if os.environ.get("MILES_ENV_LOCK") == "none" or not path.is_file():
+        return None
+    return path
 
 
 def _read_marker(name: str) -> VenvInfo | None:
@@ -212,8 +228,11 @@ def install(
     """Create NAME's venv and install its pinned packages (plus `extra`); idempotent."""
     spec = get_spec(name)
     packages = spec.packages + tuple(extra)
+    lock = lock_file(name)
+    digest = hashlib.sha256(lock.read_bytes()).hexdigest() if lock else ""
+    constraints = ("-c", str(lock)) if lock else ()
     current = _read_marker(name)
-    if current is not None and not force and set(packages) <= set(current.packages):
+    if current is not None and not force and set(packages) <= set(current.packages) and current.lock == digest:
         return current
     python, ver = find_python(spec)
     target = venv_dir(name)
@@ -225,10 +244,10 @@ def install(
     vpy = str(target / "bin" / "python")
     if uv:
         _run([uv, "venv", "--python", python, str(target)], f"uv venv {target}", 300)
-        _run([uv, "pip", "install", "--python", vpy, *packages], f"uv pip install {packages}", timeout)
+        _run([uv, "pip", "install", "--python", vpy, *constraints, *packages], f"uv pip install {packages}", timeout)
     else:
         _run([python, "-m", "venv", str(target)], f"{python} -m venv {target}", 300)
-        _run([vpy, "-m", "pip", "install", "-q", *packages], f"pip install {' '.join(packages)}", timeout)
+        _run([vpy, "-m", "pip", "install", "-q", *constraints, *packages], f"pip install {' '.join(packages)}", timeout)
     if spec.import_name:
         _run([vpy, "-c", f"import {spec.import_name}"], f"import {spec.import_name} in {target}", 300)
     info = VenvInfo(
@@ -239,6 +258,7 @@ def install(
         packages=packages,
         installed_at=time.time(),
         seconds=round(time.perf_counter() - t0, 1),
+        lock=digest,
     )
     data = info.to_dict()
     data.pop("reused")

