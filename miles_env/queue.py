@@ -12,45 +12,65 @@ version is older than `current_version - max_staleness` is dropped as stale
 (counted, never returned). Every state change is one SQLite transaction, so a
 crash of either side loses nothing that was committed.
 
+Integrity: `put` stores a sha256 of each episode's bytes (episode_codec.py);
+`take` re-checks it. An episode whose bytes changed at rest (SQLite's integrity
+check does not look inside a BLOB) is recorded in the `quarantine` table and its
+group moves to state quarantined: never trained, counted in `stats`, logged once.
+Databases from before the checksum column gain it on open (rows still to be
+trained get the checksum of their bytes as found). SQLite failures (disk full,
+not a database) surface as QueueError carrying SQLite's own message.
+
 Crash recipe (see trainer/loop.py): the trainer records the episode ids of each
 step in its checkpoint and acks only after the checkpoint is durable; on restart
 `recover(trained_ids)` acks what the checkpoint already contains and releases
 every other lease, so nothing is lost and nothing is trained twice.
 
 Lifecycle of a group: open -> pending -> leased -> acked, with leased -> pending
-(release, expiry, recover) and pending -> stale (staleness filter).
+(release, expiry, recover), pending -> stale (staleness filter) and pending ->
+quarantined (checksum mismatch at take).
 
 One implementation: the synchronous, thread-safe methods below (one SQLite
-connection per thread; several processes may share the file). `AsyncReplayQueue`
-is a thin anyio wrapper for the async orchestrator and trainer loop.
+connection per thread, sqlite_db.py; several processes may share the file). `AsyncReplayQueue`
+(queue_aio.py) is a thin anyio wrapper for the async orchestrator and trainer loop.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
-import threading
 import time
 import uuid
-from array import array
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
-import anyio
-import anyio.to_thread
 from pydantic import BaseModel, ConfigDict
 
+from miles_env.episode_codec import decode_episode, encode_episode, payload_checksum
 from miles_env.errors import MilesEnvError
-from miles_env.types import Episode, Trajectory, Turn
+from miles_env.queue_aio import POLL_S, AsyncReplayQueue
+from miles_env.sqlite_db import SqliteFile
+from miles_env.types import Episode
 
-__all__ = ["QueueError", "Lease", "QueueStats", "SqliteReplayQueue", "AsyncReplayQueue", "GroupState"]
+__all__ = [
+    "QueueError",
+    "Lease",
+    "QueueStats",
+    "SqliteReplayQueue",
+    "AsyncReplayQueue",
+    "GroupState",
+    "encode_episode",
+    "decode_episode",
+]
 
-_POLL_S = 0.05
+log = logging.getLogger(__name__)
 
 
 class QueueError(MilesEnvError):
-    """The replay queue refused an operation (bad group, unknown lease, wrong group_size)."""
+    """The replay queue refused an operation (bad group, unknown lease, wrong group_size) or its
+    SQLite storage failed (the message then carries SQLite's, e.g. "database or disk is full")."""
 
 
 class GroupState:
@@ -59,6 +79,17 @@ class GroupState:
     LEASED = "leased"
     ACKED = "acked"
     STALE = "stale"
+    QUARANTINED = "quarantined"  # an episode's stored bytes failed their checksum
+
+
+_STATES = (
+    GroupState.OPEN,
+    GroupState.PENDING,
+    GroupState.LEASED,
+    GroupState.ACKED,
+    GroupState.STALE,
+    GroupState.QUARANTINED,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +114,11 @@ class QueueStats(BaseModel):
     leased_groups: int
     acked_groups: int
     stale_groups: int
+    quarantined_groups: int
     complete_groups: int
     episodes: dict[str, int]  # group state -> number of episodes
     stale_dropped_episodes: int
+    quarantined_episodes: int  # episodes whose own bytes failed their checksum
 
 
 _SCHEMA = """
@@ -106,51 +139,17 @@ CREATE TABLE IF NOT EXISTS episodes (
     group_id TEXT NOT NULL,
     seq INTEGER NOT NULL,
     meta TEXT NOT NULL,
-    arrays BLOB NOT NULL
+    arrays BLOB NOT NULL,
+    checksum TEXT
 );
 CREATE INDEX IF NOT EXISTS episodes_group ON episodes (group_id, seq);
+CREATE TABLE IF NOT EXISTS quarantine (
+    episode_id TEXT PRIMARY KEY,
+    group_id TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    at REAL NOT NULL
+);
 """
-
-_TOKEN_FIELDS = {"token_ids", "loss_mask", "logprobs"}
-
-
-def encode_episode(episode: Episode) -> tuple[str, bytes]:
-    """Episode -> (JSON metadata, packed token arrays). Token ids int32, mask uint8, logprobs float64
-    (lossless: the rollout logprobs are the importance-sampling reference)."""
-    meta = episode.model_dump(mode="json", exclude={"samples"})
-    meta["samples"] = [s.model_dump(mode="json", exclude=_TOKEN_FIELDS) for s in episode.samples]
-    meta["lens"] = [len(s.token_ids) for s in episode.samples]
-    parts: list[bytes] = []
-    for s in episode.samples:
-        parts.append(array("i", s.token_ids).tobytes())
-        parts.append(bytes(s.loss_mask))
-        parts.append(array("d", s.logprobs).tobytes())
-    return json.dumps(meta, separators=(",", ":")), b"".join(parts)
-
-
-def decode_episode(meta_json: str, blob: bytes) -> Episode:
-    """Inverse of encode_episode. The data was validated at `put`, so it is rebuilt without
-    re-running the per-token validators (they dominate decode time for long trajectories)."""
-    meta = json.loads(meta_json)
-    lens = meta.pop("lens")
-    samples = []
-    off = 0
-    for sm, n in zip(meta.pop("samples"), lens, strict=True):
-        ids = array("i")
-        ids.frombytes(blob[off : off + 4 * n])
-        off += 4 * n
-        mask = list(blob[off : off + n])
-        off += n
-        lps = array("d")
-        lps.frombytes(blob[off : off + 8 * n])
-        off += 8 * n
-        turns = [Turn.model_validate(t) for t in sm.pop("turns")]
-        samples.append(
-            Trajectory.model_construct(
-                token_ids=ids.tolist(), loss_mask=mask, logprobs=lps.tolist(), turns=turns, **sm
-            )
-        )
-    return Episode.model_validate({**meta, "samples": []}).model_copy(update={"samples": samples})
 
 
 class SqliteReplayQueue:
@@ -168,30 +167,37 @@ class SqliteReplayQueue:
             raise QueueError(f"max_pending_groups={max_pending_groups}: must be >= 1")
         self.path = Path(path)
         self.max_pending_groups = max_pending_groups
-        self._synchronous = synchronous
-        self._local = threading.local()
-        self._conns: list[sqlite3.Connection] = []
-        self._conns_lock = threading.Lock()
+        self._db = SqliteFile(self.path, what="replay queue", error=QueueError, synchronous=synchronous)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         conn = self._conn()
-        conn.executescript(_SCHEMA)
+        with self._db.errors():
+            conn.executescript(_SCHEMA)
+        self._add_checksums(conn)
         self.group_size = self._init_group_size(conn, group_size)
 
     # -- connection and transactions -------------------------------------------------------------
 
     def _conn(self) -> sqlite3.Connection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = sqlite3.connect(self.path, timeout=60.0, isolation_level=None, check_same_thread=False)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute(f"PRAGMA synchronous={self._synchronous}")
-            self._local.conn = conn
-            with self._conns_lock:
-                self._conns.append(conn)
-        return conn
+        return self._db.conn()
 
-    def _write(self) -> _Tx:
-        return _Tx(self._conn())
+    def _write(self) -> AbstractContextManager[sqlite3.Connection]:
+        return self._db.write()
+
+    def _add_checksums(self, conn: sqlite3.Connection) -> None:
+        """Migrate a database from before the checksum column: add it, and checksum the rows that
+        may still be trained (acked and stale ones are never read again)."""
+        with self._write():
+            if any(col[1] == "checksum" for col in conn.execute("PRAGMA table_info(episodes)")):
+                return
+            conn.execute("ALTER TABLE episodes ADD COLUMN checksum TEXT")
+            rows = conn.execute(
+                "SELECT e.id, CAST(e.meta AS BLOB), e.arrays FROM episodes e JOIN groups g USING (group_id) "
+                "WHERE g.state IN (?, ?, ?)",
+                (GroupState.OPEN, GroupState.PENDING, GroupState.LEASED),
+            ).fetchall()
+            conn.executemany(
+                "UPDATE episodes SET checksum=? WHERE id=?", [(payload_checksum(m, b), i) for i, m, b in rows]
+            )
 
     def _init_group_size(self, conn: sqlite3.Connection, group_size: int | None) -> int:
         with self._write():
@@ -210,11 +216,7 @@ class SqliteReplayQueue:
         return stored
 
     def close(self) -> None:
-        with self._conns_lock:
-            for conn in self._conns:
-                conn.close()
-            self._conns.clear()
-        self._local = threading.local()
+        self._db.close()
 
     # -- producer side ---------------------------------------------------------------------------
 
@@ -242,7 +244,8 @@ class SqliteReplayQueue:
             state = GroupState.PENDING if n == self.group_size else GroupState.OPEN
             done_at = time.time() if state == GroupState.PENDING else None
             conn.execute(
-                "INSERT INTO episodes VALUES (?, ?, ?, ?, ?)", (episode.id, episode.group_id, n, meta, blob)
+                "INSERT INTO episodes (id, group_id, seq, meta, arrays, checksum) VALUES (?, ?, ?, ?, ?, ?)",
+                (episode.id, episode.group_id, n, meta, blob, payload_checksum(meta, blob)),
             )
             conn.execute(
                 "INSERT INTO groups (group_id, n, min_version, state, completed_at) VALUES (?, ?, ?, ?, ?) "
@@ -253,11 +256,12 @@ class SqliteReplayQueue:
         return True
 
     def has_capacity(self) -> bool:
-        row = (
-            self._conn()
-            .execute("SELECT COUNT(*) FROM groups WHERE state=?", (GroupState.PENDING,))
-            .fetchone()
-        )
+        with self._db.errors():
+            row = (
+                self._conn()
+                .execute("SELECT COUNT(*) FROM groups WHERE state=?", (GroupState.PENDING,))
+                .fetchone()
+            )
         return int(row[0]) < self.max_pending_groups
 
     def wait_for_capacity(self, timeout: float | None = None) -> bool:
@@ -266,7 +270,7 @@ class SqliteReplayQueue:
         while not self.has_capacity():
             if deadline is not None and time.monotonic() >= deadline:
                 return False
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
         return True
 
     # -- consumer side ---------------------------------------------------------------------------
@@ -279,31 +283,71 @@ class SqliteReplayQueue:
         max_staleness: int | None = None,
         lease_s: float = 600.0,
     ) -> list[Lease]:
-        """Lease up to `n_groups` pending groups, oldest completed first (may return fewer)."""
+        """Lease up to `n_groups` pending groups, oldest completed first (may return fewer). A group
+        holding an episode whose bytes fail their checksum is quarantined instead of returned."""
         conn = self._conn()
         now = time.time()
+        leases: list[Lease] = []
+        quarantined: list[tuple[str, str, str]] = []
         with self._write():
             self._expire(conn, now)
             if max_staleness is not None:
                 self._drop_stale(conn, current_version - max_staleness)
-            rows = conn.execute(
-                "SELECT group_id FROM groups WHERE state=? ORDER BY completed_at, group_id LIMIT ?",
-                (GroupState.PENDING, n_groups),
-            ).fetchall()
-            leases = []
-            for (group_id,) in rows:
-                lease_id = uuid.uuid4().hex
-                conn.execute(
-                    "UPDATE groups SET state=?, lease_id=?, lease_expires=? WHERE group_id=?",
-                    (GroupState.LEASED, lease_id, now + lease_s, group_id),
-                )
-                episodes = conn.execute(
-                    "SELECT meta, arrays FROM episodes WHERE group_id=? ORDER BY seq", (group_id,)
+            while len(leases) < n_groups:
+                rows = conn.execute(
+                    "SELECT group_id FROM groups WHERE state=? ORDER BY completed_at, group_id LIMIT ?",
+                    (GroupState.PENDING, n_groups - len(leases)),
                 ).fetchall()
-                leases.append(
-                    Lease(lease_id, group_id, tuple(decode_episode(m, b) for m, b in episodes), now + lease_s)
-                )
+                if not rows:
+                    break
+                for (group_id,) in rows:  # each one leaves state pending: the loop ends
+                    episodes, bad = self._load_group(conn, group_id)
+                    if bad:
+                        self._quarantine(conn, group_id, bad, now)
+                        quarantined.extend((eid, group_id, why) for eid, why in bad)
+                        continue
+                    lease = Lease(uuid.uuid4().hex, group_id, episodes, now + lease_s)
+                    conn.execute(
+                        "UPDATE groups SET state=?, lease_id=?, lease_expires=? WHERE group_id=?",
+                        (GroupState.LEASED, lease.lease_id, lease.expires_at, group_id),
+                    )
+                    leases.append(lease)
+        for eid, group_id, why in quarantined:  # after the commit: logged once, when it happened
+            log.error(
+                "replay queue %s: episode %r quarantined with its group %r (%s); it will not be trained",
+                self.path,
+                eid,
+                group_id,
+                why,
+            )
         return leases
+
+    def _load_group(
+        self, conn: sqlite3.Connection, group_id: str
+    ) -> tuple[tuple[Episode, ...], list[tuple[str, str]]]:
+        """The group's episodes, or the (episode id, reason) of each one that failed its checksum.
+        The bytes are read raw, so a corrupted `meta` cannot fail on its way to the check."""
+        rows = conn.execute(
+            "SELECT id, CAST(meta AS BLOB), arrays, checksum FROM episodes WHERE group_id=? ORDER BY seq",
+            (group_id,),
+        ).fetchall()
+        bad = [
+            (eid, "checksum missing" if want is None else "checksum mismatch: stored bytes changed since put")
+            for eid, meta, blob, want in rows
+            if want is None or payload_checksum(meta, blob) != want
+        ]
+        if bad:
+            return (), bad
+        return tuple(decode_episode(meta.decode(), blob) for _, meta, blob, _ in rows), []
+
+    def _quarantine(
+        self, conn: sqlite3.Connection, group_id: str, bad: list[tuple[str, str]], now: float
+    ) -> None:
+        conn.executemany(
+            "INSERT OR IGNORE INTO quarantine VALUES (?, ?, ?, ?)",
+            [(eid, group_id, why, now) for eid, why in bad],
+        )
+        conn.execute("UPDATE groups SET state=? WHERE group_id=?", (GroupState.QUARANTINED, group_id))
 
     def _expire(self, conn: sqlite3.Connection, now: float) -> None:
         conn.execute(
@@ -398,16 +442,16 @@ class SqliteReplayQueue:
 
     def stats(self) -> QueueStats:
         conn = self._conn()
-        groups = dict.fromkeys(
-            (GroupState.OPEN, GroupState.PENDING, GroupState.LEASED, GroupState.ACKED, GroupState.STALE), 0
-        )
+        groups = dict.fromkeys(_STATES, 0)
         episodes = dict(groups)
-        for state, n_groups, n_eps in conn.execute(
-            "SELECT state, COUNT(*), SUM(n) FROM groups GROUP BY state"
-        ):
-            groups[state] = int(n_groups)
-            episodes[state] = int(n_eps)
-        dropped = conn.execute("SELECT value FROM meta WHERE key='stale_dropped'").fetchone()
+        with self._db.errors():
+            for state, n_groups, n_eps in conn.execute(
+                "SELECT state, COUNT(*), SUM(n) FROM groups GROUP BY state"
+            ):
+                groups[state] = int(n_groups)
+                episodes[state] = int(n_eps)
+            dropped = conn.execute("SELECT value FROM meta WHERE key='stale_dropped'").fetchone()
+            (bad_episodes,) = conn.execute("SELECT COUNT(*) FROM quarantine").fetchone()
         return QueueStats(
             group_size=self.group_size,
             max_pending_groups=self.max_pending_groups,
@@ -416,73 +460,13 @@ class SqliteReplayQueue:
             leased_groups=groups[GroupState.LEASED],
             acked_groups=groups[GroupState.ACKED],
             stale_groups=groups[GroupState.STALE],
+            quarantined_groups=groups[GroupState.QUARANTINED],
             complete_groups=sum(v for k, v in groups.items() if k != GroupState.OPEN),
             episodes=episodes,
             stale_dropped_episodes=int(dropped[0]) if dropped else 0,
+            quarantined_episodes=int(bad_episodes),
         )
 
     @property
     def aio(self) -> AsyncReplayQueue:
         return AsyncReplayQueue(self)
-
-
-class _Tx:
-    """BEGIN IMMEDIATE ... COMMIT: takes the write lock up front, so concurrent writers queue on
-    busy_timeout instead of deadlocking on a read->write upgrade."""
-
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self._conn = conn
-
-    def __enter__(self) -> sqlite3.Connection:
-        self._conn.execute("BEGIN IMMEDIATE")
-        return self._conn
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self._conn.execute("COMMIT" if exc_type is None else "ROLLBACK")
-
-
-class AsyncReplayQueue:
-    """anyio face of SqliteReplayQueue: each call runs the sync method in a worker thread; waiting
-    for capacity polls with anyio.sleep so a blocked producer holds no thread."""
-
-    def __init__(self, queue: SqliteReplayQueue) -> None:
-        self.sync = queue
-
-    async def wait_for_capacity(self) -> None:
-        # Polling, not an Event: the consumer that frees capacity may be another process.
-        while not await anyio.to_thread.run_sync(self.sync.has_capacity):  # noqa: ASYNC110
-            await anyio.sleep(_POLL_S)
-
-    async def put(self, episode: Episode) -> bool:
-        await self.wait_for_capacity()
-        return await anyio.to_thread.run_sync(lambda: self.sync.put(episode, block=False))
-
-    async def take(
-        self,
-        n_groups: int,
-        *,
-        current_version: int = 0,
-        max_staleness: int | None = None,
-        lease_s: float = 600.0,
-    ) -> list[Lease]:
-        return await anyio.to_thread.run_sync(
-            lambda: self.sync.take(
-                n_groups, current_version=current_version, max_staleness=max_staleness, lease_s=lease_s
-            )
-        )
-
-    async def ack(self, leases: Lease | Sequence[Lease]) -> None:
-        await anyio.to_thread.run_sync(self.sync.ack, leases)
-
-    async def release(self, leases: Lease | Sequence[Lease]) -> None:
-        await anyio.to_thread.run_sync(self.sync.release, leases)
-
-    async def renew(self, leases: Lease | Sequence[Lease], lease_s: float) -> None:
-        await anyio.to_thread.run_sync(self.sync.renew, leases, lease_s)
-
-    async def recover(self, trained_episode_ids: Iterable[str]) -> tuple[int, int]:
-        ids = list(trained_episode_ids)
-        return await anyio.to_thread.run_sync(self.sync.recover, ids)
-
-    async def stats(self) -> QueueStats:
-        return await anyio.to_thread.run_sync(self.sync.stats)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
+import sqlite3
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -235,3 +239,107 @@ def test_cli_stats(qpath: Path) -> None:
     assert res.exit_code == 0 and "pending" in res.output
     res = runner.invoke(app, ["stats", str(qpath.parent / "nope")])
     assert res.exit_code != 0
+
+
+# -- integrity and storage faults (issue 15) ------------------------------------------------------
+
+
+def _flip_byte(qpath: Path, episode_id: str, offset: int) -> None:
+    """Corrupt one byte of a stored episode behind the queue's back (what a bad disk does)."""
+    raw = sqlite3.connect(qpath)
+    with raw:
+        (blob,) = raw.execute("SELECT arrays FROM episodes WHERE id=?", (episode_id,)).fetchone()
+        bad = bytearray(blob)
+        bad[offset] ^= 0x01
+        raw.execute("UPDATE episodes SET arrays=? WHERE id=?", (bytes(bad), episode_id))
+    assert raw.execute("PRAGMA integrity_check").fetchone() == ("ok",)  # SQLite sees nothing wrong
+    raw.close()
+
+
+def test_corrupted_episode_is_quarantined_never_returned(
+    qpath: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    q = SqliteReplayQueue(qpath, group_size=2)
+    fill(q, "bad", 2)
+    good = fill(q, "good", 2)
+    _flip_byte(qpath, "bad-1", offset=-3)  # inside the last logprob: decodes fine, silently changed
+    with caplog.at_level(logging.ERROR, logger="miles_env.queue"):
+        leases = q.take(10)
+        assert q.take(10) == []
+    assert [lease.group_id for lease in leases] == ["good"]
+    assert list(leases[0].episodes) == good
+    s = q.stats()
+    assert (s.quarantined_groups, s.quarantined_episodes, s.pending_groups) == (1, 1, 0)
+    logged = [r for r in caplog.records if "bad-1" in r.getMessage()]
+    assert len(logged) == 1 and "checksum" in logged[0].getMessage()
+    from miles_env.cli.queue import app
+
+    res = CliRunner().invoke(app, ["stats", str(qpath), "--json"])
+    assert res.exit_code == 0 and json.loads(res.output)["quarantined_episodes"] == 1
+    q.close()
+    reopened = SqliteReplayQueue(qpath)  # the quarantine is durable
+    assert reopened.take(10) == [] and reopened.stats().quarantined_episodes == 1
+
+
+def test_database_without_checksums_is_migrated(qpath: Path) -> None:
+    q = SqliteReplayQueue(qpath, group_size=1)
+    eps = fill(q, "old", 1)
+    q.close()
+    raw = sqlite3.connect(qpath)
+    raw.execute("ALTER TABLE episodes DROP COLUMN checksum")  # what a database from before issue 15 holds
+    raw.commit()
+    raw.close()
+    q = SqliteReplayQueue(qpath)
+    fill(q, "new", 1)
+    q.close()
+    _flip_byte(qpath, "new-0", offset=0)
+    q = SqliteReplayQueue(qpath)
+    (lease,) = q.take(10)
+    assert list(lease.episodes) == eps and q.stats().quarantined_episodes == 1
+
+
+def test_not_a_database_is_a_queue_error(tmp_path: Path) -> None:
+    path = tmp_path / "queue.db"
+    path.write_text("not sqlite at all, just text long enough to have a header" * 10)
+    with pytest.raises(QueueError, match="file is not a database"):
+        SqliteReplayQueue(path)
+
+
+def _fill_until_full(q: SqliteReplayQueue) -> QueueError:
+    big = 200_000  # tokens: an episode larger than SQLite's page cache, so the write spills mid-statement
+    for i in range(50):
+        try:
+            q.put(make_episode(f"e{i}", f"g{i}", n_tokens=big), block=False)
+        except QueueError as e:
+            return e
+    raise AssertionError("the queue never filled up")
+
+
+def test_full_database_names_the_real_error(qpath: Path) -> None:
+    """SQLite's page limit stands in for a full disk (SQLITE_FULL either way)."""
+    q = SqliteReplayQueue(qpath, group_size=1)
+    conn = q._conn()
+    conn.execute(f"PRAGMA max_page_count={conn.execute('PRAGMA page_count').fetchone()[0] + 4}")
+    err = _fill_until_full(q)
+    assert "full" in str(err) and "no transaction" not in str(err)
+    assert q.stats().pending_groups == 0  # nothing half-written
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"a tmpfs mount needs root: {proc.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_names_the_real_error(tiny_tmpfs: Path) -> None:
+    q = SqliteReplayQueue(tiny_tmpfs / "queue.db", group_size=1)
+    err = _fill_until_full(q)
+    assert "full" in str(err) and "no transaction" not in str(err)
+    q.close()

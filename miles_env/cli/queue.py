@@ -19,7 +19,7 @@ def stats_command(
     run_dir: Path = typer.Argument(..., help="run directory holding queue.db (or the .db file itself)"),
     as_json: bool = typer.Option(False, "--json", help="print the stats as JSON"),
 ) -> None:
-    """Groups and episodes by state, stale drops and back-pressure limit."""
+    """Groups and episodes by state, stale drops, quarantined (corrupted) episodes."""
     from rich.console import Console
     from rich.table import Table
 
@@ -41,7 +41,7 @@ def stats_command(
     table.add_column("state")
     table.add_column("groups", justify="right")
     table.add_column("episodes", justify="right")
-    for state in ("open", "pending", "leased", "acked", "stale"):
+    for state in ("open", "pending", "leased", "acked", "stale", "quarantined"):
         table.add_row(state, str(getattr(stats, f"{state}_groups")), str(stats.episodes.get(state, 0)))
     console = Console()
     console.print(table)
@@ -49,3 +49,8 @@ def stats_command(
         f"group_size={stats.group_size}  complete groups={stats.complete_groups}  "
         f"stale dropped episodes={stats.stale_dropped_episodes}"
     )
+    if stats.quarantined_episodes:
+        console.print(
+            f"[red]quarantined episodes={stats.quarantined_episodes}[/]: their stored bytes failed the "
+            "checksum; their groups are never trained"
+        )
