@@ -51,7 +51,9 @@ def test_every_declared_dependency_is_locked_at_a_version_it_allows():
             problems.append(f"{req} is not in requirements.lock")
         elif not req.specifier.contains(pinned, prereleases=True):
             problems.append(f"{req} does not allow the locked {req.name}=={pinned}")
-    assert not problems, "pyproject.toml and requirements.lock disagree (run scripts/lock.sh):\n" + "\n".join(problems)
+    assert not problems, "pyproject.toml and requirements.lock disagree (run scripts/lock.sh):\n" + "\n".join(
+        problems
+    )
 
 
 def test_every_extra_is_installed_by_setup():
@@ -67,11 +69,15 @@ def test_installed_versions_are_the_locked_ones():
         name = canonicalize_name(dist.metadata["Name"])
         if name in lock and Version(dist.version).public != lock[name].public:
             drift.append(f"{name} {dist.version} installed, {lock[name]} locked")
-    assert not drift, "the environment drifted from requirements.lock (re-run scripts/setup.sh):\n" + "\n".join(drift)
+    assert not drift, (
+        "the environment drifted from requirements.lock (re-run scripts/setup.sh):\n" + "\n".join(drift)
+    )
 
 
 @pytest.mark.parametrize(
-    "lock", sorted((REPO / "adapters/locks").glob("*.txt")) + [REPO / "scripts/vllm.lock"], ids=lambda p: p.name
+    "lock",
+    sorted((REPO / "adapters/locks").glob("*.txt")) + [REPO / "scripts/vllm.lock"],
+    ids=lambda p: p.name,
 )
 def test_venv_locks_are_pinned_and_hold_their_framework(lock: Path):
     pins = _read_lock(lock)

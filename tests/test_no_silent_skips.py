@@ -21,7 +21,9 @@ def test_ok(): pass
 
 
 @pytest.mark.parametrize("ci", ["true", ""])
-def test_unexpected_skips_fail_only_in_ci(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, ci: str):
+def test_unexpected_skips_fail_only_in_ci(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, ci: str
+):
     monkeypatch.setenv("CI", ci)
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_x=TESTS)
@@ -33,10 +35,14 @@ def test_unexpected_skips_fail_only_in_ci(pytester: pytest.Pytester, monkeypatch
         result.assert_outcomes(passed=1, skipped=3, xfailed=1)
 
 
-def test_module_level_importorskip_fails_collection_in_ci(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch):
+def test_module_level_importorskip_fails_collection_in_ci(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+):
     monkeypatch.setenv("CI", "true")
     pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_y='import pytest\npytest.importorskip("no_such_module_xyz")\ndef test_a(): pass\n')
+    pytester.makepyfile(
+        test_y='import pytest\npytest.importorskip("no_such_module_xyz")\ndef test_a(): pass\n'
+    )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     assert result.ret != 0
     result.stdout.fnmatch_lines(["*skip not allowed in CI*no_such_module_xyz*"])
