@@ -6,6 +6,8 @@ episode status. Configuration and user-input errors carry the field or path.
 
 from __future__ import annotations
 
+from typing import Literal
+
 __all__ = [
     "MilesEnvError",
     "ConfigError",
@@ -15,6 +17,7 @@ __all__ = [
     "SandboxUnavailable",
     "SandboxThrottled",
     "EngineError",
+    "EngineRefused",
     "HarnessError",
     "BudgetExceeded",
 ]
@@ -46,6 +49,34 @@ class SandboxUnavailable(SandboxError):
 
 class EngineError(MilesEnvError):
     """The inference engine failed, died or refused a request."""
+
+
+class EngineRefused(EngineError):
+    """The engine refused a request that cannot succeed as sent: retrying it is pointless.
+
+    Raised for an engine's deterministic refusal (HTTP 400 from SGLang or vLLM, the `hf` engine's
+    own checks); transient failures (5xx, timeouts, lost connections) stay plain EngineError.
+    `reason` is "context_length" when the prompt, or prompt + max_new_tokens, does not fit the
+    context, else "invalid_request". `prompt_tokens` and `limit` are the prompt length and the
+    context limit as the engine stated them (SGLang's context length, vLLM's max_model_len, hf's
+    max_context), when its message gives them. `str(e)` is the engine's message.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        reason: Literal["context_length", "invalid_request"],
+        prompt_tokens: int | None = None,
+        limit: int | None = None,
+    ) -> None:
+        super().__init__(message, reason, prompt_tokens, limit)  # args rebuild it (pickle, copy)
+        self.message = message
+        self.reason: Literal["context_length", "invalid_request"] = reason
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class HarnessError(MilesEnvError):
