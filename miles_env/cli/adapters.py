@@ -20,13 +20,8 @@ def install_command(
 ) -> None:
     """Create NAME's venv with a suitable Python and install its pinned package."""
     from miles_env.adapters.venv import install
-    from miles_env.errors import MilesEnvError
 
-    try:
-        info = install(name, force=force)
-    except MilesEnvError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
+    info = install(name, force=force)
     if as_json:
         typer.echo(json.dumps(info.to_dict()))
         return

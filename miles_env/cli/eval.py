@@ -140,13 +140,9 @@ def eval_command(
         harness_cfg["max_turns"] = max_turns
     if temperature is not None:
         harness_cfg["temperature"] = temperature
-    try:
-        summary = anyio.run(
-            _run, env, harness, split, n, rollouts, concurrency, engine_cfg, harness_cfg, sandbox, out
-        )
-    except MilesEnvError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
+    summary = anyio.run(
+        _run, env, harness, split, n, rollouts, concurrency, engine_cfg, harness_cfg, sandbox, out
+    )
     if as_json:
         typer.echo(json.dumps(summary))
         return

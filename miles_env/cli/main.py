@@ -2,7 +2,8 @@
 
 Each command group lives in its own module (env, sandbox, eval, proxy, train,
 queue, tito). Modules keep heavy imports (torch, transformers) inside their
-commands so that `miles-env --help` stays fast.
+commands so that `miles-env --help` stays fast. Commands raise; edge.py turns a
+known error into one line on stderr and exit code 2, once, for all of them.
 """
 
 from __future__ import annotations
@@ -11,7 +12,11 @@ import importlib
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="miles-env: agentic RL environment hub.")
+from miles_env.cli.edge import EdgeGroup
+
+app = typer.Typer(
+    cls=EdgeGroup, no_args_is_help=True, add_completion=False, help="miles-env: agentic RL environment hub."
+)
 
 # (module, attribute, name): a group is a typer.Typer added under `name`; a command is a function.
 _GROUPS = [

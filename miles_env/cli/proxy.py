@@ -55,7 +55,7 @@ async def _serve(
 
 @app.command("serve")
 def serve(
-    port: Annotated[int, typer.Option(help="TCP port on --host")],
+    port: Annotated[int, typer.Option(help="TCP port on --host (0: any free port)", min=0, max=65535)],
     store: Annotated[Path, typer.Option(help="directory holding one journal per session")],
     engine: Annotated[str, typer.Option(help="hf | vllm | sglang | scripted")] = "hf",
     model: Annotated[str, typer.Option(help="model name or HF checkpoint path (tokenizer too)")] = "smollm2",
@@ -70,6 +70,7 @@ def serve(
 ) -> None:
     """Serve the proxy until interrupted."""
     from miles_env.cli.eval import parse_opts
+    from miles_env.models import resolve_model
 
     if engine not in ("hf", "vllm", "sglang", "scripted"):
         raise typer.BadParameter(f"--engine {engine!r}: choose hf, vllm, sglang or scripted")
@@ -78,4 +79,5 @@ def serve(
         token = secrets.token_urlsafe(24)
         typer.echo(f"admin token: {token}")
     opts = parse_opts(engine_opt, "--engine-opt")
+    resolve_model(model)  # a wrong --model fails here, before an engine is built or launched
     anyio.run(_serve, engine, model, url, host, port, store, token, opts)

@@ -47,7 +47,6 @@ def exec_command(
     """Run CMD in a fresh sandbox and exit with its exit code."""
     import anyio
 
-    from miles_env.errors import MilesEnvError
     from miles_env.sandboxes import get_provider
     from miles_env.types import SandboxSpec
 
@@ -66,12 +65,7 @@ def exec_command(
             sys.stderr.write(f"[sandbox] limit={result.killed_by_limit} truncated={result.truncated}\n")
         return 128 - result.exit_code if result.exit_code < 0 else result.exit_code
 
-    try:
-        code = anyio.run(run)
-    except MilesEnvError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
-    raise typer.Exit(code)
+    raise typer.Exit(anyio.run(run))
 
 
 @app.command("gc")
@@ -85,14 +79,9 @@ def gc_command(
     """Remove sandboxes whose owner process died or whose TTL passed."""
     import anyio
 
-    from miles_env.errors import MilesEnvError
     from miles_env.sandboxes.pool import reap
 
-    try:
-        removed = anyio.run(lambda: reap(provider, ttl_s=ttl))
-    except MilesEnvError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
+    removed = anyio.run(lambda: reap(provider, ttl_s=ttl))
     for name in removed:
         typer.echo(name)
     typer.echo(f"removed {len(removed)} sandbox(es) of provider {provider!r}")

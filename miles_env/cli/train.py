@@ -8,8 +8,6 @@ from typing import Annotated
 import anyio
 import typer
 
-from miles_env.errors import MilesEnvError
-
 __all__ = ["train_command"]
 
 
@@ -26,12 +24,8 @@ def train_command(
     from miles_env.train import run_training
 
     console = Console()
-    try:
-        cfg = load_config(config, overrides or [])
-        summary = anyio.run(run_training, cfg, console)
-    except MilesEnvError as e:
-        console.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2) from e
+    cfg = load_config(config, overrides or [])
+    summary = anyio.run(run_training, cfg, console)
     if "rank" in summary:  # a torchrun follower (trainer/ranks.py)
         console.print(f"rank {summary['rank']}: made {summary['trainer_calls']} trainer calls with rank 0")
         return
