@@ -4,11 +4,17 @@ Lifecycle: `async with serve_app(app) as url:` starts uvicorn on a free port,
 waits until it accepts connections, yields its base URL, and shuts it down on
 exit (also on cancellation). Used for the TITO proxy and the SGLang-compatible
 engine server when they run in the same process as the orchestrator.
+
+Stack: uvicorn with the httptools parser when installed (h11 otherwise). A server started
+here runs in the caller's event loop, so the loop is chosen where the loop starts:
+`anyio.run(..., backend_options=loop_options())` runs on uvloop when it is installed.
+Measured with bench/bench_tito.py: the two together take ~0.2 ms off the HTTP floor.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,7 +22,21 @@ from typing import Any
 
 import anyio
 
-__all__ = ["serve_app", "free_port"]
+__all__ = ["serve_app", "free_port", "server_options", "loop_options"]
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def server_options() -> dict[str, Any]:
+    """uvicorn.Config options for the fastest installed HTTP stack."""
+    return {"http": "httptools" if _installed("httptools") else "h11"}
+
+
+def loop_options() -> dict[str, Any]:
+    """`anyio.run` backend options: uvloop when installed, the asyncio default loop otherwise."""
+    return {"use_uvloop": True} if _installed("uvloop") else {}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -54,7 +74,12 @@ async def serve_app(
     sock.bind((host, port))
     bound_port = sock.getsockname()[1]
     config = uvicorn.Config(
-        app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30, **uvicorn_kw
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_keep_alive=30,
+        **(server_options() | uvicorn_kw),
     )
     server = _QuietServer(config)
     async with anyio.create_task_group() as tg:

@@ -37,6 +37,7 @@ async def _serve(
     import uvicorn
 
     from miles_env.engines import EngineConfig, build_engine
+    from miles_env.http import server_options
     from miles_env.models import load_tokenizer
     from miles_env.tito import TitoConfig, TitoProxy, create_app
 
@@ -46,7 +47,15 @@ async def _serve(
     try:
         tokenizer = await anyio.to_thread.run_sync(load_tokenizer, model)
         proxy = TitoProxy(engine, tokenizer, TitoConfig(admin_token=admin_token), store_dir=store)
-        config = uvicorn.Config(create_app(proxy), host=host, port=port, log_level="warning", lifespan="off")
+        config = uvicorn.Config(
+            create_app(proxy),
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            **server_options(),
+        )
         typer.echo(f"TITO proxy on http://{host}:{port} ({engine_kind} engine, store {store})")
         await uvicorn.Server(config).serve()
     finally:
@@ -70,6 +79,7 @@ def serve(
 ) -> None:
     """Serve the proxy until interrupted."""
     from miles_env.cli.eval import parse_opts
+    from miles_env.http import loop_options
     from miles_env.models import resolve_model
 
     if engine not in ("hf", "vllm", "sglang", "scripted"):
@@ -80,4 +90,4 @@ def serve(
         typer.echo(f"admin token: {token}")
     opts = parse_opts(engine_opt, "--engine-opt")
     resolve_model(model)  # a wrong --model fails here, before an engine is built or launched
-    anyio.run(_serve, engine, model, url, host, port, store, token, opts)
+    anyio.run(_serve, engine, model, url, host, port, store, token, opts, backend_options=loop_options())
