@@ -1,59 +1,53 @@
-"""TITO proxy overhead per turn and concurrent throughput, against the engine called directly.
+"""TITO proxy overhead per turn, the HTTP stack under it, and LiteLLM's proxy on the same work.
 
-One run, ScriptedEngine (zero model cost, so every microsecond measured is proxy):
-- per-turn latency at ~1k and ~16k tokens of history: engine.generate() directly,
-  TitoProxy.chat() in process (core only), and the full HTTP path (httpx ->
-  uvicorn -> chat completions) with an HTTP floor (GET /health) for reference;
-- turns per second across 64 concurrent sessions over HTTP;
-- per-turn added latency of the three dialects (chat completions, Responses,
-  Anthropic Messages) at the same history length, turns interleaved across the
-  dialects so machine load hits all three alike (`--dialects-only` runs just this).
+Zero model cost everywhere (ScriptedEngine emitting ECHO tokens per turn), so every microsecond
+measured is proxy. Each figure is the median over --rounds rounds of a per-round p50 over
+--sessions fresh sessions x --turns measured turns; sizes and contenders alternate inside a round
+so machine load hits them alike.
 
-    python bench/bench_tito.py [--turns 20] [--sessions 10] [--dialects-only]
+1. In process, at ~1k and ~16k tokens of history: the engine called directly, the proxy core
+   (TitoProxy.chat, no HTTP; with and without a journal), the HTTP floor (GET /health) and a
+   chat-completions turn over HTTP (httpx -> uvicorn -> TITO, both in this process, on the event
+   loop miles_env.http.loop_options() picks: uvloop when installed). Added = HTTP turn - engine.
+2. The HTTP stack: floor and added p50 at 1k under h11/asyncio, httptools/asyncio, httptools/uvloop.
+3. Turns per second across 64 concurrent sessions over HTTP.
+4. Proxies in front of an engine server, each in its own process (bench/servers.py): the client
+   calls the fake engine's /v1/chat/completions directly, through `miles-env proxy serve --engine
+   sglang` (render + tokenize the tail + record; ids to /generate) and through LiteLLM's proxy
+   (forwards the messages; no tokenization). Added = via proxy - direct. Needs
+   `bash scripts/install-litellm.sh`; `--no-litellm` skips it.
+5. Per-turn added latency of the three dialects (bench_tito_dialects.py).
+
+    python bench/bench_tito.py [--rounds 5] [--sessions 4] [--turns 20] [--no-litellm] [--only SECTIONS]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata as md
+import os
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
-import uvicorn
+from bench_tito_dialects import dialect_rows, print_dialects
 from miles_env.tito import TitoConfig, TitoProxy, create_app
 from miles_env.tito.messages import ChatRequest, Message
+from servers import ADMIN_TOKEN, LITELLM_KEY, MODEL, fake_engine, litellm_proxy, litellm_version, tito_proxy
 
 from miles_env.engines.base import SamplingParams
 from miles_env.engines.scripted import ScriptedEngine
-from miles_env.http import free_port
+from miles_env.http import loop_options, serve_app
 from miles_env.models import load_tokenizer
 
 ECHO = 8  # tokens the engine emits per turn
-
-
-@asynccontextmanager
-async def serve(app) -> AsyncIterator[str]:
-    """uvicorn on loopback, binding its own socket: getaddrinfo gives proto=IPPROTO_TCP, so asyncio
-    sets TCP_NODELAY on accepted connections (a socket made with proto 0 does not get it, and each
-    response then waits ~40 ms for a delayed ACK)."""
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-    )
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(server.serve)
-        while not server.started:
-            await anyio.sleep(0.01)
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            server.should_exit = True
+SIZES = (1000, 16000)
+STACKS = (("h11", "asyncio"), ("httptools", "asyncio"), ("httptools", "uvloop"))
+med = statistics.median
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -61,44 +55,61 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def filler(tok, n_tokens: int) -> str:
+def filler(tok: Any, n_tokens: int) -> str:
     unit = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
     per = len(tok.encode(unit, add_special_tokens=False))
     return unit * max(1, n_tokens // per)
 
 
-async def build_history(http: httpx.AsyncClient, sid: str, key: str, tok, target: int) -> list[dict]:
-    """Grow a session to about `target` tokens with a few long user turns."""
-    msgs: list[dict] = []
-    chunk = filler(tok, min(1000, target // 4))
-    used = 0
-    while used < target:
-        msgs.append({"role": "user", "content": chunk})
-        r = await http.post(
-            f"/s/{sid}/v1/chat/completions", json={"messages": msgs}, headers={"x-api-key": key}
-        )
-        body = r.json()
-        used = body["usage"]["total_tokens"]
-        msgs.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
-    return msgs
+def chunks(tok: Any, target: int) -> list[str]:
+    """User turns that grow a conversation to about `target` tokens."""
+    size = min(1000, target // 4)
+    return [filler(tok, size)] * (target // size)
 
 
-async def http_turns(http, sid, key, msgs, n) -> tuple[list[float], int]:
-    lat, tokens = [], 0
-    for i in range(n):
-        msgs.append({"role": "user", "content": f"ok {i}"})
+class Chat:
+    """One conversation through one chat-completions endpoint: post the history, keep the reply."""
+
+    def __init__(self, http: httpx.AsyncClient, url: str, headers: dict[str, str]) -> None:
+        self.http, self.url, self.headers = http, url, headers
+        self.msgs: list[dict[str, str]] = []
+        self.tokens = 0
+        self.own_overhead: list[float] = []  # LiteLLM's x-litellm-overhead-duration-ms, when sent
+
+    async def say(self, text: str) -> float:
+        self.msgs.append({"role": "user", "content": text})
         t0 = time.perf_counter()
-        r = await http.post(
-            f"/s/{sid}/v1/chat/completions", json={"messages": msgs}, headers={"x-api-key": key}
-        )
-        lat.append(time.perf_counter() - t0)
+        r = await self.http.post(self.url, json={"model": MODEL, "messages": self.msgs}, headers=self.headers)
+        dt = time.perf_counter() - t0
+        assert r.status_code == 200, r.text
         body = r.json()
-        tokens = body["usage"]["total_tokens"]
-        msgs.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
-    return lat, tokens
+        self.tokens = body["usage"]["total_tokens"]
+        self.msgs.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+        if (own := r.headers.get("x-litellm-overhead-duration-ms")) is not None:
+            self.own_overhead.append(float(own) / 1e3)
+        return dt
 
 
-async def inproc_turns(proxy: TitoProxy, sid: str, msgs: list[dict], n: int) -> list[float]:
+def tito_chat(http: httpx.AsyncClient, base: str, sid: str, key: str) -> Chat:
+    return Chat(http, f"{base}/s/{sid}/v1/chat/completions", {"x-api-key": key})
+
+
+async def timed(n: int, call: Any) -> list[float]:
+    lat = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await call()
+        lat.append(time.perf_counter() - t0)
+    return lat
+
+
+async def direct_turns(engine: ScriptedEngine, n_prompt: int, n: int) -> list[float]:
+    ids = list(range(1000, 1000 + n_prompt))
+    sp = SamplingParams(max_new_tokens=64, stop_token_ids=(2,))
+    return await timed(n, lambda: engine.generate(ids, sp, session_id="x"))
+
+
+async def core_turns(proxy: TitoProxy, sid: str, msgs: list[dict[str, str]], n: int) -> list[float]:
     conv = [Message(m["role"], m["content"]) for m in msgs]
     lat = []
     for i in range(n):
@@ -110,204 +121,225 @@ async def inproc_turns(proxy: TitoProxy, sid: str, msgs: list[dict], n: int) -> 
     return lat
 
 
-async def direct_turns(engine: ScriptedEngine, n_prompt: int, n: int) -> list[float]:
-    ids = list(range(1000, 1000 + n_prompt))
-    sp = SamplingParams(max_new_tokens=64, stop_token_ids=(2,))
-    lat = []
-    for _ in range(n):
+async def grown(chat: Chat, tok: Any, target: int) -> Chat:
+    for text in chunks(tok, target):
+        await chat.say(text)
+    return chat
+
+
+async def inproc_round(tok: Any, turns: int, sessions: int, http_impl: str | None = None,
+                       sizes: tuple[int, ...] = SIZES, full: bool = True) -> dict[int, dict[str, float]]:  # fmt: skip
+    """One round of section 1 (or, with `full` off, section 2's floor and added p50) on a fresh server."""
+    engine = ScriptedEngine(tok, echo_tokens=ECHO, max_context=65536, record=False)
+    proxy = TitoProxy(engine, tok, TitoConfig())
+    kw = {"http": http_impl} if http_impl else {}
+    out: dict[int, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as store:
+        journaled = TitoProxy(engine, tok, TitoConfig(), store_dir=Path(store))
+        async with serve_app(create_app(proxy), **kw) as url, httpx.AsyncClient(timeout=60) as http:
+            for target in sizes:
+                d50 = med(await direct_turns(engine, target, turns * sessions))
+                via_http, core, jrnl, floor, final = [], [], [], [], 0
+                for _ in range(sessions):
+                    h = proxy.create_session()
+                    c = await grown(tito_chat(http, url, h.session_id, h.api_key), tok, target)
+                    via_http += [await c.say(f"ok {i}") for i in range(turns)]
+                    final = c.tokens
+                    floor += await timed(turns, lambda: http.get(f"{url}/health"))
+                    if not full:
+                        continue
+                    h2 = proxy.create_session()
+                    c2 = await grown(tito_chat(http, url, h2.session_id, h2.api_key), tok, target)
+                    core += await core_turns(proxy, h2.session_id, c2.msgs, turns)
+                    h3 = journaled.create_session()
+                    first = [Message("user", filler(tok, target))]
+                    await journaled.chat(h3.session_id, ChatRequest(tuple(first)))
+                    reply = journaled.renderer.decode(journaled.export(h3.session_id)[0].token_ids[-ECHO:-1])
+                    msgs3 = [
+                        {"role": "user", "content": first[0].content},
+                        {"role": "assistant", "content": reply},
+                    ]
+                    jrnl += await core_turns(journaled, h3.session_id, msgs3, turns)
+                out[target] = {"direct": d50, "floor": med(floor), "http": med(via_http),
+                               "added": med(via_http) - d50, "added90": pct(via_http, 0.9) - d50,
+                               "final": final}  # fmt: skip
+                if full:
+                    out[target] |= {"core": med(core) - d50, "journal": med(jrnl) - d50}
+    return out
+
+
+async def throughput(tok: Any, n_sessions: int, turns: int) -> tuple[float, float]:
+    engine = ScriptedEngine(tok, echo_tokens=ECHO, max_context=65536, record=False)
+    proxy = TitoProxy(engine, tok, TitoConfig())
+    limits = httpx.Limits(max_connections=n_sessions, max_keepalive_connections=n_sessions)
+    async with serve_app(create_app(proxy)) as url, httpx.AsyncClient(timeout=120, limits=limits) as http:
+        chats = [tito_chat(http, url, h.session_id, h.api_key) for h in (proxy.create_session() for _ in range(n_sessions))]  # fmt: skip
+
+        async def one(c: Chat) -> None:
+            for i in range(turns):
+                await c.say(f"go {i}")
+
         t0 = time.perf_counter()
-        await engine.generate(ids, sp, session_id="x")
-        lat.append(time.perf_counter() - t0)
-    return lat
+        async with anyio.create_task_group() as tg:
+            for c in chats:
+                tg.start_soon(one, c)
+        tps = n_sessions * turns / (time.perf_counter() - t0)
 
-
-async def latency_row(proxy, journaled, engine, url, tok, target, turns, sessions) -> dict:
-    direct = await direct_turns(engine, target, turns * sessions)
-    via_http, via_core, via_journal, floor, final = [], [], [], [], 0
-    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-        for _ in range(sessions):
-            h = proxy.create_session()
-            msgs = await build_history(http, h.session_id, h.api_key, tok, target)
-            lat, final = await http_turns(http, h.session_id, h.api_key, msgs, turns)
-            via_http += lat
-            h2 = proxy.create_session()
-            msgs2 = await build_history(http, h2.session_id, h2.api_key, tok, target)
-            via_core += await inproc_turns(proxy, h2.session_id, msgs2, turns)
-            h3 = journaled.create_session()
-            conv = [Message("user", filler(tok, target))]
-            await journaled.chat(h3.session_id, ChatRequest(tuple(conv)))
-            msgs3 = [{"role": "user", "content": conv[0].content}, {"role": "assistant", "content": ""}]
-            msgs3[1]["content"] = journaled.renderer.decode(
-                journaled.export(h3.session_id)[0].token_ids[-ECHO:-1]
-            )
-            via_journal += await inproc_turns(journaled, h3.session_id, msgs3, turns)
-            for _ in range(turns):
-                t0 = time.perf_counter()
-                await http.get("/health")
-                floor.append(time.perf_counter() - t0)
-    d50 = statistics.median(direct)
-    return {
-        "history": target,
-        "final": final,
-        "direct": d50,
-        "core": statistics.median(via_core) - d50,
-        "journal": statistics.median(via_journal) - d50,
-        "floor": statistics.median(floor),
-        "http50": statistics.median(via_http),
-        "added50": statistics.median(via_http) - d50,
-        "added90": pct(via_http, 0.9) - d50,
-    }
-
-
-async def direct_throughput(engine: ScriptedEngine, n_sessions: int, turns: int) -> float:
-    sp = SamplingParams(max_new_tokens=64)
-
-    async def one(i: int) -> None:
+    async def direct(i: int) -> None:
         ids = list(range(1000, 1100))
         for _ in range(turns):
-            gen = await engine.generate(ids, sp, session_id=str(i))
+            gen = await engine.generate(ids, SamplingParams(max_new_tokens=64), session_id=str(i))
             ids = ids + gen.output_ids + [1, 2, 3]
 
     t0 = time.perf_counter()
     async with anyio.create_task_group() as tg:
         for i in range(n_sessions):
-            tg.start_soon(one, i)
-    return n_sessions * turns / (time.perf_counter() - t0)
+            tg.start_soon(direct, i)
+    return tps, n_sessions * turns / (time.perf_counter() - t0)
 
 
-async def throughput(proxy, url, n_sessions: int, turns: int) -> float:
-    handles = [proxy.create_session() for _ in range(n_sessions)]
-    limits = httpx.Limits(max_connections=n_sessions, max_keepalive_connections=n_sessions)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
-
-        async def one(h) -> None:
-            msgs: list[dict] = [{"role": "user", "content": "start"}]
-            for i in range(turns):
-                r = await http.post(
-                    f"/s/{h.session_id}/v1/chat/completions",
-                    json={"messages": msgs},
-                    headers={"x-api-key": h.api_key},
-                )
-                msgs += [r.json()["choices"][0]["message"], {"role": "user", "content": f"go {i}"}]
-
-        t0 = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for h in handles:
-                tg.start_soon(one, h)
-        return n_sessions * turns / (time.perf_counter() - t0)
-
-
-class Dialect:
-    """One dialect's wire format for the same conversation: path, request body, reply appended to history."""
-
-    def __init__(self, name: str, path: str) -> None:
-        self.name, self.path = name, path
-
-    def body(self, history: list[dict]) -> dict:
-        if self.name == "chat":
-            return {"messages": history}
-        if self.name == "responses":
-            return {"input": history, "store": False}
-        return {"messages": history, "max_tokens": 64}
-
-    def user(self, text: str) -> dict:
-        return {"role": "user", "content": text}
-
-    def reply(self, body: dict) -> list[dict]:
-        if self.name == "chat":
-            return [{"role": "assistant", "content": body["choices"][0]["message"]["content"]}]
-        if self.name == "responses":
-            return body["output"]
-        return [{"role": "assistant", "content": body["content"]}]
+async def compare_round(
+    urls: dict[str, str], tok: Any, turns: int, sessions: int
+) -> dict[int, dict[str, float]]:
+    """One round of section 4. One proxy at a time, its turns interleaved with direct ones, each
+    against the direct turns of its own phase: LiteLLM keeps working after it answers (logging
+    callbacks), which on 2 cores would otherwise slow whatever runs next."""
+    out: dict[int, dict[str, float]] = {}
+    async with httpx.AsyncClient(timeout=60) as http:
+        for target in SIZES:
+            out[target] = {}
+            for proxy in ("tito", "litellm"):
+                lat: dict[str, list[float]] = {"direct": [], proxy: []}
+                own: list[float] = []
+                for _ in range(sessions):
+                    if proxy == "tito":
+                        auth = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+                        s = (await http.post(f"{urls['tito']}/admin/sessions", headers=auth)).json()
+                        via = tito_chat(http, urls["tito"], s["session_id"], s["api_key"])
+                    else:
+                        auth = {"authorization": f"Bearer {LITELLM_KEY}"}
+                        via = Chat(http, f"{urls['litellm']}/v1/chat/completions", auth)
+                    chats = {"direct": Chat(http, f"{urls['engine']}/v1/chat/completions", {}), proxy: via}
+                    for text in chunks(tok, target):
+                        for c in chats.values():
+                            await c.say(text)
+                    for i in range(turns):
+                        for name, c in chats.items():
+                            lat[name].append(await c.say(f"ok {i}"))
+                    own += via.own_overhead[-turns:]
+                d = med(lat["direct"])
+                out[target] |= {f"{proxy}_direct": d, proxy: med(lat[proxy]) - d}
+                if own:
+                    out[target]["litellm_own"] = med(own)
+                await anyio.sleep(0.5)  # let LiteLLM's after-response work drain
+    return out
 
 
-DIALECTS = [
-    Dialect("chat", "/v1/chat/completions"),
-    Dialect("responses", "/v1/responses"),
-    Dialect("messages", "/v1/messages"),
-]
+def rounds_median(rounds: list[dict[int, dict[str, float]]]) -> dict[int, dict[str, float]]:
+    return {n: {k: med(r[n][k] for r in rounds) for k in rounds[0][n]} for n in rounds[0]}
 
 
-async def dialect_rows(proxy: TitoProxy, url: str, tok, target: int, turns: int, sessions: int) -> dict:
-    lat: dict[str, list[float]] = {d.name: [] for d in DIALECTS}
-    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-
-        async def turn(d: Dialect, h, hist: list[dict], text: str) -> float:
-            hist.append(d.user(text))
-            t0 = time.perf_counter()
-            r = await http.post(
-                f"/s/{h.session_id}{d.path}", json=d.body(hist), headers={"x-api-key": h.api_key}
-            )
-            dt = time.perf_counter() - t0
-            assert r.status_code == 200, r.text
-            hist += d.reply(r.json())
-            return dt
-
-        chunk = filler(tok, min(1000, target // 4))
-        for _ in range(sessions):
-            state = [(d, proxy.create_session(), []) for d in DIALECTS]
-            for _ in range(max(1, target // min(1000, target // 4) - 1)):  # same history in every dialect
-                for d, h, hist in state:
-                    await turn(d, h, hist, chunk)
-            for i in range(turns):
-                for d, h, hist in state:
-                    lat[d.name].append(await turn(d, h, hist, f"ok {i}"))
-    return {k: statistics.median(v) for k, v in lat.items()}
+def spread(rounds: list[dict[int, dict[str, float]]], n: int, k: str) -> str:
+    xs = [r[n][k] * 1e3 for r in rounds]
+    return f"{min(xs):.3f}-{max(xs):.3f}"
 
 
-async def dialects_main(turns: int, sessions: int) -> None:
-    tok = load_tokenizer()
-    engine = ScriptedEngine(tok, echo_tokens=ECHO, max_context=65536, record=False)
-    d50 = statistics.median(await direct_turns(engine, 1000, 200))
-    proxy = TitoProxy(engine, tok, TitoConfig())
-    async with serve(create_app(proxy)) as url:
-        rows = [(n, await dialect_rows(proxy, url, tok, n, turns, sessions)) for n in (1000, 16000)]
+def installed(*names: str) -> bool:
+    try:
+        return all(md.version(n) for n in names)
+    except md.PackageNotFoundError:
+        return False
+
+
+def section1(tok: Any, a: argparse.Namespace) -> None:
+    runs = [
+        anyio.run(inproc_round, tok, a.turns, a.sessions, backend_options=loop_options())
+        for _ in range(a.rounds)
+    ]
+    m = rounds_median(runs)
+    print("\n| history (tokens at end) | engine direct | core added | core + journal | HTTP floor (GET /health) "
+          "| proxy p50 (HTTP) | added p50 (range over rounds) | added p90 |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for n, r in m.items():
+        print(f"| {n // 1000}k ({r['final']:.0f}) | {r['direct'] * 1e3:.3f} ms | {r['core'] * 1e3:.3f} ms "
+              f"| {r['journal'] * 1e3:.3f} ms | {r['floor'] * 1e3:.3f} ms | {r['http'] * 1e3:.3f} ms "
+              f"| **{r['added'] * 1e3:.3f} ms** ({spread(runs, n, 'added')}) | {r['added90'] * 1e3:.3f} ms |")  # fmt: skip
+    lo, hi = m[SIZES[0]], m[SIZES[1]]
+    print(f"\nadded p50 at 1k: {lo['added'] * 1e3:.3f} ms (target < 1 ms); 16k / 1k: "
+          f"{hi['added'] / lo['added']:.2f}x (target <= 1.2x); core 16k / 1k: {hi['core'] / lo['core']:.2f}x")  # fmt: skip
+
+
+def section2(tok: Any, a: argparse.Namespace) -> None:
+    stacks = [(h, lp) for h, lp in STACKS if installed(h if h != "h11" else "h11") and (lp != "uvloop" or installed("uvloop"))]  # fmt: skip
+    runs: dict[tuple[str, str], list[dict[int, dict[str, float]]]] = {s: [] for s in stacks}
+    for _ in range(a.rounds):
+        for h, lp in stacks:
+            opts = {"use_uvloop": lp == "uvloop"}
+            runs[(h, lp)].append(anyio.run(inproc_round, tok, a.turns, a.sessions, h, SIZES[:1], False, backend_options=opts))  # fmt: skip
+    print("\n| server stack (parser / loop) | HTTP floor p50 | added p50 at 1k |")
+    print("|---|---|---|")
+    base = rounds_median(runs[stacks[0]])[SIZES[0]]
+    for s in stacks:
+        r = rounds_median(runs[s])[SIZES[0]]
+        print(f"| {s[0]} / {s[1]} | {r['floor'] * 1e3:.3f} ms ({r['floor'] / base['floor']:.2f}x) "
+              f"| {r['added'] * 1e3:.3f} ms ({r['added'] / base['added']:.2f}x) |")  # fmt: skip
+
+
+def section4(tok: Any, a: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        with (
+            fake_engine(work, ECHO) as engine,
+            tito_proxy(work, engine) as tito,
+            litellm_proxy(work, engine) as ll,
+        ):
+            urls = {"engine": engine, "tito": tito, "litellm": ll}
+            opts = loop_options()
+            runs = [anyio.run(compare_round, urls, tok, a.turns, a.sessions, backend_options=opts) for _ in range(a.rounds)]  # fmt: skip
+    m = rounds_median(runs)
     print(
-        f"{'history':>8} {'chat p50':>10} {'responses':>10} {'messages':>10} {'resp/chat':>10} {'msgs/chat':>10}"
+        f"\nLiteLLM {litellm_version()} (litellm[proxy], own venv, 1 worker) vs `miles-env proxy serve --engine sglang`"
     )
-    for n, r in rows:
-        c, o, m = (r[k] - d50 for k in ("chat", "responses", "messages"))
-        print(f"{n:>8} {c * 1e3:>8.3f}ms {o * 1e3:>8.3f}ms {m * 1e3:>8.3f}ms {o / c:>9.2f}x {m / c:>9.2f}x")
-    print("added per-turn latency over the engine called directly (p50); target: ratios <= 1.5x")
+    print("\n| history | engine direct (/v1/chat/completions; TITO phase / LiteLLM phase) | TITO added p50 "
+          "| LiteLLM added p50 | LiteLLM's own x-litellm-overhead-duration-ms | TITO / LiteLLM |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for n, r in m.items():
+        print(f"| {n // 1000}k | {r['tito_direct'] * 1e3:.3f} / {r['litellm_direct'] * 1e3:.3f} ms "
+              f"| **{r['tito'] * 1e3:.3f} ms** ({spread(runs, n, 'tito')}) "
+              f"| **{r['litellm'] * 1e3:.3f} ms** ({spread(runs, n, 'litellm')}) | {r['litellm_own'] * 1e3:.3f} ms "
+              f"| **{r['tito'] / r['litellm']:.2f}x** |")  # fmt: skip
 
 
-async def main(turns: int, sessions: int) -> None:
+SECTIONS = ("inproc", "stack", "throughput", "litellm", "dialects")
+
+
+def main(a: argparse.Namespace) -> None:
     tok = load_tokenizer()
-    engine = ScriptedEngine(tok, echo_tokens=ECHO, max_context=65536, record=False)
-    proxy = TitoProxy(engine, tok, TitoConfig())
-    with tempfile.TemporaryDirectory() as store:
-        journaled = TitoProxy(engine, tok, TitoConfig(), store_dir=Path(store))
-        async with serve(create_app(proxy)) as url:
-            rows = [
-                await latency_row(proxy, journaled, engine, url, tok, n, turns, sessions)
-                for n in (1000, 16000)
-            ]
-            tps = await throughput(proxy, url, 64, turns)
-    base_tps = await direct_throughput(engine, 64, turns)
-    ms = 1e3
-    print(f"{'history':>8} {'tokens':>7} {'engine':>9} {'core+':>8} {'core+jrnl':>9} {'http floor':>10} "
-          f"{'proxy p50':>10} {'added p50':>10} {'added p90':>10}")  # fmt: skip
-    for r in rows:
-        print(
-            f"{r['history']:>8} {r['final']:>7} {r['direct'] * ms:>7.3f}ms {r['core'] * ms:>6.3f}ms "
-            f"{r['journal'] * ms:>7.3f}ms "
-            f"{r['floor'] * ms:>8.3f}ms {r['http50'] * ms:>8.3f}ms {r['added50'] * ms:>8.3f}ms {r['added90'] * ms:>8.3f}ms"
-        )
-    print(f"added p50 16k / 1k: {rows[1]['added50'] / rows[0]['added50']:.2f}x (target <= 2x)")
-    print(f"core added 16k / 1k: {rows[1]['core'] / rows[0]['core']:.2f}x")
-    print(f"added p50 at 1k: {rows[0]['added50'] * ms:.3f} ms (target < 2 ms)")
-    print(
-        f"64 concurrent sessions over HTTP: {tps:.0f} turns/s ({ECHO} tokens per turn, client in the same process)"
+    only = set(a.only.split(",")) if a.only else set(SECTIONS) - ({"litellm"} if a.no_litellm else set())
+    versions = ", ".join(
+        f"{n} {md.version(n)}" for n in ("uvicorn", "uvloop", "httptools", "starlette") if installed(n)
     )
-    print(f"64 concurrent sessions, engine direct: {base_tps:.0f} turns/s; proxy/direct {tps / base_tps:.4f}")
+    print(f"stack: {versions}; load average at start {os.getloadavg()[0]:.1f}")
+    if "inproc" in only:
+        section1(tok, a)
+    if "stack" in only:
+        section2(tok, a)
+    if "throughput" in only:
+        tps, base = anyio.run(throughput, tok, 64, a.turns, backend_options=loop_options())
+        print(f"\n64 concurrent sessions over HTTP: {tps:.0f} turns/s ({ECHO} tokens per turn, client in the "
+              f"same process); engine direct: {base:.0f} turns/s; proxy/direct {tps / base:.4f}")  # fmt: skip
+    if "litellm" in only:
+        section4(tok, a)
+    if "dialects" in only:
+        print_dialects(anyio.run(dialect_rows, tok, a.turns, a.sessions, backend_options=loop_options()))
+    print(f"\nload average at end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--sessions", type=int, default=4)
     ap.add_argument("--turns", type=int, default=20)
-    ap.add_argument("--sessions", type=int, default=10)
-    ap.add_argument("--dialects-only", action="store_true")
-    a = ap.parse_args()
-    if not a.dialects_only:
-        anyio.run(main, a.turns, a.sessions)
-    anyio.run(dialects_main, a.turns, a.sessions)
+    ap.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM comparison")
+    ap.add_argument("--only", default="", help=f"comma-separated sections: {','.join(SECTIONS)}")
+    main(ap.parse_args())
