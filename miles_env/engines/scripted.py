@@ -226,6 +226,7 @@ class ScriptedEngine:
             finish_reason=finish,
             weight_version=self.weight_version,
             prompt_len=len(input_ids),
+            meta={"matched": ids[-1]} if finish == "stop" else {},  # the stop id, as engines report it
         )
         if self.record:
             self.generations.append(gen)

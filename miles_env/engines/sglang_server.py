@@ -3,15 +3,33 @@
 Concept: `create_app(engine)` serves `POST /generate` (token ids in, token ids
 and logprobs out), `POST /update_weights_from_disk`, `GET|POST /flush_cache`,
 `GET /get_model_info`, `GET /get_weight_version`, `GET /get_server_info`,
-`GET /health` and `GET /health_generate`, with SGLang's field names and
-response shapes, so a client written for a real SGLang server (slime, miles,
-our `SGLangEngine`) works unchanged against the embedded engine.
+`GET /health` and `GET /health_generate`, with SGLang's field names, response
+shapes, request rules and refusals, so a client written for a real SGLang
+server (slime, miles, our `SGLangEngine`) meets here what it meets there.
+The server's context length C is the engine's `info().max_context`.
+
+Rules a real SGLang server applies, and this one too (SGLang python/sglang/srt/):
+| rule | where in SGLang |
+|---|---|
+| prompt >= C: 400 "The input (P tokens) is longer than the model's context length (C tokens)." | managers/tokenizer_manager.py `_validate_one_request` |
+| prompt + max_new_tokens >= C (strict; only when max_new_tokens is sent): 400 "Requested token count exceeds the model's maximum context length of C tokens. You requested a total of T tokens: P tokens from the input messages and M tokens for the completion. ..." | same (`>=` through v0.5.x; newest main: `>` behind `validate_total_tokens`) |
+| an unknown `sampling_params` key: TypeError in `SamplingParams(**kw)`, not caught: 500 "Internal Server Error" | sampling/sampling_params.py; entrypoints/http_server.py catches ValueError only |
+| value checks (temperature >= 0, top_p in (0, 1], top_k -1 or >= 1, min_p, penalties, max_new_tokens >= 0): 400 with SGLang's message | sampling_params.py `SamplingParams.verify` |
+| prompt >= max_req_input_len (C - 6): 400 "Input length (P tokens) exceeds the maximum allowed length (M tokens). ..." | managers/scheduler.py `validate_input_length` (abort with 400, raised as ValueError) |
+| max_new_tokens (absent: unbounded) clamped to C - 2 - P | scheduler.py `init_req_max_new_tokens` (max_req_len - P - 1) |
+| a refusal's body: `{"error": {"message": ...}}`; a malformed body: 400 `{"object": "error", "message", "type": "Bad Request", "param": null, "code": 400}`; unknown top-level fields ignored | http_server.py `_create_error_response`, RequestValidationError handler; GenerateReqInput is a dataclass |
+| finish_reason `{"type": "stop", "matched": id or str}`, `{"type": "length", "length": max_new_tokens}`, `{"type": "abort", "message", "status_code", "err_type"}` | managers/schedule_batch.py `FINISH_*.to_json` |
+| `meta_info.output_token_logprobs`: `[logprob, token_id, None]` per output token (text with `return_text_in_logprobs`) | tokenizer_manager.py `detokenize_logprob_tokens` |
+| weight_version: "default" until weights are updated with a version; in meta_info, /get_model_info, /get_weight_version, /get_server_info | server_args.py `weight_version`; http_server.py |
+| /get_server_info: server args, scheduler info (`max_total_num_tokens`, `max_req_input_len`), `internal_states`, `version`; no EOS ids | http_server.py `get_server_info` |
 
 Invariant: the ids and logprobs in a response are exactly the Generation's.
-Differences from SGLang: one request per call (no batch lists, no streaming);
-the optional `X-Session-Id` header is the KV-reuse hint (SGLang ignores it and
-reuses prefixes through its radix cache); `weight_version` is reported as a
-string, as SGLang does.
+Differences from SGLang: one request per call (no batch lists, no streaming,
+no top logprobs, no input logprobs); sampling features the engine cannot
+honour (penalties, min_p, n > 1, grammars, ignore_eos, logit_bias,
+max_new_tokens = 0) are refused with a 400 naming them; the optional
+`X-Session-Id` header is the KV-reuse hint; "default" is the engine's version 0,
+and an update without a version bumps the engine's integer version.
 
 Lifecycle: `serve()` runs uvicorn until cancelled; `running_server()` starts
 it on a loopback port for the duration of an `async with` block.
@@ -24,86 +42,27 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError
 
+from miles_env.engines._sglang_wire import (
+    RESERVED_TAIL,
+    SAMPLING_KEYS,
+    GenerateRequest,
+    WireSamplingParams,
+    check_context,
+    check_scheduler,
+)
 from miles_env.engines.base import Engine, Generation, SamplingParams
 from miles_env.engines.sglang import SESSION_HEADER
-from miles_env.errors import EngineError
+from miles_env.errors import EngineError, EngineRefused
 
 __all__ = ["GenerateRequest", "WireSamplingParams", "create_app", "serve", "running_server", "SESSION_HEADER"]
-
-
-class WireSamplingParams(BaseModel):
-    """SGLang's `sampling_params`; fields we cannot honour are accepted only at their neutral value."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_new_tokens: int = Field(default=128, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    sampling_seed: int | None = None
-    seed: int | None = None  # alias of sampling_seed
-    # text rendering only: they never change the ids
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-    # accepted for compatibility at their neutral value only
-    ignore_eos: bool = False
-    min_new_tokens: int = 0
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    n: int = 1
-
-    @field_validator("ignore_eos", "min_new_tokens", "min_p", "frequency_penalty", "presence_penalty")
-    @classmethod
-    def _neutral_zero(cls, v: Any) -> Any:
-        if v:
-            raise ValueError("not supported by this engine (only the neutral value is accepted)")
-        return v
-
-    @field_validator("repetition_penalty", "n")
-    @classmethod
-    def _neutral_one(cls, v: Any) -> Any:
-        if v != 1:
-            raise ValueError("not supported by this engine (only the neutral value 1 is accepted)")
-        return v
-
-    def to_sampling(self) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k if self.top_k > 0 else -1,
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            stop=tuple(stop),
-            seed=self.sampling_seed if self.sampling_seed is not None else self.seed,
-        )
-
-
-class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    input_ids: list[int] | None = None
-    text: str | None = None  # tokenized without special tokens when input_ids is absent
-    sampling_params: WireSamplingParams = Field(default_factory=WireSamplingParams)
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = Field(default=0, ge=0, le=0)
-    return_text_in_logprobs: bool = False
-    stream: Literal[False] = False  # streaming is not served
-    rid: str | None = None
 
 
 class UpdateFromDiskRequest(BaseModel):
@@ -120,13 +79,17 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
-def _finish_reason(gen: Generation) -> dict[str, Any]:
-    matched = gen.meta.get("matched")
+def _version(v: int) -> str:
+    return "default" if v == 0 else str(v)
+
+
+def _finish_reason(gen: Generation, max_new_tokens: int) -> dict[str, Any]:
     if gen.finish_reason == "stop":
-        return {"type": "stop", "matched": matched}
+        return {"type": "stop", "matched": gen.meta.get("matched")}
     if gen.finish_reason == "length":
-        return {"type": "length", "length": len(gen.output_ids)}
-    return {"type": "abort", "message": str(gen.meta.get("message", "aborted"))}
+        return {"type": "length", "length": max_new_tokens}
+    message = str(gen.meta.get("message", "Aborted"))
+    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
 
 
 class _Tokenizer:
@@ -145,29 +108,48 @@ class _Tokenizer:
         return self.tok
 
 
-def _response(gen: Generation, req: GenerateRequest, rid: str, text: str) -> dict[str, Any]:
+def _response(
+    gen: Generation, req: GenerateRequest, rid: str, tok: Any, sp: WireSamplingParams, max_new: int
+) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": rid,
-        "finish_reason": _finish_reason(gen),
+        "finish_reason": _finish_reason(gen, max_new),
         "prompt_tokens": gen.prompt_len,
         "completion_tokens": len(gen.output_ids),
         "cached_tokens": gen.cached_tokens,
-        "weight_version": str(gen.weight_version),
+        "weight_version": _version(gen.weight_version),
         "e2e_latency": gen.latency_s,
     }
     if req.return_logprob:
         meta["output_token_logprobs"] = [
-            [lp, tid, None] for lp, tid in zip(gen.logprobs, gen.output_ids, strict=True)
+            [lp, tid, str(tok.decode([tid])) if req.return_text_in_logprobs else None]
+            for lp, tid in zip(gen.logprobs, gen.output_ids, strict=True)
         ]
-    return {"text": text, "output_ids": list(gen.output_ids), "meta_info": meta}
+    return {"text": _text(tok, gen, sp), "output_ids": list(gen.output_ids), "meta_info": meta}
 
 
 def _text(tok: Any, gen: Generation, sp: WireSamplingParams) -> str:
-    text = str(tok.decode(gen.output_ids, skip_special_tokens=sp.skip_special_tokens))
+    skip = True if sp.skip_special_tokens is None else sp.skip_special_tokens
+    text = str(tok.decode(gen.output_ids, skip_special_tokens=skip))
     matched = gen.meta.get("matched")
     if isinstance(matched, str) and matched and not sp.no_stop_trim and matched in text:
         text = text[: text.rfind(matched)]  # SGLang leaves the stop string out of the text
     return text
+
+
+def _sampling(raw: dict[str, Any], prompt_len: int, context: int) -> tuple[WireSamplingParams, int]:
+    """SGLang's order: the context rules, SamplingParams(**kw) and verify(), then the scheduler's."""
+    check_context(prompt_len, raw.get("max_new_tokens"), context)
+    if set(raw) - SAMPLING_KEYS:
+        raise TypeError(f"Unexpected keyword argument {sorted(set(raw) - SAMPLING_KEYS)[0]!r}")
+    try:
+        sp = WireSamplingParams.model_validate(raw)
+    except ValidationError as e:
+        raise ValueError(f"invalid sampling_params: {e.errors(include_url=False)}") from e
+    sp.verify()
+    if (why := sp.unsupported()) is not None:
+        raise ValueError(why)
+    return sp, check_scheduler(prompt_len, sp.max_new_tokens, context)
 
 
 def create_app(engine: Engine) -> FastAPI:
@@ -177,27 +159,33 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(400, f"invalid request: {exc.errors()}")
+        body = {"object": "error", "message": f"{exc} {exc.errors()}", "type": "Bad Request", "param": None}
+        return JSONResponse({**body, "code": 400}, status_code=400)
 
     @app.post("/generate")
     async def generate(req: GenerateRequest, request: Request) -> Any:
-        try:
-            sampling = req.sampling_params.to_sampling()
-        except ValidationError as e:
-            return _error(400, f"invalid sampling_params: {e.errors()}")
         tok = await tokenizer.get()
-        if req.input_ids is None:
-            if req.text is None:
-                return _error(400, "one of input_ids or text is required")
+        if req.input_ids is not None:
+            ids = req.input_ids
+        elif req.text is not None:
             ids = list(tok.encode(req.text, add_special_tokens=False))
         else:
-            ids = req.input_ids
-        rid = req.rid or uuid.uuid4().hex
+            return _error(400, "Either text, input_ids or input_embeds should be provided.")
         try:
-            gen = await engine.generate(ids, sampling, session_id=request.headers.get(SESSION_HEADER))
-        except EngineError as e:
+            sp, max_new = _sampling(req.sampling_params or {}, len(ids), (await engine.info()).max_context)
+        except TypeError:  # SGLang's TypeError (an unknown sampling key) is not caught: a bare 500
+            return PlainTextResponse("Internal Server Error", status_code=500)
+        except ValueError as e:
             return _error(400, str(e))
-        return _response(gen, req, rid, _text(tok, gen, req.sampling_params))
+        try:
+            gen = await engine.generate(
+                ids, sp.to_sampling(max_new), session_id=request.headers.get(SESSION_HEADER)
+            )
+        except EngineRefused as e:
+            return _error(400, str(e))
+        except EngineError as e:
+            return _error(500, str(e))
+        return _response(gen, req, req.rid or uuid.uuid4().hex, tok, sp, max_new)
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(req: UpdateFromDiskRequest) -> JSONResponse:
@@ -228,23 +216,24 @@ def create_app(engine: Engine) -> FastAPI:
             "tokenizer_path": info.model,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": str(info.weight_version),
+            "weight_version": _version(info.weight_version),
         }
 
     @app.get("/get_weight_version")
     async def get_weight_version() -> dict[str, Any]:
-        return {"weight_version": str((await engine.info()).weight_version)}
+        return {"weight_version": _version((await engine.info()).weight_version)}
 
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
         info = await engine.info()
-        return {
+        return {  # the server args and scheduler info that apply here; SGLang reports no EOS ids
             "model_path": info.model,
+            "tokenizer_path": info.model,
             "context_length": info.max_context,
-            "max_req_input_len": info.max_context - 1,
-            "eos_token_ids": list(info.eos_token_ids),
-            "engine": info.name,
-            "weight_version": str(info.weight_version),
+            "weight_version": _version(info.weight_version),
+            "max_total_num_tokens": info.max_context,
+            "max_req_input_len": info.max_context - 1 - RESERVED_TAIL,
+            "internal_states": [{}],
             "version": "miles-env",
         }
 
