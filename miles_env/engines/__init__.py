@@ -74,6 +74,15 @@ def _checkpoint_dtype(model_dir: Path) -> str:
     return dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
 
 
+def _attached_model_dir(cfg: EngineConfig) -> Path | None:
+    """The local dir of `cfg.model`, if there is one, for a client attached to a server (EOS ids are
+    read there unless the server's own model path is local); nothing is converted or fetched."""
+    from miles_env.models import DEFAULT_MODEL, cached_model_dir
+
+    path = cached_model_dir() if cfg.model == DEFAULT_MODEL else Path(cfg.model).expanduser()
+    return path if (path / "config.json").is_file() else None
+
+
 async def _build_vllm(cfg: EngineConfig) -> Engine:
     from miles_env.engines.vllm import VLLMEngine, vllm_model_dir, vllm_server_spec
     from miles_env.http import free_port
@@ -86,9 +95,9 @@ async def _build_vllm(cfg: EngineConfig) -> Engine:
             "engine.url: kind 'vllm' either attaches to url or launches (launch: true), not both"
         )
     if cfg.url:
-        local = Path(cfg.model)
-        model_dir = resolve_model(cfg.model) if cfg.model == "smollm2" or local.exists() else None
-        return VLLMEngine(cfg.url, model_dir=model_dir, timeout_s=cfg.timeout_s, max_restarts=0)
+        return VLLMEngine(
+            cfg.url, model_dir=_attached_model_dir(cfg), timeout_s=cfg.timeout_s, max_restarts=0
+        )
     model_dir = resolve_model(cfg.model)
     port = cfg.port or free_port()
     spec = vllm_server_spec(
@@ -139,7 +148,7 @@ async def build_engine(cfg: EngineConfig | None = None) -> Engine:
         urls = ([cfg.url] if cfg.url else []) + list(cfg.urls)
         if not urls:
             raise ConfigError("engine.url: kind 'sglang' needs url or urls (or launch: true)")
-        return SGLangEngine(urls, timeout_s=cfg.timeout_s)
+        return SGLangEngine(urls, timeout_s=cfg.timeout_s, model_dir=_attached_model_dir(cfg))
     if cfg.kind == "vllm":
         return await _build_vllm(cfg)
     import anyio

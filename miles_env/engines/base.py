@@ -3,6 +3,15 @@
 An engine knows nothing of chat, tools or sessions beyond an optional
 `session_id` hint used for KV-prefix reuse and sticky routing. Every Generation
 carries the weight version that produced it.
+
+Context: `EngineInfo.max_context` is the most prompt + max_new_tokens one request
+may ask for on this engine (SGLang: its context length - 1, as it refuses a total
+equal to it). A request within it is served; a larger max_new_tokens is clamped
+(the generation ends within the limit, finish "length"); a prompt that leaves no
+room for one token raises `EngineRefused(reason="context_length")`. Every
+deterministic refusal is an EngineRefused, every transient failure a plain
+EngineError. `eos_token_ids` are the model directory's. tests/test_engine_contract.py
+checks all of this against every engine.
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ class EngineInfo:
     name: str  # "hf" | "sglang" | "vllm" | "scripted"
     model: str  # path or id
     weight_version: int
-    max_context: int
+    max_context: int  # the most prompt + max_new_tokens one request may ask for (module docstring)
     eos_token_ids: tuple[int, ...] = ()
 
 

@@ -42,7 +42,7 @@ from miles_env.engines._batch import Batch, Row
 from miles_env.engines._kv import SessionEntry, SessionStore
 from miles_env.engines._weights import apply_update, load_safetensors
 from miles_env.engines.base import EngineInfo, Generation, SamplingParams
-from miles_env.errors import ConfigError, EngineError
+from miles_env.errors import ConfigError, EngineError, EngineRefused
 
 __all__ = ["HFEngineConfig", "HFEngine", "load_safetensors"]
 
@@ -260,18 +260,23 @@ class HFEngine:
 
     # ---- caller side helpers -------------------------------------------------------------------
     def _validate(self, input_ids: Sequence[int]) -> list[int]:
+        """A request that can never succeed is an EngineRefused (the others fail transiently)."""
         ids = [int(i) for i in input_ids]
         if not ids:
-            raise EngineError("generate: input_ids is empty")
+            raise EngineRefused("generate: input_ids is empty", "invalid_request")
         if len(ids) >= self.max_context:
-            raise EngineError(
+            raise EngineRefused(
                 f"generate: prompt of {len(ids)} tokens does not fit the context of {self.max_context} "
-                "tokens (it must leave room for at least one generated token)"
+                "tokens (it must leave room for at least one generated token)",
+                "context_length",
+                prompt_tokens=len(ids),
+                limit=self.max_context,
             )
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
-            raise EngineError(
-                f"generate: input_ids contains ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+            raise EngineRefused(
+                f"generate: input_ids contains ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
+                "invalid_request",
             )
         return ids
 

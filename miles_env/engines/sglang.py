@@ -3,7 +3,14 @@
 Concept: `generate()` posts token ids to `/generate` with `return_logprob`
 and reads the sampled ids and logprobs from `meta_info.output_token_logprobs`,
 so it works against a real SGLang server and against our embedded server
-(`sglang_server.create_app`) alike.
+(`sglang_server.create_app`, which applies SGLang's request rules) alike.
+
+Context: SGLang refuses `prompt + max_new_tokens >= context_length` (strict), so
+`info().max_context` is `context_length - 1` (without `--context-length`, the
+server's `max_req_input_len`), and `generate()` clamps max_new_tokens to that
+limit: a caller capping at `max_context - prompt` is accepted. A server's 400 is
+an EngineRefused (`_http.py`); EOS ids come from the model directory
+(`_model_dir.py`): SGLang does not report them.
 
 Invariant: requests of one session always go to the same server (consistent
 hash over the URLs), so that server's prefix cache serves the session's next
@@ -23,9 +30,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import httpx
 
 from miles_env.engines._http import request
+from miles_env.engines._model_dir import local_model_dir, model_eos_ids
 from miles_env.engines.base import EngineInfo, Generation, SamplingParams
 from miles_env.errors import ConfigError, EngineError
 
@@ -57,12 +66,12 @@ class HashRing:
         return self._urls[i]
 
 
-def _wire_sampling(s: SamplingParams) -> dict[str, Any]:
+def _wire_sampling(s: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "max_new_tokens": s.max_new_tokens,
+        "max_new_tokens": max_new_tokens,
         "temperature": s.temperature,
         "top_p": s.top_p,
-        "top_k": s.top_k,
+        "top_k": s.top_k if s.top_k > 0 else -1,  # SGLang refuses 0 ("-1 (disable) or at least 1")
     }
     if s.stop:
         out["stop"] = list(s.stop)
@@ -85,8 +94,10 @@ class SGLangEngine:
         timeout_s: float = 600.0,
         transport: httpx.AsyncBaseTransport | None = None,
         servers: Sequence[ManagedServer] = (),
+        model_dir: Path | None = None,
     ) -> None:
         self.servers = list(servers)  # launched by us: stopped on close()
+        self.model_dir = model_dir  # EOS ids are read here unless the server's model path is local
         self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else list(urls))]
         if not self.urls:
             raise ConfigError("sglang engine: urls is empty")
@@ -94,12 +105,30 @@ class SGLangEngine:
         self._rotation = itertools.cycle(self.urls)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport)
         self.weight_version = 0  # last known; a server reporting a non-integer version leaves it as is
+        self._limits: dict[str, int] = {}  # base URL -> the most prompt + max_new_tokens it accepts
 
     def url_for(self, session_id: str | None) -> str:
         return self._ring.pick(session_id) if session_id else next(self._rotation)
 
     async def _request(self, method: str, url: str, **kw: Any) -> httpx.Response:
         return await request(self._client, "sglang", method, url, **kw)
+
+    @staticmethod
+    def _context_limit(server: dict[str, Any]) -> int:
+        context = server.get("context_length")
+        if context:
+            return int(context) - 1  # SGLang refuses prompt + max_new_tokens >= context_length
+        return int(server.get("max_req_input_len") or 8192)
+
+    async def _limit(self, base: str) -> int | None:
+        """The server's limit (fetched once); None when unknown, and the server then judges alone."""
+        if base not in self._limits:
+            try:
+                server = (await self._request("GET", f"{base}/get_server_info")).json()
+                self._limits[base] = self._context_limit(server)
+            except (EngineError, ValueError, TypeError):
+                return None
+        return self._limits[base]
 
     def _version(self, raw: Any) -> int:
         try:
@@ -112,9 +141,13 @@ class SGLangEngine:
         self, input_ids: Sequence[int], sampling: SamplingParams, *, session_id: str | None = None
     ) -> Generation:
         base = self.url_for(session_id)
+        max_new = sampling.max_new_tokens
+        limit = await self._limit(base)
+        if limit is not None:  # at least 1: a prompt without room gets the server's own refusal
+            max_new = max(1, min(max_new, limit - len(input_ids)))
         payload = {
             "input_ids": list(input_ids),
-            "sampling_params": _wire_sampling(sampling),
+            "sampling_params": _wire_sampling(sampling, max_new),
             "return_logprob": True,
         }
         headers = {SESSION_HEADER: session_id} if session_id else None
@@ -170,13 +203,14 @@ class SGLangEngine:
         base = self.urls[0]
         model = (await self._request("GET", f"{base}/get_model_info")).json()
         server = (await self._request("GET", f"{base}/get_server_info")).json()
-        eos = server.get("eos_token_ids") or ()
+        self._limits[base] = self._context_limit(server)
+        model_dir = local_model_dir(model.get("model_path"), self.model_dir)
         return EngineInfo(
             name="sglang",
             model=str(model.get("model_path", "")),
             weight_version=self._version(model.get("weight_version")),
-            max_context=int(server.get("context_length") or server.get("max_req_input_len") or 8192),
-            eos_token_ids=tuple(int(i) for i in eos),
+            max_context=self._limits[base],
+            eos_token_ids=await anyio.to_thread.run_sync(model_eos_ids, model_dir),
         )
 
     async def close(self) -> None:
@@ -225,4 +259,4 @@ async def launch_sglang(cfg: EngineConfig) -> SGLangEngine:
     )  # fmt: skip
     server = ManagedServer(spec)
     await server.start()
-    return SGLangEngine(spec.url, timeout_s=cfg.timeout_s, servers=[server])
+    return SGLangEngine(spec.url, timeout_s=cfg.timeout_s, servers=[server], model_dir=model_dir)

@@ -15,7 +15,14 @@ clients), `/collective_rpc reload_weights {weights_path}`, `/reset_prefix_cache`
 `/update_weight_version`, `/resume`, open the gate. So no request sees mixed
 weights and every Generation's `weight_version` is the version that sampled it.
 
-Failure: any transport/HTTP error or timeout is an EngineError naming the URL
+Context (vLLM 0.32 v1/engine/input_processor.py, v1/core/sched/utils.py): a
+prompt >= max_model_len is refused (HTTP 400); a longer max_tokens is not, the
+generation stops at max_model_len tokens in all (finish "length"). So
+`info().max_context` is max_model_len and max_tokens is sent as asked.
+
+Failure: a 400 is the server refusing the request (prompt too long, bad
+parameter): an EngineRefused, not retried and no reason to restart anything.
+Any other transport/HTTP error or timeout is an EngineError naming the URL
 (the TITO proxy answers 502, the harness aborts the episode). For a launched
 server a failed request then checks it: a dead or stalled (health check fails)
 server is restarted, up to `max_restarts`, and the last synced weights and
@@ -29,7 +36,6 @@ stops a launched server (its process group) and closes the client.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -42,8 +48,9 @@ import httpx
 
 from miles_env.engines._http import request
 from miles_env.engines._launch import ManagedServer, ServerSpec, servable_model_dir
+from miles_env.engines._model_dir import local_model_dir, model_eos_ids
 from miles_env.engines.base import EngineInfo, Generation, SamplingParams
-from miles_env.errors import ConfigError, EngineError
+from miles_env.errors import ConfigError, EngineError, EngineRefused
 
 __all__ = ["VLLMEngine", "vllm_python", "vllm_server_spec", "vllm_model_dir", "VLLM_PIN"]
 
@@ -120,19 +127,6 @@ def _wire_sampling(s: SamplingParams) -> dict[str, Any]:
     if s.seed is not None:
         out["seed"] = s.seed
     return out
-
-
-def _eos_ids(model_dir: Path | None) -> tuple[int, ...]:
-    ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        try:
-            raw = json.loads((model_dir / name).read_text()).get("eos_token_id") if model_dir else None
-        except (OSError, ValueError):
-            raw = None
-        for i in raw if isinstance(raw, list) else [raw] if raw is not None else []:
-            if int(i) not in ids:
-                ids.append(int(i))
-    return tuple(ids)
 
 
 class _Gate:
@@ -240,6 +234,8 @@ class VLLMEngine:
             epoch = self._epoch
             try:
                 resp = await self._request("POST", "/inference/v1/generate", json=payload)
+            except EngineRefused:
+                raise  # the server answered: nothing to recover
             except EngineError as e:
                 failure = e
             else:
@@ -352,12 +348,13 @@ class VLLMEngine:
         if self._info is None:
             models = (await self._request("GET", "/v1/models")).json()
             card = (models.get("data") or [{}])[0]
+            model_dir = local_model_dir(card.get("root"), self.model_dir)
             self._info = EngineInfo(
                 name="vllm",
                 model=str(card.get("root") or card.get("id") or self.model_dir or ""),
                 weight_version=self.weight_version,
                 max_context=int(card.get("max_model_len") or 2048),
-                eos_token_ids=_eos_ids(self.model_dir),
+                eos_token_ids=await anyio.to_thread.run_sync(model_eos_ids, model_dir),
             )
         info = self._info
         return EngineInfo(info.name, info.model, self.weight_version, info.max_context, info.eos_token_ids)
