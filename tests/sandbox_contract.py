@@ -10,13 +10,20 @@ fixture returning the provider under test (and an `anyio_backend` fixture):
 Behaviours: exit codes, stdout/stderr, stdin, env (spec and per exec), cwd,
 timeout, files placed from the spec, write/read round trips, expose() reaching
 a real host HTTP server, close idempotent and final.
+
+`HostileContract` (subclassed the same way, plus a `host_path` method) is the
+escape and exhaustion suite: sysctl writes, root-only host files, setuid-root
+files and device nodes, disk filling with many files, a huge host-side read.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +31,7 @@ from miles_env.errors import SandboxError
 from miles_env.sandbox import Sandbox
 from miles_env.types import Resources, SandboxSpec
 
-__all__ = ["SandboxContract", "host_http_server"]
+__all__ = ["HostileContract", "SandboxContract", "host_http_server"]
 
 
 class _Hello(BaseHTTPRequestHandler):
@@ -131,3 +138,106 @@ class SandboxContract:
         await sb.close()
         with pytest.raises(SandboxError):
             await sb.exec("true")
+
+
+# -- hostile commands every provider must contain ----------------------------------------------
+
+_SYSCTLS = ("kernel/core_pattern", "fs/suid_dumpable", "kernel/core_uses_pid")
+
+
+def _host_sysctls() -> dict[str, str]:
+    out = {}
+    for name in _SYSCTLS:
+        try:
+            with open(f"/proc/sys/{name}") as f:
+                out[name] = f.read()
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.anyio
+class HostileContract:
+    """Escape and exhaustion attempts (issue 15), run against every provider that isolates.
+
+    A subclass gives `host_path(sb, inner)`: where a file of the sandbox's workspace lives on
+    the host (None when it is nowhere on the host), and `quota_shared`: whether /workspace and
+    /tmp share one `disk_mb` quota (else each has its own, so twice that in all).
+    """
+
+    quota_shared = True
+
+    def host_path(self, sb: Sandbox, inner: str) -> Path | None:
+        raise NotImplementedError
+
+    async def test_sysctl_writes_fail_and_leave_the_host_unchanged(self, provider):
+        before = _host_sysctls()
+        async with await provider.create(SandboxSpec()) as sb:
+            for name in _SYSCTLS:  # the value it already has: harmless even where the write lands
+                r = await sb.exec(f"v=$(cat /proc/sys/{name}) && printf '%s\\n' \"$v\" > /proc/sys/{name}")
+                assert r.exit_code != 0, (name, r)
+            r = await sb.exec("echo 1 > /proc/sys/vm/drop_caches")
+            assert r.exit_code != 0, r
+            # Never written, only probed: access(W_OK) answers for a read-only mount too.
+            r = await sb.exec("test -e /proc/sysrq-trigger && test -w /proc/sysrq-trigger && echo WRITABLE")
+            assert "WRITABLE" not in r.stdout
+            r = await sb.exec("test -e /proc/kcore && head -c 1 /proc/kcore > /dev/null && echo READ")
+            assert "READ" not in r.stdout
+            r = await sb.exec("grep -E ' /proc/sys ' /proc/self/mounts || true")
+            assert r.stdout == "" or " ro," in r.stdout, r.stdout  # bound read-only where bound
+        assert _host_sysctls() == before
+
+    async def test_root_only_host_files_stay_unreadable(self, provider):
+        async with await provider.create(SandboxSpec()) as sb:
+            r = await sb.exec("cat /etc/shadow /etc/gshadow")
+            assert r.exit_code != 0 and ":" not in r.stdout, r
+            r = await sb.exec("ls /root")
+            assert r.exit_code != 0 or r.stdout == "", r
+
+    async def test_no_setuid_root_file_or_device_node_reaches_the_host(self, provider):
+        async with await provider.create(SandboxSpec(files={"given": "#!/bin/sh\nid\n"})) as sb:
+            await sb.exec("cp /bin/sh sush; chown 0:0 sush given; chmod u+s,g+s sush given")
+            mk = await sb.exec("mknod null2 c 1 3")
+            assert mk.exit_code != 0, mk
+            for name in ("sush", "given"):
+                host = self.host_path(sb, name)
+                if host is None:
+                    continue
+                st = os.lstat(host)
+                setuid_root = bool(st.st_mode & stat.S_ISUID) and st.st_uid == 0
+                nosuid = bool(os.statvfs(host).f_flag & os.ST_NOSUID)
+                assert not setuid_root or nosuid, (name, oct(st.st_mode), st.st_uid)
+
+    async def test_many_small_files_stay_within_disk_mb(self, provider):
+        spec = SandboxSpec(resources=Resources(disk_mb=4, timeout_s=60))
+        async with await provider.create(spec) as sb:
+            fill = (
+                "for d in /workspace /tmp; do for i in $(seq 40); do "
+                "head -c 262144 /dev/zero > $d/f$i || break; done; done; du -sk /workspace /tmp"
+            )
+            r = await sb.exec(fill)
+            total_kb = sum(int(line.split()[0]) for line in r.stdout.splitlines())
+            budget_kb = 4 * 1024 * (1 if self.quota_shared else 2)
+            assert total_kb <= budget_kb, (total_kb, r)  # 40 x 256 KiB x 2 were attempted
+            assert r.exit_code != 0 or "No space" in r.stderr
+            await sb.exec("rm -f /workspace/f* /tmp/f*")
+            empty = "import os\nn = 0\ntry:\n    for n in range(100000): open(f'e{n}', 'w').close()\nexcept OSError: pass\nprint(n)"
+            r = await sb.exec(["python3", "-c", empty])
+            assert int(r.stdout) < 100000 - 1, r  # the inode cap ends it: kernel memory stays bounded
+            assert (await sb.exec("echo alive")).ok
+
+    async def test_a_huge_file_is_refused_by_read_file(self, provider):
+        import tracemalloc
+
+        async with await provider.create(SandboxSpec()) as sb:
+            r = await sb.exec("truncate -s 200M big && echo small > small")
+            assert r.ok, r
+            tracemalloc.start()
+            try:
+                with pytest.raises(SandboxError, match="bytes"):
+                    await sb.read_file("big")
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            assert peak < 32 << 20, peak  # never read whole
+            assert await sb.read_file("small") == b"small\n"

@@ -6,12 +6,13 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import anyio
 import pytest
 from miles_env.sandboxes import get_provider
 from miles_env.sandboxes.local import LocalSandboxConfig, LocalSandboxProvider
-from sandbox_contract import FETCH, SandboxContract, host_http_server  # noqa: F401
+from sandbox_contract import FETCH, HostileContract, SandboxContract, host_http_server  # noqa: F401
 
 from miles_env.errors import ConfigError, SandboxError, SandboxUnavailable
 from miles_env.types import Resources, SandboxSpec
@@ -31,6 +32,11 @@ def provider(tmp_path) -> LocalSandboxProvider:
 
 class TestLocalContract(SandboxContract):
     pass
+
+
+class TestLocalHostile(HostileContract):
+    def host_path(self, sb, inner: str) -> Path:
+        return Path(sb.mounts[sb.workdir]) / inner
 
 
 def _alive(pid: int) -> bool:

@@ -6,7 +6,10 @@ independent of the caller's event loop). Sandbox side, a tiny stdlib forwarder
 (forwarder.py) listens on 127.0.0.1:INNER inside a network namespace and copies
 to that socket. The first expose() starts the forwarder in a fresh bwrap whose
 network namespace then becomes the sandbox's: later execs (and forwarders) join
-it with `nsenter --net`, so they still see only `lo`, now with the bridge on it.
+it (`netns()`: nsenter, or the zygote itself) as root before dropping to the
+sandbox's uid, so they still see only `lo`, now with the bridge on it. The
+forwarder has no capabilities, so a host port below 1024 is served inside on a
+port from 20000 up.
 
 Lifecycle: created on the first expose(); `aclose()` (from Sandbox.close) kills
 the forwarders and closes every host socket. Bytes are forwarded as they
@@ -98,10 +101,18 @@ class _HostListener:
 
 
 class Bridge:
-    def __init__(self, run_dir: Path, bwrap_prefix: list[str], limit_prefix: list[str], python: str) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        bwrap_prefix: list[str],
+        limit_prefix: list[str],
+        drop_prefix: list[str],
+        python: str,
+    ) -> None:
         self.run_dir = run_dir
         self.bwrap_prefix = bwrap_prefix
         self.limit_prefix = limit_prefix
+        self.drop_prefix = drop_prefix
         self.python = python
         self.listeners: list[_HostListener] = []
         self.processes: list[Process] = []
@@ -110,11 +121,12 @@ class Bridge:
         self.lock = anyio.Lock()
         shutil.copyfile(_FORWARDER, run_dir / "forwarder.py")
 
-    def nsenter_prefix(self) -> list[str]:
-        return ["nsenter", f"--net=/proc/{self.ns_pid}/ns/net", "--"] if self.ns_pid else []
+    def netns(self) -> str | None:
+        """The sandbox's network namespace once the first forwarder made it."""
+        return f"/proc/{self.ns_pid}/ns/net" if self.ns_pid else None
 
     def _inner_port(self, port: int) -> int:
-        inner = port
+        inner = port if port >= 1024 else 20000
         while inner in self.ports:
             inner = 20000 + len(self.ports) if inner < 20000 else inner + 1
         self.ports.add(inner)
@@ -129,6 +141,9 @@ class Bridge:
             n = len(self.listeners)
             sock_path = self.run_dir / f"expose-{n}.sock"
             self.listeners.append(_HostListener(str(sock_path), (parts.hostname, port)))
+            os.chmod(
+                sock_path, 0o666
+            )  # the forwarder runs as the sandbox's uid (the host port is open to all anyway)
             inner = self._inner_port(port)
             await self._start_forwarder(inner, f"{_INNER_RUN}/expose-{n}.sock", live)
         tail = parts.path + (f"?{parts.query}" if parts.query else "")
@@ -140,7 +155,8 @@ class Bridge:
         # Mount points must be made before the root is remounted read-only.
         at = bwrap.index("--remount-ro")
         bwrap[at:at] = ["--bind", str(self.run_dir), _INNER_RUN]
-        argv = [*self.limit_prefix, *self.nsenter_prefix(), *bwrap]
+        outer = ["nsenter", f"--net={netns}", "--"] if (netns := self.netns()) else []
+        argv = [*self.limit_prefix, *outer, *self.drop_prefix, *bwrap]
         if not first:
             argv.append("--share-net")
         read_fd, write_fd = os.pipe()

@@ -48,6 +48,21 @@ class LocalSandboxConfig(BaseModel):
     extra_ro_binds: tuple[str, ...] = Field(
         default=(), description="extra host paths bound read-only at the same place"
     )
+    max_read_bytes: int = Field(
+        default=64 << 20, gt=0, description="largest file read_file() returns; a larger one is a SandboxError"
+    )
+    # Used only when this process runs as root (storage.py says why both are needed then).
+    uid_base: int = Field(
+        default=2_010_000_000,
+        ge=1000,
+        description="as root, each sandbox runs as host uid/gid uid_base + (its id mod 2**24), "
+        "never root; pick a range no real user or subuid mapping uses",
+    )
+    mount_dir: str = Field(
+        default="/run/miles-env-sandboxes",
+        description="as root, where each sandbox's size-capped tmpfs is mounted; every uid must be "
+        "able to walk to it",
+    )
 
     def resolved_root(self) -> Path:
         # Why tmpfs by default: on a journaling disk each mkdir/rmdir pair costs ~4 ms here,

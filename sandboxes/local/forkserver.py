@@ -2,8 +2,9 @@
 
 Lifecycle: `start_zygote(python, cgroup)` launches `zygote.py` through a shell that
 first writes its own pid into the cgroup (the one join), over a SOCK_SEQPACKET pair.
-`spawn(argv, res)` sends a bwrap argv (with `--json-status-fd 3`), the rlimits and the
-child's ends of four pipes, and returns at once a ZygoteChild: its exit code and the
+`spawn(argv, res, netns=, ids=)` sends a bwrap argv (with `--json-status-fd 3`), the
+rlimits, the network namespace to join and the host uid/gid to run as, and the child's
+ends of four pipes, and returns at once a ZygoteChild: its exit code and the
 sandbox's pid come from bwrap's status pipe, so no reply from the zygote is awaited
 (each cross-process wake-up costs ~0.2-0.5 ms on these VMs). `close()` (sync) closes
 the socket, on which the zygote exits, and reaps it.
@@ -133,17 +134,23 @@ class Zygote:
     def pid(self) -> int:
         return self.process.pid
 
-    def spawn(self, argv: list[str], res: Resources, *, nproc: bool = False) -> ZygoteChild:
-        """Have the zygote fork `argv` (a bwrap call, given `--json-status-fd 3` here) under `res`."""
-        if argv[0] == "nsenter":  # after expose(): nsenter [opts] -- bwrap ...
-            at = argv.index("--", 1) + 2
-        else:
-            at = 1
-        argv = [*argv[:at], "--json-status-fd", "3", *argv[at:]]
+    def spawn(
+        self,
+        argv: list[str],
+        res: Resources,
+        *,
+        nproc: bool = False,
+        netns: str | None = None,
+        ids: tuple[int, int] | None = None,
+    ) -> ZygoteChild:
+        """Have the zygote fork `argv` (a bwrap call, given `--json-status-fd 3` here) under `res`,
+        in network namespace `netns` (a /proc/PID/ns/net path) and as host uid/gid `ids`."""
+        argv = [argv[0], "--json-status-fd", "3", *argv[1:]]
         pipes = [os.pipe() for _ in range(4)]  # (read, write) each
         ours = [pipes[0][1], pipes[1][0], pipes[2][0], pipes[3][0]]
         theirs = [pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][1]]
-        payload = json.dumps({"argv": argv, "rlimits": rlimits(res, nproc=nproc)}).encode()
+        request = {"argv": argv, "rlimits": rlimits(res, nproc=nproc), "netns": netns, "ids": ids}
+        payload = json.dumps(request).encode()
         try:
             fds = array.array("i", theirs)
             self.sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds.tobytes())])

@@ -1,10 +1,18 @@
 """LocalSandboxProvider: builds LocalSandbox instances over bubblewrap.
 
-Lifecycle of create(spec): validate the spec, make `<root>/<id>/{work,tmp,run}`
-(mode 0700), take an idle zygote with its pids cgroup (or start one: the only
-cgroup join, zygote.py says why that matters), place spec.files, and precompute
-the bwrap argv so that each exec is one fork. If any step fails, whatever was
-made is removed before the error propagates.
+Lifecycle of create(spec): validate the spec, make `<root>/<id>` (mode 0700) and the
+sandbox's writable tree (storage.py: as root a tmpfs of `disk_mb` with its own
+unprivileged host uid, else plain directories), take an idle zygote with its pids
+cgroup (or start one: the only cgroup join, zygote.py says why that matters), place
+spec.files, and precompute the bwrap argv so that each exec is one fork. If any step
+fails, whatever was made is removed before the error propagates.
+
+Privilege: every bwrap drops all capabilities, cannot make further user namespaces,
+sees /proc/sys (and /proc/sysrq-trigger, /proc/kcore) read-only and a read-only /dev
+but for /dev/shm (on the quota). As root, bwrap itself runs as the sandbox's host uid
+(the zygote or `setpriv` drops to it) and maps it to uid 0 inside: tools see root, the
+kernel sees an unprivileged user, so host sysctls, /etc/shadow and other root-only
+files stay out of reach (bwrap run by root would keep uid 0 and its capabilities).
 
 Reuse: a closed sandbox hands back its zygote and cgroup once nothing else is left
 in the cgroup; up to `config.warm` of them stay idle for the next create. They are
@@ -27,8 +35,16 @@ from .cgroup import PidsCgroup, remove_orphan_zygote_cgroups
 from .config import LocalSandboxConfig, find_bwrap, host_root_binds
 from .forkserver import Zygote, start_zygote
 from .sandbox import LocalSandbox
+from .storage import Storage, prepare_mount_dir, remove_orphan_mounts
 
 __all__ = ["LocalSandboxProvider"]
+
+# Read-only over the sandbox's own /proc: host-global kernel knobs (bwrap skips /proc/sys when
+# it looks unwritable to it, which says nothing about who else could write it).
+_PROC_RO = ["--ro-bind", "/proc/sys", "/proc/sys"]
+for _path in ("/proc/sysrq-trigger", "/proc/kcore"):
+    _PROC_RO += ["--ro-bind-try", _path, _path]
+_UID_SPAN = 1 << 24
 
 
 def _limit_prefix(res: Resources, cgroup: PidsCgroup | None, prlimit: str) -> list[str]:
@@ -52,7 +68,8 @@ def _limit_prefix(res: Resources, cgroup: PidsCgroup | None, prlimit: str) -> li
     script = " && ".join(steps) + ' || exit 125; exec "$@"'
     prefix = ["/bin/sh", "-c", script, cgroup.procs_file if cgroup is not None else "sh"]
     if cgroup is None:
-        # Without a pids cgroup, RLIMIT_NPROC is the fallback (it does not bind root).
+        # Without a pids cgroup, RLIMIT_NPROC is the fallback: it counts per uid and does not bind
+        # root, but as root each sandbox runs as a uid of its own, so it binds there too.
         prefix += [prlimit, f"--nproc={res.max_procs}:{res.max_procs}", "--"]
     return prefix
 
@@ -77,23 +94,68 @@ class LocalSandboxProvider:
         if prlimit is None:
             raise SandboxUnavailable("`prlimit` (util-linux) not found on PATH; the local sandbox needs it")
         self._prlimit = prlimit
-        self.root = self.config.resolved_root()
+        self.root = self.config.resolved_root().absolute()
+        self.mount_dir: Path | None = None  # as root: where each sandbox's tmpfs is mounted
+        self._setpriv = ""
+        if os.geteuid() == 0:
+            setpriv = shutil.which("setpriv")
+            if setpriv is None:
+                raise SandboxUnavailable(
+                    "`setpriv` (util-linux) not found on PATH; as root the local sandbox needs it"
+                )
+            self._setpriv = setpriv
+            self.mount_dir = prepare_mount_dir(self.config.mount_dir)
+            remove_orphan_mounts(self.mount_dir)  # what a crashed run left, once the reaper removed its dir
         self._idle: list[tuple[Zygote, PidsCgroup]] = []
         if self.config.use_cgroup:
             remove_orphan_zygote_cgroups()  # what killed runs left: empty cgroups, a few ms at most
         weakref.finalize(self, _dispose, self._idle)
 
-    def _bwrap_prefix(self, spec: SandboxSpec, host_dir: Path) -> list[str]:
-        args = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session"]
-        args += ["--hostname", self.config.hostname]
+    def _bwrap_prefix(self, spec: SandboxSpec, storage: Storage) -> list[str]:
+        args = [self.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent"]
+        args += ["--new-session", "--cap-drop", "ALL", "--hostname", self.config.hostname]
+        if storage.ids is not None:
+            args += ["--uid", "0", "--gid", "0"]  # root inside, storage.ids on the host
         if spec.rootfs is not None:
-            args += ["--bind", spec.rootfs, "/"]
+            args += ["--bind", storage.reachable(spec.rootfs), "/"]
         else:
-            args += host_root_binds(self.config.extra_ro_binds)
-        args += ["--bind", str(host_dir / "work"), spec.workdir, "--bind", str(host_dir / "tmp"), "/tmp"]
-        args += ["--proc", "/proc", "--dev", "/dev"]
-        # The root itself (bwrap's tmpfs, or the rootfs) is read-only: writes go to the binds only.
-        return args + ["--remount-ro", "/", "--clearenv"]
+            args += host_root_binds()
+            for path in self.config.extra_ro_binds:
+                args += ["--ro-bind", storage.reachable(path), path]
+        args += [
+            "--bind",
+            str(storage.path("work")),
+            spec.workdir,
+            "--bind",
+            str(storage.path("tmp")),
+            "/tmp",
+        ]
+        args += [
+            "--proc",
+            "/proc",
+            *_PROC_RO,
+            "--dev",
+            "/dev",
+            "--bind",
+            str(storage.path("shm")),
+            "/dev/shm",
+        ]
+        # The root itself (bwrap's tmpfs, or the rootfs) and /dev's tmpfs are read-only: writes
+        # go to the binds only, all of them on the sandbox's quota.
+        return args + ["--remount-ro", "/dev", "--remount-ro", "/", "--clearenv"]
+
+    def _ids(self, sandbox_id: str) -> tuple[int, int] | None:
+        """The host uid/gid of a sandbox, as root; another sandbox shares it only by a 1 in 2**24 chance."""
+        if self.mount_dir is None:
+            return None
+        uid = self.config.uid_base + int(sandbox_id, 16) % _UID_SPAN
+        return uid, uid
+
+    def _drop_prefix(self, ids: tuple[int, int] | None) -> list[str]:
+        """argv that becomes `ids` before exec'ing bwrap (for the processes we start without the zygote)."""
+        if ids is None:
+            return []
+        return [self._setpriv, f"--reuid={ids[0]}", f"--regid={ids[1]}", "--clear-groups", "--"]
 
     def _validate(self, spec: SandboxSpec) -> None:
         if not spec.workdir.startswith("/") or spec.workdir.rstrip("/") in ("", "/tmp", "/proc", "/dev"):
@@ -134,24 +196,29 @@ class LocalSandboxProvider:
         self._validate(spec)
         sandbox_id = secrets.token_hex(6)
         host_dir = self.root / sandbox_id
+        ids = self._ids(sandbox_id)
+        storage = None
         try:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             host_dir.mkdir(mode=0o700)
-            for sub in ("work", "tmp", "run"):
-                (host_dir / sub).mkdir(mode=0o755)
-            os.chmod(host_dir / "tmp", 0o1777)
+            storage = Storage.make(host_dir, self.mount_dir, ids, spec.resources.disk_mb)
+            bwrap_prefix = self._bwrap_prefix(spec, storage)
             zygote, cgroup = self._zygote(sandbox_id, spec.resources.max_procs)
         except OSError as e:
+            if storage is not None:
+                storage.remove()
             shutil.rmtree(host_dir, ignore_errors=True)
             raise SandboxError(f"creating sandbox under {self.root}: {e}") from e
         sandbox = LocalSandbox(
             sandbox_id=sandbox_id,
             spec=spec,
-            host_dir=host_dir,
-            bwrap_prefix=self._bwrap_prefix(spec, host_dir),
+            storage=storage,
+            bwrap_prefix=bwrap_prefix,
             limit_prefix=_limit_prefix(spec.resources, cgroup, self._prlimit),
+            drop_prefix=self._drop_prefix(ids),
             cgroup=cgroup,
             python=self.config.python,
+            max_read_bytes=self.config.max_read_bytes,
             zygote=zygote,
             on_close=self._give_back,
         )

@@ -1,17 +1,19 @@
 """The local sandbox: one bubblewrap invocation per exec over a persistent private directory.
 
-Concept: a sandbox is a host directory `<root>/<id>/` (workspace bound at
-spec.workdir, a private /tmp) plus, when the host allows it, a pids cgroup. Each
-exec is a single fresh `bwrap --unshare-all` (new user, mount, pid, net, ipc,
-uts, cgroup namespaces) that sees only the read-only system dirs and those two
-writable binds; so create and close are cheap directory operations and an exec
-is one process spawn. Files persist across execs; processes do not (the pid
+Concept: a sandbox is a writable tree on the host (storage.py: workspace bound at
+spec.workdir, a private /tmp and /dev/shm; as root one size-capped tmpfs owned by
+the sandbox's own unprivileged uid) plus, when the host allows it, a pids cgroup.
+Each exec is a single fresh `bwrap --unshare-all` (new user, mount, pid, net, ipc,
+uts, cgroup namespaces, no capabilities) that sees only the read-only system dirs
+and those writable binds; so create and close are cheap directory (and mount)
+operations and an exec is one process spawn. Files persist across execs; processes do not (the pid
 namespace dies with the exec). With a pids cgroup, that bwrap is forked by the
 sandbox's zygote, which already lives in the cgroup, so no exec has to join it
 (zygote.py says why that matters); the provider recycles zygote and cgroup.
 
-Invariants: nothing inside can reach the network (only `lo`); after `close()`
-no process of the sandbox is alive and its directory is gone. `close()` is
+Invariants: nothing inside can reach the network (only `lo`); as root, nothing
+inside runs as host root or holds a capability; after `close()` no process of
+the sandbox is alive and its files and mount are gone. `close()` is
 idempotent and runs on `async with` exit, on cancellation and on Ctrl-C.
 """
 
@@ -19,11 +21,9 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
@@ -37,6 +37,7 @@ from .cgroup import PidsCgroup
 from .forkserver import RequestTooLarge, Zygote
 from .paths import safe_read, safe_write, split_inner_path
 from .process import RawResult, collect, run_capped
+from .storage import Storage
 
 if TYPE_CHECKING:
     from .bridge import Bridge
@@ -49,6 +50,7 @@ _MEMORY_HINTS = re.compile(
     re.IGNORECASE,
 )
 _FORK_HINTS = re.compile(rb"Cannot fork|fork: (retry|Resource temporarily unavailable)|can't fork")
+_DISK_HINTS = re.compile(rb"No space left on device|Disk quota exceeded|File too large")
 
 
 def classify(raw: RawResult, procs_refused: bool) -> tuple[int, str | None]:
@@ -70,6 +72,8 @@ def classify(raw: RawResult, procs_refused: bool) -> tuple[int, str | None]:
         return code, "disk"
     if code != 0 and (procs_refused or _FORK_HINTS.search(raw.stderr)):
         return code, "procs"
+    if code != 0 and _DISK_HINTS.search(raw.stderr):  # the quota (a full tmpfs), not one file's size
+        return code, "disk"
     if code != 0 and _MEMORY_HINTS.search(raw.stderr):
         return code, "memory"
     return code, None
@@ -92,20 +96,25 @@ class LocalSandbox:
         *,
         sandbox_id: str,
         spec: SandboxSpec,
-        host_dir: Path,
+        storage: Storage,
         bwrap_prefix: list[str],
         limit_prefix: list[str],
+        drop_prefix: list[str],
         cgroup: PidsCgroup | None,
         python: str,
+        max_read_bytes: int,
         zygote: Zygote | None = None,
         on_close: Callable[[Zygote, PidsCgroup], None] | None = None,
     ) -> None:
         self.id = sandbox_id
         self.workdir = spec.workdir
         self.spec = spec
-        self.host_dir = host_dir
+        self.storage = storage
+        self.host_dir = storage.host_dir  # bookkeeping (owner.json); the files are under storage.base
         self._bwrap_prefix = bwrap_prefix
         self._limit_prefix = limit_prefix
+        self._drop_prefix = drop_prefix  # as root: become the sandbox's uid before bwrap
+        self._max_read_bytes = max_read_bytes
         self._cgroup = cgroup
         self._python = python
         self._live: set[int] = set()
@@ -113,7 +122,7 @@ class LocalSandbox:
         self._on_close = on_close  # hands zygote + cgroup back to the provider for reuse
         self._closed = False
         self._bridge: Bridge | None = None
-        self.mounts = {spec.workdir: str(host_dir / "work"), "/tmp": str(host_dir / "tmp")}
+        self.mounts = {spec.workdir: str(storage.path("work")), "/tmp": str(storage.path("tmp"))}
         self.mounts_ro: dict[str, str] = {}  # inner path -> host path, added by mount_ro()
 
     # -- exec ---------------------------------------------------------------------------
@@ -126,16 +135,18 @@ class LocalSandbox:
             out += ["--setenv", key, value]
         return [*out, "--chdir", exec_cwd(self.workdir, cwd)]
 
-    def _outer(self) -> list[str]:
-        return self._bridge.nsenter_prefix() if self._bridge is not None else []
+    def _netns(self) -> str | None:
+        return self._bridge.netns() if self._bridge is not None else None
 
     def _bwrap_argv(self, cmd: Command, cwd: str | None, env: Mapping[str, str] | None) -> list[str]:
-        """nsenter (after expose()), bwrap, its options, `--`, the command."""
-        return [*self._outer(), self._bwrap_prefix[0], *self._options(cwd, env), "--", *_argv_of(cmd)]
+        """bwrap, its options, `--`, the command."""
+        return [self._bwrap_prefix[0], *self._options(cwd, env), "--", *_argv_of(cmd)]
 
     def _argv(self, cmd: Command, cwd: str | None, env: Mapping[str, str] | None) -> list[str]:
-        """The argv of a process we start ourselves: the limits wrapper (joins the cgroup), then bwrap."""
-        return [*self._limit_prefix, *self._bwrap_argv(cmd, cwd, env)]
+        """The argv of a process we start ourselves: the limits wrapper (joins the cgroup), nsenter
+        (after expose(); needs root, so before) the drop to the sandbox's uid, then bwrap."""
+        outer = ["nsenter", f"--net={netns}", "--"] if (netns := self._netns()) else []
+        return [*self._limit_prefix, *outer, *self._drop_prefix, *self._bwrap_argv(cmd, cwd, env)]
 
     async def exec(
         self,
@@ -155,7 +166,8 @@ class LocalSandbox:
         if self._zygote is not None:
             start = time.perf_counter()
             try:
-                child = self._zygote.spawn(self._bwrap_argv(cmd, cwd, env), res)
+                argv = self._bwrap_argv(cmd, cwd, env)
+                child = self._zygote.spawn(argv, res, netns=self._netns(), ids=self.storage.ids)
             except RequestTooLarge:
                 child = None  # a huge command line: started by us, joining the cgroup itself (below)
         if child is not None and self._zygote is not None:
@@ -191,12 +203,13 @@ class LocalSandbox:
     async def write_file(self, path: str, data: bytes | str) -> None:
         self._check_open()
         host, parts = split_inner_path(path, self.workdir, self.mounts)
-        safe_write(host, parts, data.encode() if isinstance(data, str) else bytes(data), path)
+        payload = data.encode() if isinstance(data, str) else bytes(data)
+        safe_write(host, parts, payload, path, owner=self.storage.ids)
 
     async def read_file(self, path: str) -> bytes:
         self._check_open()
         host, parts = split_inner_path(path, self.workdir, self.mounts)
-        return safe_read(host, parts, path)
+        return safe_read(host, parts, path, self._max_read_bytes)
 
     def mount_ro(self, host_path: str, inner_path: str) -> None:
         """Bind `host_path` read-only at `inner_path` for every later exec (e.g. an agent CLI).
@@ -216,7 +229,7 @@ class LocalSandbox:
         ):
             raise SandboxError(f"mount_ro: inner path {inner_path!r} must be a dedicated absolute path")
         at = self._bwrap_prefix.index("--remount-ro")  # mount points must exist before / turns read-only
-        self._bwrap_prefix[at:at] = ["--ro-bind", host_path, inner_path]
+        self._bwrap_prefix[at:at] = ["--ro-bind", self.storage.reachable(host_path), inner_path]
         self.mounts_ro[inner_path] = host_path
 
     # -- network ------------------------------------------------------------------------
@@ -225,7 +238,13 @@ class LocalSandbox:
         if self._bridge is None:
             from .bridge import Bridge
 
-            self._bridge = Bridge(self.host_dir / "run", self._bwrap_prefix, self._limit_prefix, self._python)
+            self._bridge = Bridge(
+                self.storage.path("run"),
+                self._bwrap_prefix,
+                self._limit_prefix,
+                self._drop_prefix,
+                self._python,
+            )
         return await self._bridge.expose(url, self._live)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -250,7 +269,7 @@ class LocalSandbox:
                     self._cgroup.remove()
             elif self._cgroup is not None:
                 self._cgroup.remove()
-            shutil.rmtree(self.host_dir, ignore_errors=True)
+            self.storage.remove()
 
     @staticmethod
     async def _empty_but_zygote(zygote: Zygote, cgroup: PidsCgroup, deadline_s: float = 5.0) -> bool:
