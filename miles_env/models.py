@@ -72,11 +72,13 @@ def _drop_quantization_config(path: Path) -> None:
     """Older caches kept the GGUF's quantization_config although the weights are plain fp32."""
     import json
 
+    from miles_env.jsonio import dumps
+
     data = json.loads(path.read_text())
     if "quantization_config" in data:
         del data["quantization_config"]
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2))
+        tmp.write_text(dumps(data, indent=2))
         tmp.replace(path)
 
 

@@ -1,7 +1,7 @@
 """What a training run leaves behind: metrics.jsonl, TensorBoard events, a reward-curve PNG.
 
 One `RunLog` per run directory. Each `log(step, metrics)` appends one JSON line
-(durable, append-only, the source of truth), mirrors scalars to TensorBoard,
+(durable, append-only, the source of truth; strict JSON, a NaN metric is null), mirrors scalars to TensorBoard,
 and redraws `reward_curve.png` from the JSONL, so the picture always matches
 the numbers. Resuming a run appends to the same files.
 """
@@ -13,6 +13,8 @@ import math
 import time
 from pathlib import Path
 from typing import Any
+
+from miles_env.jsonio import dumps
 
 __all__ = ["RunLog", "read_metrics", "plot_rewards"]
 
@@ -72,7 +74,7 @@ class RunLog:
     def log(self, step: int, kind: str, metrics: dict[str, Any]) -> None:
         row = {"step": step, "kind": kind, "time": time.time(), **metrics}
         with self.path.open("a") as fh:
-            fh.write(json.dumps(row, default=float) + "\n")
+            fh.write(dumps(row, default=float) + "\n")  # strict: NaN/Infinity -> null
         if self._tb is not None:
             for key, value in metrics.items():
                 if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):

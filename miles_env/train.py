@@ -24,6 +24,7 @@ import yaml
 from miles_env.config import Mode, RunConfig
 from miles_env.environment import Environment
 from miles_env.errors import ConfigError
+from miles_env.jsonio import dumps, write_json
 from miles_env.rollout import RolloutContext, run_group, run_many
 from miles_env.runlog import RunLog
 from miles_env.types import Episode, Task
@@ -147,9 +148,7 @@ class _Job:
         self.log.log(step, "eval", stats)
         with (self.cfg.run_dir / "eval_episodes.jsonl").open("a") as fh:
             for ep in episodes:
-                fh.write(
-                    json.dumps({"step": step, **json.loads(ep.model_dump_json(exclude={"samples"}))}) + "\n"
-                )
+                fh.write(dumps({"step": step, **json.loads(ep.model_dump_json(exclude={"samples"}))}) + "\n")
         self.console.print(
             f"[bold]eval[/] step {step}: pass rate {stats['pass_rate']:.3f}, mean reward {stats['reward_mean']:.3f} "
             f"({len(episodes)} episodes, {stats['eval_s']:.0f}s)"
@@ -412,5 +411,5 @@ async def run_training(cfg: RunConfig, console: Any) -> dict[str, Any]:
         "run_dir": str(cfg.run_dir),
         "wall_s": time.time() - job.state.started,
     }
-    (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    write_json(cfg.run_dir / "summary.json", summary, default=float)
     return summary

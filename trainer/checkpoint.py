@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from miles_env.jsonio import dumps
+
 __all__ = ["write_checkpoint", "latest_checkpoint", "read_checkpoint"]
 
 _PREFIX = "step_"
@@ -40,7 +42,7 @@ def write_checkpoint(root: Path, step: int, state: dict[str, Any], meta: dict[st
         f.flush()
         os.fsync(f.fileno())
     with open(tmp / "trainer.json", "w") as f:
-        json.dump({"step": step, **meta}, f)
+        f.write(dumps({"step": step, **meta}))
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)

@@ -36,6 +36,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from miles_env.jsonio import dumps
+
 __all__ = [
     "DeltaEntry",
     "WeightDelta",
@@ -282,7 +284,7 @@ def save_delta(delta: WeightDelta, path: str | os.PathLike[str]) -> Path:
             "manifest_crc": delta.manifest_crc, "full_bytes": delta.full_bytes,
             "entries": [e.meta() for e in delta.entries]}  # fmt: skip
     tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"miles_env_delta": json.dumps(head)})
+    save_file(tensors, str(tmp), metadata={"miles_env_delta": dumps(head)})
     os.replace(tmp, target)
     return target
 

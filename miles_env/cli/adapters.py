@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 import typer
+
+from miles_env.jsonio import dumps
 
 app = typer.Typer(
     no_args_is_help=True, help="Framework adapters (harbor, hud, nemo-gym, openenv, verifiers)."
@@ -23,7 +24,7 @@ def install_command(
 
     info = install(name, force=force)
     if as_json:
-        typer.echo(json.dumps(info.to_dict()))
+        typer.echo(dumps(info.to_dict()))
         return
     what = "already installed" if info.reused else f"installed in {info.seconds:.0f}s"
     typer.echo(
@@ -51,7 +52,7 @@ def list_command(as_json: Annotated[bool, typer.Option("--json")] = False) -> No
     }
     infos = {i.name: i for i in installed()}
     if as_json:
-        typer.echo(json.dumps([i.to_dict() for i in infos.values()]))
+        typer.echo(dumps([i.to_dict() for i in infos.values()]))
         return
     typer.echo(f"cache: {cache_root()}")
     for name, spec in FRAMEWORKS.items():

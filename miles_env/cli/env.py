@@ -7,7 +7,6 @@ exits 1 unless every reference solution passes.
 
 from __future__ import annotations
 
-import json
 import re
 import string
 from collections import Counter
@@ -21,6 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from miles_env.errors import MilesEnvError
+from miles_env.jsonio import dumps
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="List, inspect, scaffold and check environments."
@@ -58,7 +58,7 @@ def list_command(
 
     infos = list_environments(module, adapters=adapters)
     if as_json:
-        print(json.dumps([i.to_dict() for i in infos], indent=2))
+        print(dumps([i.to_dict() for i in infos], indent=2))
         return
     table = Table(title="miles-env environments")
     for col in ("name", "source", "tasks"):
@@ -96,7 +96,7 @@ def info_command(
     """Description, splits, task counts (per tier when tasks have one) and example tasks."""
     info = _info_dict(_load(name), examples)
     if as_json:
-        print(json.dumps(info, indent=2))
+        print(dumps(info, indent=2))
         return
     _out.print(f"[bold]{info['name']}[/bold]: {info['description']}")
     for split, s in info["splits"].items():
@@ -211,7 +211,7 @@ def eval_command(
         raise _fail(e) from None
     report = anyio.run(run_oracle, env, tasks, prov, concurrency)
     if as_json:
-        print(json.dumps(report.to_dict(), indent=2))
+        print(dumps(report.to_dict(), indent=2))
     else:
         _print_report(report)
     if report.failures or not report.results:

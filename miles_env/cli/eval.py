@@ -14,6 +14,7 @@ import anyio
 import typer
 
 from miles_env.errors import MilesEnvError
+from miles_env.jsonio import dumps, write_json
 from miles_env.types import Episode
 
 __all__ = ["eval_command", "summarize"]
@@ -86,7 +87,7 @@ async def _run(
             ctx = stack.rollout_context(env, harness)
             await run_many(ctx, tasks, rollouts_per_task=rollouts, concurrency=concurrency, on_episode=record)
     summary = summarize(episodes)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_json(out / "summary.json", summary)
     return summary
 
 
@@ -144,7 +145,7 @@ def eval_command(
         _run, env, harness, split, n, rollouts, concurrency, engine_cfg, harness_cfg, sandbox, out
     )
     if as_json:
-        typer.echo(json.dumps(summary))
+        typer.echo(dumps(summary))
         return
     typer.echo(
         f"episodes {summary['episodes']}  pass rate {summary['pass_rate']:.3f}  "
