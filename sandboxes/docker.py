@@ -3,7 +3,17 @@
 Concept: a sandbox is a container made from `spec.image` (or a local rootfs
 imported once as an image), kept alive by `sleep infinity` under docker-init,
 with a read-only root, a named volume at spec.workdir, a tmpfs /tmp, no network
-(`network_mode=none`), and memory, CPU and pids limits. Each exec is a Docker
+(`network_mode=none`), and memory, CPU and pids limits.
+
+Privilege: never privileged; every capability dropped (none is added back: the
+exec wrapper, the kill-by-token sweep and file I/O as the container's root need
+none, while CHOWN, DAC_OVERRIDE, FOWNER, MKNOD, SETUID... would let a command make
+device nodes or take over files it does not own); no-new-privileges, so a setuid
+file gains nothing. The workspace volume is a tmpfs of the local driver (`size` =
+disk_mb, capped inodes, nosuid,nodev: a setuid-root file made there never acts as
+one on the host), /tmp and /dev/shm are tmpfs of at most disk_mb and 64 MB each.
+The container's root is still host uid 0 unless the engine remaps users
+(dockerd --userns-remap); that is the engine's configuration, not ours. Each exec is a Docker
 exec whose wrapper shell sets the same rlimits as the local provider (so the
 same limit classification applies) and carries a unique `MILES_EXEC` token in
 its environment; a timeout, an output flood or a cancellation kills every
@@ -77,6 +87,9 @@ class DockerSandboxConfig(BaseModel):
     expose_url: str | None = Field(
         None, description="public URL of the proxy to return from expose() (remote engines)"
     )
+    max_read_bytes: int = Field(
+        64 << 20, gt=0, description="largest file read_file() returns; a larger one is a SandboxError"
+    )
 
 
 def _map(e: BaseException, what: str) -> SandboxError:
@@ -89,6 +102,24 @@ def _map(e: BaseException, what: str) -> SandboxError:
     if isinstance(e, requests.exceptions.RequestException | OSError):
         return SandboxError(f"{what}: engine unreachable: {e}")
     return SandboxError(f"{what}: {type(e).__name__}: {e}")
+
+
+def _strip_top(archive: bytes) -> bytes:
+    """A tar of `dir/...` (as the archive API returns a directory) re-rooted at `dir`; b"" if empty."""
+    out = io.BytesIO()
+    count = 0
+    with tarfile.open(fileobj=io.BytesIO(archive)) as src, tarfile.open(fileobj=out, mode="w") as dst:
+        for member in src:
+            _, sep, rest = member.name.partition("/")
+            if not sep or not rest:
+                continue  # the directory itself: the mount point keeps its own mode
+            data = src.extractfile(member) if member.isfile() else None
+            member.name = rest
+            if member.islnk():  # a hard link names its target by archive path, re-rooted too
+                member.linkname = member.linkname.partition("/")[2]
+            dst.addfile(member, data)
+            count += 1
+    return out.getvalue() if count else b""
 
 
 async def _call(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -115,6 +146,7 @@ class DockerSandboxProvider:
         except docker.errors.DockerException as e:
             raise SandboxUnavailable(f"docker: cannot configure a client: {e}") from e
         self.owner = Ownership.here(self.config.run_id, self.config.ttl_s)
+        self._seeds: dict[tuple[str, str], bytes] = {}  # (image id, workdir) -> _workdir_seed()
         self.run_root = Path(self.config.run_root or Path(tempfile.gettempdir()) / "miles-env-docker")
 
     async def ping(self) -> None:
@@ -169,7 +201,9 @@ class DockerSandboxProvider:
         except docker.errors.ImageNotFound:
             pass
         try:
-            self.client.images.build(path=str(context), tag=tag, pull=False, network_mode="none", rm=True)
+            self.client.images.build(
+                path=str(context), tag=tag, pull=False, network_mode="none", rm=True, forcerm=True
+            )
         except docker.errors.BuildError as e:
             log = "".join(str(x.get("stream", x.get("error", ""))) for x in e.build_log)[-1500:]
             raise SandboxError(f"docker build of {context / 'Dockerfile'} failed: {e}\n{log}") from e
@@ -180,7 +214,16 @@ class DockerSandboxProvider:
     def _create_sync(self, spec: SandboxSpec, name: str, run_dir: Path, labels: dict[str, str]) -> Any:
         res = spec.resources
         image = self._image_sync(spec)
-        self.client.volumes.create(name=name, labels=labels)
+        # A tmpfs of the local driver: the quota and nosuid,nodev hold on the host side too.
+        inodes = max(1024, res.disk_mb * 128)
+        opts = f"size={res.disk_mb}m,nr_inodes={inodes},nosuid,nodev,mode=0755"
+        self.client.volumes.create(
+            name=name,
+            labels=labels,
+            driver="local",
+            driver_opts={"type": "tmpfs", "device": "tmpfs", "o": opts},
+        )
+        tmp_mb = min(self.config.tmp_mb, res.disk_mb)
         container = self.client.containers.create(
             image,
             command=["sleep", "infinity"],
@@ -194,16 +237,45 @@ class DockerSandboxProvider:
             memswap_limit=f"{res.memory_mb}m",
             nano_cpus=int(self.config.cpus * 1e9),
             pids_limit=res.max_procs,
-            tmpfs={"/tmp": f"rw,nosuid,nodev,size={self.config.tmp_mb}m,mode=1777"},
+            tmpfs={"/tmp": f"rw,nosuid,nodev,size={tmp_mb}m,nr_inodes={inodes},mode=1777"},
+            shm_size=f"{min(64, res.disk_mb)}m",
             volumes={
                 name: {"bind": spec.workdir, "mode": "rw"},
                 str(run_dir): {"bind": _INNER_RUN, "mode": "ro"},
             },
             working_dir=spec.workdir,
+            privileged=False,
+            cap_drop=["ALL"],
             security_opt=["no-new-privileges"],
         )
+        seed = self._workdir_seed(container.attrs["Image"], spec.workdir, res.disk_mb, labels)
         container.start()
+        if seed:
+            self.client.api.put_archive(container.id, spec.workdir, seed)
         return container
+
+    def _workdir_seed(self, image_id: str, workdir: str, disk_mb: int, labels: dict[str, str]) -> bytes:
+        """The image's own files under `workdir` as a tar relative to it (b"" when it has none).
+
+        Why: the engine fills an empty named volume from the image, but not a tmpfs one; so
+        we copy them in ourselves, read once per image through a container that never starts.
+        """
+        key = (image_id, workdir)
+        if key not in self._seeds:
+            helper = self.client.api.create_container(image_id, command=["true"], labels=labels)["Id"]
+            try:
+                stream, _ = self.client.api.get_archive(helper, workdir)
+                raw = bytearray()
+                for chunk in stream:
+                    raw += chunk
+                    if len(raw) > disk_mb << 20:
+                        raise SandboxError(f"the image's files under {workdir} exceed disk_mb={disk_mb}")
+                self._seeds[key] = _strip_top(bytes(raw))
+            except docker.errors.NotFound:
+                self._seeds[key] = b""
+            finally:
+                self.client.api.remove_container(helper, force=True)
+        return self._seeds[key]
 
     def _remove_sync(self, name: str) -> None:
         """Remove container and volume `name`; absent ones are fine."""
@@ -448,24 +520,53 @@ class DockerSandbox:
         if not ok:
             raise SandboxError(f"sandbox {self.id}: write_file({path!r}): the engine refused the archive")
 
+    def _too_big(self, path: str, size: int) -> SandboxError:
+        cap = self._provider.config.max_read_bytes
+        return SandboxError(
+            f"path {path!r}: {size} bytes, over read_file's cap of {cap} bytes "
+            "(max_read_bytes in the provider's config)"
+        )
+
     async def read_file(self, path: str) -> bytes:
         self._check_open()
         inner = self._inner(path)
+        cap = self._provider.config.max_read_bytes
         if inner.startswith("/tmp/"):
-            script = '[ -f "$1" ] && [ ! -L "$1" ] || { echo "not a regular file" >&2; exit 2; }; cat "$1"'
-            out = await self._run(
-                ["/bin/sh", "-c", script, "sh", inner], env={}, cwd="/", stdin=None, timeout=60, cap=1 << 30
+            script = (
+                '[ -f "$1" ] && [ ! -L "$1" ] || { echo "not a regular file" >&2; exit 2; }; '
+                's=$(stat -c %s "$1") && [ "$s" -le "$2" ] || { echo "$s" >&2; exit 3; }; head -c "$(($2 + 1))" "$1"'
             )
+            argv = ["/bin/sh", "-c", script, "sh", inner, str(cap)]
+            out = await self._run(argv, env={}, cwd="/", stdin=None, timeout=60, cap=cap + 1)
+            if out.raw.returncode == 3:
+                raise self._too_big(path, int(out.raw.stderr.split()[-1] or 0))
             if out.raw.returncode != 0:
                 raise SandboxError(f"path {path!r}: no such regular file in the sandbox")
+            if len(out.raw.stdout) > cap:  # it grew after the size check
+                raise self._too_big(path, len(out.raw.stdout))
             return out.raw.stdout
 
         def get() -> bytes:
+            # The size first (a HEAD of the archive endpoint), so a huge file is never streamed.
+            head = self._api.head(
+                self._api._url("/containers/{0}/archive", self.container_id), params={"path": inner}
+            )
+            self._api._raise_for_status(head)
+            info = docker.utils.decode_json_header(head.headers["X-Docker-Container-Path-Stat"])
+            if int(info.get("size", 0)) > cap:
+                raise self._too_big(path, int(info["size"]))
             stream, _ = self._api.get_archive(self.container_id, inner)
-            with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
+            buf = bytearray()
+            for chunk in stream:  # a tar of one file: its size plus headers and padding
+                buf += chunk
+                if len(buf) > cap + (64 << 10):
+                    raise self._too_big(path, len(buf))
+            with tarfile.open(fileobj=io.BytesIO(bytes(buf))) as tar:
                 member = tar.next()
                 if member is None or not member.isfile():
                     raise SandboxError(f"path {path!r}: not a regular file")
+                if member.size > cap:
+                    raise self._too_big(path, member.size)
                 f = tar.extractfile(member)
                 assert f is not None
                 return f.read()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from sandbox_contract import FETCH, SandboxContract, host_http_server  # noqa: F401
+from sandbox_contract import FETCH, HostileContract, SandboxContract, host_http_server  # noqa: F401
 
 from miles_env.errors import ConfigError, SandboxError
 from miles_env.types import Resources, SandboxSpec
@@ -66,6 +66,15 @@ def provider(docker_engine, tmp_path):
 
 class TestDockerContract(SandboxContract):
     pass
+
+
+class TestDockerHostile(HostileContract):
+    quota_shared = False  # the workspace volume and the /tmp tmpfs: disk_mb each
+
+    def host_path(self, sb, inner: str) -> Path:
+        # The workspace volume as the engine (on this host) mounts it.
+        mountpoint = sb._api.inspect_volume(sb.id)["Mountpoint"]
+        return Path(mountpoint) / inner
 
 
 # -- hostile commands (the local suite's, against a container) ----------------------------------
@@ -171,6 +180,20 @@ async def test_symlinks_do_not_escape(provider):
         for path in ("link", "fifo", "../../etc/passwd"):
             with pytest.raises(SandboxError):
                 await sb.read_file(path)
+
+
+async def test_the_images_own_workspace_files_are_kept(provider, tmp_path):
+    """The workspace is a tmpfs, which the engine does not fill from the image: the provider does."""
+    from miles_env.sandboxes.docker import DEFAULT_IMAGE
+
+    (tmp_path / "seed.txt").write_text("from the image")
+    (tmp_path / "Dockerfile").write_text(
+        f"FROM {DEFAULT_IMAGE}\nCOPY seed.txt /workspace/seed/seed.txt\nRUN ln /workspace/seed/seed.txt /workspace/hard\n"
+    )
+    async with await provider.create(SandboxSpec(build=str(tmp_path))) as sb:
+        r = await sb.exec("cat seed/seed.txt hard; grep ' /workspace ' /proc/self/mounts")
+        assert r.stdout.startswith("from the imagefrom the image") and "tmpfs" in r.stdout, r
+        assert await sb.read_file("seed/seed.txt") == b"from the image"
 
 
 # -- faults ---------------------------------------------------------------------------------------
