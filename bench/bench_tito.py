@@ -8,7 +8,8 @@ so machine load hits them alike.
 1. In process, at ~1k and ~16k tokens of history: the engine called directly, the proxy core
    (TitoProxy.chat, no HTTP; with and without a journal), the HTTP floor (GET /health) and a
    chat-completions turn over HTTP (httpx -> uvicorn -> TITO, both in this process, on the event
-   loop miles_env.http.loop_options() picks: uvloop when installed). Added = HTTP turn - engine.
+   loop miles_env.http.loop_options() picks: uvloop when installed). Added = HTTP turn - engine;
+   the turn includes the client serializing its request (shown apart as "client encode").
 2. The HTTP stack: floor and added p50 at 1k under h11/asyncio, httptools/asyncio, httptools/uvloop.
 3. Turns per second across 64 concurrent sessions over HTTP.
 4. Proxies in front of an engine server, each in its own process (bench/servers.py): the client
@@ -75,11 +76,16 @@ class Chat:
         self.msgs: list[dict[str, str]] = []
         self.tokens = 0
         self.own_overhead: list[float] = []  # LiteLLM's x-litellm-overhead-duration-ms, when sent
+        self.encode: list[float] = []  # the client serializing its request (part of each turn's time)
 
     async def say(self, text: str) -> float:
         self.msgs.append({"role": "user", "content": text})
         t0 = time.perf_counter()
-        r = await self.http.post(self.url, json={"model": MODEL, "messages": self.msgs}, headers=self.headers)
+        req = self.http.build_request(
+            "POST", self.url, json={"model": MODEL, "messages": self.msgs}, headers=self.headers
+        )
+        self.encode.append(time.perf_counter() - t0)
+        r = await self.http.send(req)
         dt = time.perf_counter() - t0
         assert r.status_code == 200, r.text
         body = r.json()
@@ -139,11 +145,12 @@ async def inproc_round(tok: Any, turns: int, sessions: int, http_impl: str | Non
         async with serve_app(create_app(proxy), **kw) as url, httpx.AsyncClient(timeout=60) as http:
             for target in sizes:
                 d50 = med(await direct_turns(engine, target, turns * sessions))
-                via_http, core, jrnl, floor, final = [], [], [], [], 0
+                via_http, encode, core, jrnl, floor, final = [], [], [], [], [], 0
                 for _ in range(sessions):
                     h = proxy.create_session()
                     c = await grown(tito_chat(http, url, h.session_id, h.api_key), tok, target)
                     via_http += [await c.say(f"ok {i}") for i in range(turns)]
+                    encode += c.encode[-turns:]
                     final = c.tokens
                     floor += await timed(turns, lambda: http.get(f"{url}/health"))
                     if not full:
@@ -160,7 +167,7 @@ async def inproc_round(tok: Any, turns: int, sessions: int, http_impl: str | Non
                         {"role": "assistant", "content": reply},
                     ]
                     jrnl += await core_turns(journaled, h3.session_id, msgs3, turns)
-                out[target] = {"direct": d50, "floor": med(floor), "http": med(via_http),
+                out[target] = {"direct": d50, "floor": med(floor), "http": med(via_http), "encode": med(encode),
                                "added": med(via_http) - d50, "added90": pct(via_http, 0.9) - d50,
                                "final": final}  # fmt: skip
                 if full:
@@ -258,11 +265,11 @@ def section1(tok: Any, a: argparse.Namespace) -> None:
     ]
     m = rounds_median(runs)
     print("\n| history (tokens at end) | engine direct | core added | core + journal | HTTP floor (GET /health) "
-          "| proxy p50 (HTTP) | added p50 (range over rounds) | added p90 |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          "| client encode | proxy p50 (HTTP) | added p50 (range over rounds) | added p90 |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for n, r in m.items():
         print(f"| {n // 1000}k ({r['final']:.0f}) | {r['direct'] * 1e3:.3f} ms | {r['core'] * 1e3:.3f} ms "
-              f"| {r['journal'] * 1e3:.3f} ms | {r['floor'] * 1e3:.3f} ms | {r['http'] * 1e3:.3f} ms "
+              f"| {r['journal'] * 1e3:.3f} ms | {r['floor'] * 1e3:.3f} ms | {r['encode'] * 1e3:.3f} ms | {r['http'] * 1e3:.3f} ms "
               f"| **{r['added'] * 1e3:.3f} ms** ({spread(runs, n, 'added')}) | {r['added90'] * 1e3:.3f} ms |")  # fmt: skip
     lo, hi = m[SIZES[0]], m[SIZES[1]]
     print(f"\nadded p50 at 1k: {lo['added'] * 1e3:.3f} ms (target < 1 ms); 16k / 1k: "
@@ -270,7 +277,7 @@ def section1(tok: Any, a: argparse.Namespace) -> None:
 
 
 def section2(tok: Any, a: argparse.Namespace) -> None:
-    stacks = [(h, lp) for h, lp in STACKS if installed(h if h != "h11" else "h11") and (lp != "uvloop" or installed("uvloop"))]  # fmt: skip
+    stacks = [(h, lp) for h, lp in STACKS if installed(h) and (lp != "uvloop" or installed("uvloop"))]
     runs: dict[tuple[str, str], list[dict[int, dict[str, float]]]] = {s: [] for s in stacks}
     for _ in range(a.rounds):
         for h, lp in stacks:
