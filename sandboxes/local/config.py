@@ -58,10 +58,11 @@ class LocalSandboxConfig(BaseModel):
         description="as root, each sandbox runs as host uid/gid uid_base + (its id mod 2**24), "
         "never root; pick a range no real user or subuid mapping uses",
     )
-    mount_dir: str = Field(
-        default="/run/miles-env-sandboxes",
+    mount_dir: str | None = Field(
+        default=None,
         description="as root, where each sandbox's size-capped tmpfs is mounted; every uid must be "
-        "able to walk to it",
+        "able to walk to it; None = /dev/shm/miles-env-mounts when /dev/shm is a tmpfs, else "
+        "/run/miles-env-sandboxes",
     )
 
     def resolved_root(self) -> Path:
@@ -73,6 +74,12 @@ class LocalSandboxConfig(BaseModel):
         if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) and _is_tmpfs("/dev/shm"):
             return Path("/dev/shm/miles-env-sandboxes")
         return Path(tempfile.gettempdir()) / "miles-env-sandboxes"
+
+    def resolved_mount_dir(self) -> str:
+        # Why tmpfs by default: the mount points are made and removed per sandbox (see resolved_root).
+        if self.mount_dir:
+            return self.mount_dir
+        return "/dev/shm/miles-env-mounts" if _is_tmpfs("/dev/shm") else "/run/miles-env-sandboxes"
 
 
 def _is_tmpfs(path: str) -> bool:

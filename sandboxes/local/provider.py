@@ -104,7 +104,7 @@ class LocalSandboxProvider:
                     "`setpriv` (util-linux) not found on PATH; as root the local sandbox needs it"
                 )
             self._setpriv = setpriv
-            self.mount_dir = prepare_mount_dir(self.config.mount_dir)
+            self.mount_dir = prepare_mount_dir(self.config.resolved_mount_dir())
             remove_orphan_mounts(self.mount_dir)  # what a crashed run left, once the reaper removed its dir
         self._idle: list[tuple[Zygote, PidsCgroup]] = []
         if self.config.use_cgroup:
