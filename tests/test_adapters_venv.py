@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -39,14 +40,36 @@ def test_cache_dir_and_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         "packages": ["openenv-core==0.3.0", "websockets"],
         "installed_at": 1.0,
         "seconds": 2.0,
+        "lock": hashlib.sha256(venv.lock_file("openenv").read_bytes()).hexdigest(),  # type: ignore[union-attr]
     }
     (d / venv.MARKER).write_text(json.dumps(marker))
     (info,) = venv.installed()
     assert info.name == "openenv" and info.reused
-    assert venv.install("openenv") == info  # a present marker with the same pin is a no-op
+    assert venv.install("openenv") == info  # a present marker with the same pin and lock is a no-op
     res = CliRunner().invoke(app, ["adapters", "list"])
     assert res.exit_code == 0 and "openenv    installed (openenv-core==0.3.0" in res.output
     assert "verifiers  not installed" in res.output
+
+
+def test_a_changed_lock_reinstalls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MILES_ENV_CACHE", str(tmp_path))
+    d = tmp_path / "adapters" / "openenv"
+    d.mkdir(parents=True)
+    marker = {"name": "openenv", "path": str(d), "python": "p", "python_version": "3.12", "installed_at": 1.0}
+    marker |= {"packages": ["openenv-core==0.3.0", "websockets"], "lock": "0" * 64}  # installed under another lock
+
+    class Reinstalling(Exception):
+        pass
+
+    def refuse(spec: FrameworkSpec) -> None:
+        raise Reinstalling(spec.name)
+
+    (d / venv.MARKER).write_text(json.dumps(marker))
+    monkeypatch.setattr(venv, "find_python", refuse)
+    with pytest.raises(Reinstalling):
+        venv.install("openenv")
+    monkeypatch.setenv("MILES_ENV_LOCK", "none")  # re-locking: resolve freely, lock digest ""
+    assert venv.lock_file("openenv") is None
 
 
 def test_cli_unknown_adapter() -> None:
