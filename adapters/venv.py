@@ -232,7 +232,12 @@ def install(
     digest = hashlib.sha256(lock.read_bytes()).hexdigest() if lock else ""
     constraints = ("-c", str(lock)) if lock else ()
     current = _read_marker(name)
-    if current is not None and not force and set(packages) <= set(current.packages) and current.lock == digest:
+    if (
+        current is not None
+        and not force
+        and set(packages) <= set(current.packages)
+        and current.lock == digest
+    ):
         return current
     python, ver = find_python(spec)
     target = venv_dir(name)
@@ -244,10 +249,18 @@ def install(
     vpy = str(target / "bin" / "python")
     if uv:
         _run([uv, "venv", "--python", python, str(target)], f"uv venv {target}", 300)
-        _run([uv, "pip", "install", "--python", vpy, *constraints, *packages], f"uv pip install {packages}", timeout)
+        _run(
+            [uv, "pip", "install", "--python", vpy, *constraints, *packages],
+            f"uv pip install {packages}",
+            timeout,
+        )
     else:
         _run([python, "-m", "venv", str(target)], f"{python} -m venv {target}", 300)
-        _run([vpy, "-m", "pip", "install", "-q", *constraints, *packages], f"pip install {' '.join(packages)}", timeout)
+        _run(
+            [vpy, "-m", "pip", "install", "-q", *constraints, *packages],
+            f"pip install {' '.join(packages)}",
+            timeout,
+        )
     if spec.import_name:
         _run([vpy, "-c", f"import {spec.import_name}"], f"import {spec.import_name} in {target}", 300)
     info = VenvInfo(

@@ -56,7 +56,10 @@ def test_a_changed_lock_reinstalls(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     d = tmp_path / "adapters" / "openenv"
     d.mkdir(parents=True)
     marker = {"name": "openenv", "path": str(d), "python": "p", "python_version": "3.12", "installed_at": 1.0}
-    marker |= {"packages": ["openenv-core==0.3.0", "websockets"], "lock": "0" * 64}  # installed under another lock
+    marker |= {
+        "packages": ["openenv-core==0.3.0", "websockets"],
+        "lock": "0" * 64,
+    }  # installed under another lock
 
     class Reinstalling(Exception):
         pass
