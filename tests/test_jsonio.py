@@ -84,7 +84,6 @@ _ALLOWED = {
     ("miles_env/episode_codec.py", "dumps"): "queue storage: lossless round trip of an Episode, not a file",
     ("miles_env/queue.py", "dumps"): "a list of episode ids bound as an SQL parameter",
     ("trainer/weight_sync.py", "dumps"): "a CRC over names and shapes, never written",
-    ("miles_env/cli/doctor.py", "dumps"): "names, booleans and strings only (another owner; move to jsonio)",
 }
 
 

@@ -7,7 +7,6 @@ missing, so scripts can gate on it; `scripts/setup.sh` ends with it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -26,11 +25,12 @@ def doctor_command(
     """Check Python, torch, bubblewrap, cgroups, the model, CLIs, docker, vLLM, adapters, megatron, credentials."""
     from miles_env.config import load_config
     from miles_env.doctor import run_checks
+    from miles_env.jsonio import dumps
 
     checks = run_checks(load_config(config, overrides or []))
     missing = [c for c in checks if c.required and not c.ok]
     if as_json:
-        typer.echo(json.dumps([{**{k: getattr(c, k) for k in c.__slots__}} for c in checks]))
+        typer.echo(dumps([{**{k: getattr(c, k) for k in c.__slots__}} for c in checks]))
     else:
         width = max(len(c.name) for c in checks)
         for c in checks:
