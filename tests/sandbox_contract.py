@@ -170,8 +170,8 @@ class HostileContract:
     def host_path(self, sb: Sandbox, inner: str) -> Path | None:
         raise NotImplementedError
 
-    def quota_missing(self) -> str | None:
-        """Why this provider cannot hold a total disk quota here (then that test skips), or None."""
+    def quota_missing(self, sb: Sandbox) -> str | None:
+        """Why sandbox `sb` has no total disk quota here (then that test skips), or None."""
         return None
 
     async def test_sysctl_writes_fail_and_leave_the_host_unchanged(self, provider):
@@ -213,10 +213,10 @@ class HostileContract:
                 assert not setuid_root or nosuid, (name, oct(st.st_mode), st.st_uid)
 
     async def test_many_small_files_stay_within_disk_mb(self, provider):
-        if (why := self.quota_missing()) is not None:
-            pytest.skip(why)
         spec = SandboxSpec(resources=Resources(disk_mb=4, timeout_s=60))
         async with await provider.create(spec) as sb:
+            if (why := self.quota_missing(sb)) is not None:
+                pytest.skip(why)
             fill = (
                 "for d in /workspace /tmp; do for i in $(seq 40); do "
                 "head -c 262144 /dev/zero > $d/f$i || break; done; done; du -sk /workspace /tmp"

@@ -21,6 +21,7 @@ removed by `aclose()`, or at garbage collection / interpreter exit.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shutil
@@ -38,6 +39,8 @@ from .sandbox import LocalSandbox
 from .storage import Storage, prepare_mount_dir, remove_orphan_mounts
 
 __all__ = ["LocalSandboxProvider"]
+
+_log = logging.getLogger(__name__)
 
 # Read-only over the sandbox's own /proc: host-global kernel knobs (bwrap skips /proc/sys when
 # it looks unwritable to it, which says nothing about who else could write it).
@@ -107,6 +110,7 @@ class LocalSandboxProvider:
             self.mount_dir = prepare_mount_dir(self.config.resolved_mount_dir())
             remove_orphan_mounts(self.mount_dir)  # what a crashed run left, once the reaper removed its dir
         self._idle: list[tuple[Zygote, PidsCgroup]] = []
+        self._warned_no_mount = False
         if self.config.use_cgroup:
             remove_orphan_zygote_cgroups()  # what killed runs left: empty cgroups, a few ms at most
         weakref.finalize(self, _dispose, self._idle)
@@ -202,6 +206,13 @@ class LocalSandboxProvider:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             host_dir.mkdir(mode=0o700)
             storage = Storage.make(host_dir, self.mount_dir, ids, spec.resources.disk_mb)
+            if ids is not None and not storage.mounted and not self._warned_no_mount:
+                self._warned_no_mount = True
+                _log.warning(
+                    "local sandbox: root here may not mount a tmpfs under %s; sandboxes get plain "
+                    "directories, so Resources.disk_mb caps single files only, not a sandbox's total",
+                    self.mount_dir,
+                )
             bwrap_prefix = self._bwrap_prefix(spec, storage)
             zygote, cgroup = self._zygote(sandbox_id, spec.resources.max_procs)
         except OSError as e:

@@ -17,7 +17,10 @@ symlinks to the mount for people.
 
 Without root nothing can be mounted: `<base>` is `<root_dir>/<id>` itself with plain
 directories, bwrap runs as the caller's uid, and only RLIMIT_FSIZE caps (single
-files); there is no total quota (say so to whoever relies on one).
+files); there is no total quota (say so to whoever relies on one). Root that may not
+mount (a container without CAP_SYS_ADMIN) keeps the unprivileged uid but gets plain
+directories at `<mount_dir>/<id>`, equally without a total quota (`mounted` is False;
+the provider logs it once).
 
 Lifecycle: `make()` before the first exec; `remove()` at close detaches the mount
 (lazily: a dying process holding a file cannot keep it) and deletes both trees.
@@ -37,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles_env.errors import SandboxUnavailable
+from miles_env.errors import SandboxError, SandboxUnavailable
 
 __all__ = ["Storage", "remove_orphan_mounts", "prepare_mount_dir"]
 
@@ -120,13 +123,16 @@ class Storage:
 
     def _make(self, disk_mb: int) -> None:
         if self.ids is not None:
-            uid, gid = self.ids
-            self.base.mkdir(mode=0o700)
+            self.base.mkdir(mode=0o711)
             inodes = max(1024, disk_mb * _INODES_PER_MB)
             opts = f"size={disk_mb}m,nr_inodes={inodes},mode=0711,uid=0,gid=0"
-            _mount(_SOURCE, str(self.base), "tmpfs", _MS_NOSUID | _MS_NODEV, opts)
-            self.mounted = True
-            (self.base / _OWNER).write_text(str(self.host_dir))
+            try:
+                _mount(_SOURCE, str(self.base), "tmpfs", _MS_NOSUID | _MS_NODEV, opts)
+            except PermissionError:
+                pass  # root without CAP_SYS_ADMIN (a container): plain directories, no total quota
+            else:
+                self.mounted = True
+                (self.base / _OWNER).write_text(str(self.host_dir))
         for sub, mode in (("work", 0o755), ("tmp", 0o1777), ("shm", 0o1777), ("run", 0o755)):
             (self.base / sub).mkdir()
             os.chmod(self.base / sub, mode)  # mkdir's mode is cut by the umask
@@ -151,22 +157,40 @@ class Storage:
                 target.mkdir()
             else:
                 target.touch()
-            _mount(host_path, str(target), None, _MS_BIND | _MS_REC, None)
-            flags = _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
-            _mount(None, str(target), None, flags, None)
+            try:
+                _mount(host_path, str(target), None, _MS_BIND | _MS_REC, None)
+            except OSError as e:
+                raise SandboxError(
+                    f"{host_path!r}: the sandbox's uid {self.ids[0]} cannot walk to it, and binding it "
+                    f"where it can failed: {e}"
+                ) from e
+            try:
+                _mount(
+                    None,
+                    str(target),
+                    None,
+                    _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV,
+                    None,
+                )
+            except OSError as e:
+                _detach(str(target))  # never left writable
+                raise SandboxError(f"{host_path!r}: cannot make its bind read-only: {e}") from e
             self._ro[host_path] = str(target)
         return self._ro[host_path]
 
     def remove(self) -> None:
-        """Detach the mount (with the binds below it) and delete both trees; idempotent."""
+        """Detach the mount and the binds below it, then delete both trees; idempotent.
+
+        Never a tree walk over a mount: a bind of a host path must not lose its files to rmtree.
+        """
+        for target in self._ro.values():
+            _detach(target)
+        self._ro.clear()
         if self.mounted:
             _detach(str(self.base))
             self.mounted = False
         if self.base != self.host_dir:
-            try:
-                self.base.rmdir()
-            except FileNotFoundError:
-                pass
+            shutil.rmtree(self.base, ignore_errors=True)  # the empty mount point, or plain directories
         shutil.rmtree(self.host_dir, ignore_errors=True)
 
 
