@@ -101,7 +101,8 @@ class LocalSandboxProvider:
         self.mount_dir: Path | None = None  # as root: where each sandbox's tmpfs is mounted
         self._setpriv = ""
         if os.geteuid() == 0:
-            setpriv = shutil.which("setpriv")
+            # Also where util-linux lives when PATH is narrowed (a caller's PATH is not ours to need).
+            setpriv = shutil.which("setpriv") or shutil.which("setpriv", path="/usr/bin:/bin:/usr/sbin:/sbin")
             if setpriv is None:
                 raise SandboxUnavailable(
                     "`setpriv` (util-linux) not found on PATH; as root the local sandbox needs it"
@@ -126,24 +127,9 @@ class LocalSandboxProvider:
             args += host_root_binds()
             for path in self.config.extra_ro_binds:
                 args += ["--ro-bind", storage.reachable(path), path]
-        args += [
-            "--bind",
-            str(storage.path("work")),
-            spec.workdir,
-            "--bind",
-            str(storage.path("tmp")),
-            "/tmp",
-        ]
-        args += [
-            "--proc",
-            "/proc",
-            *_PROC_RO,
-            "--dev",
-            "/dev",
-            "--bind",
-            str(storage.path("shm")),
-            "/dev/shm",
-        ]
+        work, tmp, shm = (str(storage.path(sub)) for sub in ("work", "tmp", "shm"))
+        args += ["--bind", work, spec.workdir, "--bind", tmp, "/tmp"]
+        args += ["--proc", "/proc", *_PROC_RO, "--dev", "/dev", "--bind", shm, "/dev/shm"]
         # The root itself (bwrap's tmpfs, or the rootfs) and /dev's tmpfs are read-only: writes
         # go to the binds only, all of them on the sandbox's quota.
         return args + ["--remount-ro", "/dev", "--remount-ro", "/", "--clearenv"]
@@ -215,11 +201,13 @@ class LocalSandboxProvider:
                 )
             bwrap_prefix = self._bwrap_prefix(spec, storage)
             zygote, cgroup = self._zygote(sandbox_id, spec.resources.max_procs)
-        except OSError as e:
+        except BaseException as e:
             if storage is not None:
                 storage.remove()
             shutil.rmtree(host_dir, ignore_errors=True)
-            raise SandboxError(f"creating sandbox under {self.root}: {e}") from e
+            if isinstance(e, OSError):
+                raise SandboxError(f"creating sandbox under {self.root}: {e}") from e
+            raise
         sandbox = LocalSandbox(
             sandbox_id=sandbox_id,
             spec=spec,

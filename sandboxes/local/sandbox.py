@@ -6,8 +6,8 @@ the sandbox's own unprivileged uid) plus, when the host allows it, a pids cgroup
 Each exec is a single fresh `bwrap --unshare-all` (new user, mount, pid, net, ipc,
 uts, cgroup namespaces, no capabilities) that sees only the read-only system dirs
 and those writable binds; so create and close are cheap directory (and mount)
-operations and an exec is one process spawn. Files persist across execs; processes do not (the pid
-namespace dies with the exec). With a pids cgroup, that bwrap is forked by the
+operations and an exec is one process spawn. Files persist across execs;
+processes do not (the pid namespace dies with the exec). With a pids cgroup, that bwrap is forked by the
 sandbox's zygote, which already lives in the cgroup, so no exec has to join it
 (zygote.py says why that matters); the provider recycles zygote and cgroup.
 
