@@ -176,7 +176,10 @@ class _Job:
             }
             await anyio.to_thread.run_sync(trainer.save_checkpoint, self.cfg.run_dir / "checkpoints", extra)
             metrics["checkpoint_s"] = time.perf_counter() - t1
-            await queue.ack(leases)  # only after the checkpoint holding these ids is durable
+            # Only after the checkpoint holding these ids is durable; with checkpoint_every > 1 the
+            # steps since the last checkpoint are acked here too (their ids are in it).
+            await queue.ack(self._unacked + leases)
+            self._unacked.clear()
         else:
             self._unacked.extend(leases)
         episodes = [ep for g in groups for ep in g]

@@ -94,6 +94,21 @@ def test_train_runs_and_leaves_a_complete_run_dir(tmp_path: Path, tiny_model: Pa
     assert {0, 1} <= versions
 
 
+@pytest.mark.slow
+def test_checkpoint_every_acks_the_leases_taken_between_checkpoints(tmp_path: Path, tiny_model: Path) -> None:
+    # Step 1 trains without a checkpoint; its leases must be acked with step 2's checkpoint, not
+    # left leased (a 24 h lease would put them back into play in a long run).
+    run_dir = tmp_path / "run"
+    args = _args(run_dir, tiny_model, 2, "trainer.checkpoint_every=2", "eval.enabled=false")
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [p.name for p in sorted((run_dir / "checkpoints").glob("step_*"))] == ["step_00000002"]
+    stats = SqliteReplayQueue(run_dir / "queue.db").stats()
+    assert stats.acked_groups == 4 and stats.episodes.get("acked") == 8, stats
+    assert not stats.episodes.get("leased"), stats
+    assert len(set(_trained_ids(run_dir))) == 8
+
+
 def _turns(event: dict) -> list[dict]:
     found: list[dict] = []
 
