@@ -27,7 +27,8 @@ this host: the sandbox's host run dir is bind-mounted read-only at
 
 Lifecycle: create -> exec/files/expose -> close (container and volume removed,
 run dir deleted); create cleans up after itself when it fails or is cancelled.
-The SDK is synchronous: every call runs in a worker thread.
+The SDK is synchronous: every call runs in a worker thread. Exec plumbing lives in
+_docker_exec.py, file I/O (archive API, read cap, seeding the volume) in _docker_files.py.
 """
 
 from __future__ import annotations
@@ -35,14 +36,12 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import posixpath
 import secrets
 import shutil
 import socket
 import tarfile
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -59,6 +58,7 @@ from miles_env.sandbox import Command
 from miles_env.types import ExecResult, NetworkPolicy, SandboxSpec
 
 from ._docker_exec import ExecOutcome, kill_token_argv, run_exec
+from ._docker_files import ContainerFiles, workdir_seed
 from .execargs import exec_args
 from .local.bridge import _FORWARDER, _HostListener
 from .local.sandbox import classify
@@ -102,24 +102,6 @@ def _map(e: BaseException, what: str) -> SandboxError:
     if isinstance(e, requests.exceptions.RequestException | OSError):
         return SandboxError(f"{what}: engine unreachable: {e}")
     return SandboxError(f"{what}: {type(e).__name__}: {e}")
-
-
-def _strip_top(archive: bytes) -> bytes:
-    """A tar of `dir/...` (as the archive API returns a directory) re-rooted at `dir`; b"" if empty."""
-    out = io.BytesIO()
-    count = 0
-    with tarfile.open(fileobj=io.BytesIO(archive)) as src, tarfile.open(fileobj=out, mode="w") as dst:
-        for member in src:
-            _, sep, rest = member.name.partition("/")
-            if not sep or not rest:
-                continue  # the directory itself: the mount point keeps its own mode
-            data = src.extractfile(member) if member.isfile() else None
-            member.name = rest
-            if member.islnk():  # a hard link names its target by archive path, re-rooted too
-                member.linkname = member.linkname.partition("/")[2]
-            dst.addfile(member, data)
-            count += 1
-    return out.getvalue() if count else b""
 
 
 async def _call(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -248,34 +230,14 @@ class DockerSandboxProvider:
             cap_drop=["ALL"],
             security_opt=["no-new-privileges"],
         )
-        seed = self._workdir_seed(container.attrs["Image"], spec.workdir, res.disk_mb, labels)
+        key = (container.attrs["Image"], spec.workdir)
+        if key not in self._seeds:  # read once per image: see _docker_files.py
+            self._seeds[key] = workdir_seed(self.client.api, key[0], spec.workdir, res.disk_mb, labels)
+        seed = self._seeds[key]
         container.start()
         if seed:
             self.client.api.put_archive(container.id, spec.workdir, seed)
         return container
-
-    def _workdir_seed(self, image_id: str, workdir: str, disk_mb: int, labels: dict[str, str]) -> bytes:
-        """The image's own files under `workdir` as a tar relative to it (b"" when it has none).
-
-        Why: the engine fills an empty named volume from the image, but not a tmpfs one; so
-        we copy them in ourselves, read once per image through a container that never starts.
-        """
-        key = (image_id, workdir)
-        if key not in self._seeds:
-            helper = self.client.api.create_container(image_id, command=["true"], labels=labels)["Id"]
-            try:
-                stream, _ = self.client.api.get_archive(helper, workdir)
-                raw = bytearray()
-                for chunk in stream:
-                    raw += chunk
-                    if len(raw) > disk_mb << 20:
-                        raise SandboxError(f"the image's files under {workdir} exceed disk_mb={disk_mb}")
-                self._seeds[key] = _strip_top(bytes(raw))
-            except docker.errors.NotFound:
-                self._seeds[key] = b""
-            finally:
-                self.client.api.remove_container(helper, force=True)
-        return self._seeds[key]
 
     def _remove_sync(self, name: str) -> None:
         """Remove container and volume `name`; absent ones are fine."""
@@ -364,6 +326,9 @@ class DockerSandbox:
         self._listeners: list[_HostListener] = []
         self._forwarders: list[socket.socket] = []
         self._expose_lock = anyio.Lock()
+        self._files = ContainerFiles(
+            self._api, cid, name, spec.workdir, provider.config.max_read_bytes, self._run, self._explain
+        )
 
     # -- exec ---------------------------------------------------------------------------
     def _wrap(self, cmd: Command) -> list[str]:
@@ -471,112 +436,14 @@ class DockerSandbox:
             duration_s=out.raw.duration_s,
         )
 
-    # -- files --------------------------------------------------------------------------
-    def _inner(self, path: str) -> str:
-        if not path or "\x00" in path:
-            raise SandboxError(f"path {path!r}: must be a non-empty path without NUL bytes")
-        norm = posixpath.normpath(posixpath.join(self.workdir, path))
-        for mount in (self.workdir, "/tmp"):
-            if norm.startswith(mount.rstrip("/") + "/"):
-                return norm
-        raise SandboxError(f"path {path!r} resolves to {norm}, outside the sandbox's writable mounts")
-
+    # -- files (_docker_files.py) ----------------------------------------------------------
     async def write_file(self, path: str, data: bytes | str) -> None:
         self._check_open()
-        inner = self._inner(path)
-        payload = data.encode() if isinstance(data, str) else bytes(data)
-        if inner.startswith("/tmp/"):  # tmpfs: the archive API cannot see it; go through a shell
-            script = 'mkdir -p "$(dirname "$1")" && [ ! -L "$1" ] && cat > "$1"'
-            out = await self._run(
-                ["/bin/sh", "-c", script, "sh", inner],
-                env={},
-                cwd="/",
-                stdin=payload,
-                timeout=60,
-                cap=1 << 16,
-            )
-            if out.raw.returncode != 0:
-                raise SandboxError(
-                    f"path {path!r}: write failed: {out.raw.stderr.decode(errors='replace')[-300:]}"
-                )
-            return
-        rel = posixpath.relpath(inner, self.workdir)
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            parts = rel.split("/")
-            for i in range(1, len(parts)):
-                info = tarfile.TarInfo("/".join(parts[:i]))
-                info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, int(time.time())
-                tar.addfile(info)
-            info = tarfile.TarInfo(rel)
-            info.size, info.mode, info.mtime = len(payload), 0o644, int(time.time())
-            tar.addfile(info, io.BytesIO(payload))
-        try:
-            ok = await anyio.to_thread.run_sync(
-                self._api.put_archive, self.container_id, self.workdir, buf.getvalue()
-            )
-        except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as e:
-            raise await self._explain(e, f"write_file({path!r})") from e
-        if not ok:
-            raise SandboxError(f"sandbox {self.id}: write_file({path!r}): the engine refused the archive")
-
-    def _too_big(self, path: str, size: int) -> SandboxError:
-        cap = self._provider.config.max_read_bytes
-        return SandboxError(
-            f"path {path!r}: {size} bytes, over read_file's cap of {cap} bytes "
-            "(max_read_bytes in the provider's config)"
-        )
+        await self._files.write(path, data)
 
     async def read_file(self, path: str) -> bytes:
         self._check_open()
-        inner = self._inner(path)
-        cap = self._provider.config.max_read_bytes
-        if inner.startswith("/tmp/"):
-            script = (
-                '[ -f "$1" ] && [ ! -L "$1" ] || { echo "not a regular file" >&2; exit 2; }; '
-                's=$(stat -c %s "$1") && [ "$s" -le "$2" ] || { echo "$s" >&2; exit 3; }; head -c "$(($2 + 1))" "$1"'
-            )
-            argv = ["/bin/sh", "-c", script, "sh", inner, str(cap)]
-            out = await self._run(argv, env={}, cwd="/", stdin=None, timeout=60, cap=cap + 1)
-            if out.raw.returncode == 3:
-                raise self._too_big(path, int(out.raw.stderr.split()[-1] or 0))
-            if out.raw.returncode != 0:
-                raise SandboxError(f"path {path!r}: no such regular file in the sandbox")
-            if len(out.raw.stdout) > cap:  # it grew after the size check
-                raise self._too_big(path, len(out.raw.stdout))
-            return out.raw.stdout
-
-        def get() -> bytes:
-            # The size first (a HEAD of the archive endpoint), so a huge file is never streamed.
-            head = self._api.head(
-                self._api._url("/containers/{0}/archive", self.container_id), params={"path": inner}
-            )
-            self._api._raise_for_status(head)
-            info = docker.utils.decode_json_header(head.headers["X-Docker-Container-Path-Stat"])
-            if int(info.get("size", 0)) > cap:
-                raise self._too_big(path, int(info["size"]))
-            stream, _ = self._api.get_archive(self.container_id, inner)
-            buf = bytearray()
-            for chunk in stream:  # a tar of one file: its size plus headers and padding
-                buf += chunk
-                if len(buf) > cap + (64 << 10):
-                    raise self._too_big(path, len(buf))
-            with tarfile.open(fileobj=io.BytesIO(bytes(buf))) as tar:
-                member = tar.next()
-                if member is None or not member.isfile():
-                    raise SandboxError(f"path {path!r}: not a regular file")
-                if member.size > cap:
-                    raise self._too_big(path, member.size)
-                f = tar.extractfile(member)
-                assert f is not None
-                return f.read()
-
-        try:
-            return await anyio.to_thread.run_sync(get)
-        except docker.errors.NotFound as e:
-            raise SandboxError(f"path {path!r}: no such file in the sandbox") from e
-        except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as e:
-            raise await self._explain(e, f"read_file({path!r})") from e
+        return await self._files.read(path)
 
     # -- network ------------------------------------------------------------------------
     async def expose(self, url: str) -> str:
