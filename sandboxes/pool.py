@@ -16,7 +16,9 @@ are closed instead of handed out; leaving the pool closes every warm sandbox.
 Reaper: `reap(name, ttl_s)` removes sandboxes left behind by crashed runs:
 providers with a `reap()` method do it by their ownership labels (see
 ownership.py); for "local", workspaces whose owner.json names a dead owner (or,
-without one, whose age passed the TTL) are removed with their pids cgroups.
+without one, whose age passed the TTL) are removed with their pids cgroups, and
+then (as root) every sandbox tmpfs whose workspace is gone is detached, so a
+crashed run's RAM comes back now rather than when the next local provider starts.
 """
 
 from __future__ import annotations
@@ -285,9 +287,14 @@ def _kill_by_cmdline(marker: str) -> None:
                 pass
 
 
-def reap_local(root: Path, ttl_s: float | None = None) -> list[str]:
-    """Remove stale local workspaces under `root` and their pids cgroups."""
+def reap_local(root: Path, ttl_s: float | None = None, mount_dir: Path | None = None) -> list[str]:
+    """Remove stale local workspaces under `root` and their pids cgroups.
+
+    `mount_dir` is the provider's (as root, where each sandbox's tmpfs is mounted; None without
+    root): the mounts there whose workspace no longer exists are detached and their points removed.
+    """
     from .local.cgroup import PidsCgroup, _pids_base, remove_orphan_zygote_cgroups
+    from .local.storage import remove_orphan_mounts
 
     removed: list[str] = []
     if root.is_dir():
@@ -312,6 +319,8 @@ def reap_local(root: Path, ttl_s: float | None = None) -> list[str]:
             cg.kill_all(1.0)
             cg.remove()
     remove_orphan_zygote_cgroups()
+    if mount_dir is not None and mount_dir.is_dir():
+        remove_orphan_mounts(mount_dir)  # also those of workspaces an earlier sweep removed
     return sorted(removed)
 
 
@@ -322,7 +331,9 @@ async def reap_provider(provider: SandboxProvider, ttl_s: float | None = None) -
         return result
     root = getattr(provider, "root", None)
     if isinstance(root, Path):
-        return await anyio.to_thread.run_sync(reap_local, root, ttl_s)
+        mount_dir = getattr(provider, "mount_dir", None)
+        mount_dir = mount_dir if isinstance(mount_dir, Path) else None
+        return await anyio.to_thread.run_sync(reap_local, root, ttl_s, mount_dir)
     raise SandboxError(f"provider {provider.name!r} cannot find its orphans (no reap())")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -208,6 +209,49 @@ def test_reaper_removes_what_a_killed_run_left(root, local):
     assert _left(root) == [mine.id]
     anyio.run(mine.close)
     assert _left(root) == []
+
+
+_CRASHER_MOUNT = textwrap.dedent(
+    """
+    import anyio, sys
+    from miles_env.sandboxes.local import LocalSandboxConfig, LocalSandboxProvider
+    from miles_env.sandboxes.pool import SandboxPool
+    from miles_env.types import SandboxSpec
+    async def main():
+        pool = SandboxPool(LocalSandboxProvider(LocalSandboxConfig(root_dir=sys.argv[1])))
+        sb = await pool.create(SandboxSpec(files={"big.txt": "x" * 100000}))
+        print(sb.storage.base if sb.storage.mounted else "NOT-MOUNTED", flush=True)
+        await sb.exec("sleep 600")
+    anyio.run(main)
+    """
+)
+
+
+def _mount_points() -> set[str]:
+    with open("/proc/self/mounts") as f:
+        return {line.split()[1] for line in f}
+
+
+def test_reaper_unmounts_the_tmpfs_a_killed_run_left(root):
+    """As root each sandbox has a tmpfs of its own: the reaper detaches a dead run's, not the next provider."""
+    if os.geteuid() != 0:
+        pytest.skip("only root mounts a tmpfs per sandbox")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CRASHER_MOUNT, str(root)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    base = proc.stdout.readline().strip()
+    if base == "NOT-MOUNTED":
+        proc.kill()
+        proc.wait()
+        pytest.skip("root here may not mount a tmpfs (no CAP_SYS_ADMIN)")
+    assert base in _mount_points()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert anyio.run(functools.partial(reap, "local", root_dir=str(root))) == [os.path.basename(base)]
+    assert _left(root) == []
+    assert base not in _mount_points()  # detached: its RAM is given back now
+    assert not os.path.exists(base)
 
 
 async def test_reaper_removes_orphan_zygote_cgroups_only(local, root):
