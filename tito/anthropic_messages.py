@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from miles_env.tito.errors import ProxyError, bad_request
 from miles_env.tito.messages import ChatRequest, ChatResult, Message, ToolCall
-from miles_env.tito.wire import decode_reasoning, encode_reasoning, split_reasoning, sse
+from miles_env.tito.wire import Items, decode_reasoning, encode_reasoning, split_reasoning, sse
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["MessagesRequest", "CountTokensRequest", "to_core", "message_body", "stream_events", "error_body"]
@@ -39,7 +39,7 @@ class Block(_In):
     name: str | None = None
     input: Any = None
     tool_use_id: str | None = None
-    content: str | list[Block] | None = None
+    content: str | Items[Block] | None = None
     is_error: bool | None = None
     thinking: str | None = None
     signature: str | None = None
@@ -47,7 +47,7 @@ class Block(_In):
 
 class MessageIn(_In):
     role: Literal["user", "assistant", "system"]
-    content: str | list[Block]
+    content: str | Items[Block]
 
 
 class ToolIn(_In):
@@ -59,9 +59,9 @@ class ToolIn(_In):
 
 class CountTokensRequest(_In):
     model: str | None = None
-    messages: list[MessageIn] = Field(min_length=1)
-    system: str | list[Block] | None = None
-    tools: list[ToolIn] | None = None
+    messages: Items[MessageIn] = Field(min_length=1)
+    system: str | Items[Block] | None = None
+    tools: Items[ToolIn] | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -69,7 +69,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
-    stop_sequences: list[str] | None = None
+    stop_sequences: Items[str] | None = None
     stream: bool = False
     output_config: dict[str, Any] | None = None
 
@@ -125,8 +125,17 @@ def core_messages(req: CountTokensRequest) -> list[Message]:
     if req.system:
         sys_text = req.system if isinstance(req.system, str) else _texts(req.system, "system")
         out.append(Message("system", sys_text))
+    last = len(req.messages) - 1
     for i, m in enumerate(req.messages):
         where = f"messages[{i}].content"
+        if isinstance(m.content, list) and not m.content:
+            if m.role == "assistant" and i == last:
+                continue  # an empty final assistant message (a prefill with nothing in it) adds nothing
+            raise bad_request(
+                f"messages.{i}: all messages must have non-empty content except for the optional "
+                "final assistant message",
+                param=f"messages.{i}",
+            )
         if isinstance(m.content, str):
             out.append(Message(m.role, m.content))
         elif m.role == "assistant":
@@ -268,4 +277,4 @@ _TYPES = {
 
 def error_body(e: ProxyError) -> dict[str, Any]:
     kind = _TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": e.message}}
+    return {"type": "error", "error": {"type": kind, "message": e.anthropic_message or e.message}}

@@ -4,37 +4,49 @@ Routes: `POST /s/{id}/v1/chat/completions`, `POST /s/{id}/v1/responses`,
 `POST /s/{id}/v1/messages` (`?beta=true` too) and `/v1/messages/count_tokens`,
 `GET /s/{id}/v1/models`, `HEAD /` and `HEAD /s/{id}/` (Claude Code's warm-up), admin
 `POST /admin/sessions`, `GET /admin/sessions/{id}/trajectory`,
-`DELETE /admin/sessions/{id}`, `GET /health`. Every error leaves in its dialect's
-shape (Anthropic `{"type": "error", ...}` on the Messages routes, OpenAI
-`{"error": ...}` elsewhere) with a 4xx/5xx status; the app keeps serving. A streamed completion is
-generated (and recorded) before its first byte goes out, so a client that hangs
-up mid-stream loses nothing and leaves the session usable.
+`DELETE /admin/sessions/{id}`, `GET /health`.
+
+Every error leaves in its route's dialect (replies.py), 404 and 405 included, with
+a 4xx for anything the client got wrong and without closing the connection. A
+request is authenticated, then its body is read within the route's size and time
+limits (body.py: 413, 408), then parsed, validated and converted off the event
+loop when large; the core renders and tokenizes off the loop too. The response is
+built (serialized) before the turn is stored. A streamed completion is generated
+and recorded before its first byte goes out, so a client that hangs up
+mid-stream loses nothing and leaves the session usable.
 """
 
 from __future__ import annotations
 
-import json
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
+import anyio
 from miles_env.tito import anthropic_messages as am
 from miles_env.tito import openai_responses as oa
-from miles_env.tito.config import Budget
+from miles_env.tito.body import parse_json, read_body
+from miles_env.tito.config import Budget, Route
 from miles_env.tito.errors import ProxyError, bad_request, unauthorized
-from miles_env.tito.messages import ChatRequest
+from miles_env.tito.messages import ChatRequest, ChatResult
 from miles_env.tito.openai_chat import ChatCompletionRequest, completion_body, stream_events, to_core
 from miles_env.tito.proxy import TitoProxy
+from miles_env.tito.replies import Dialect, dialect_of, error_response, event_stream, guard
+from miles_env.tito.store import export_body
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route as HttpRoute
 
 __all__ = ["create_app"]
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+_INLINE_BYTES = 64 * 1024  # smaller bodies are parsed on the loop: a thread hop would cost more
+_HEAVY_PARSES = 4  # larger ones in at most this many threads at once: bounds their memory
 
 
 class CreateSessionBody(BaseModel):
@@ -43,25 +55,13 @@ class CreateSessionBody(BaseModel):
     budget: Budget | None = None
 
 
-def _error(e: ProxyError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
-
-
-async def _json(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw) if raw else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
-
-
 def _validate(model: type[M], data: Any) -> M:
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object", code="invalid_request")
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
+        err = e.errors(include_url=False, include_input=False)[0]
         loc = ".".join(str(x) for x in err["loc"])
         raise bad_request(f"{loc}: {err['msg']}", code="invalid_request", param=loc or None) from None
 
@@ -74,86 +74,93 @@ def _api_key(request: Request) -> str | None:
     return key
 
 
-Handler = Callable[[Request], Awaitable[Response]]
-
-
-def _anthropic_errors(handler: Handler) -> Handler:
-    """Answer every failure of an Anthropic route in Anthropic's error shape."""
-
-    async def wrapped(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except ProxyError as e:
-            return JSONResponse(am.error_body(e), status_code=e.status)
-        except Exception as e:  # noqa: BLE001 - the client gets a 500 in its own shape, the app keeps serving
-            err = ProxyError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
-            return JSONResponse(am.error_body(err), status_code=500)
-
-    return wrapped
-
-
 def create_app(proxy: TitoProxy) -> Starlette:
     """Build the ASGI app serving `proxy`."""
+    cfg = proxy.config
+    heavy = anyio.CapacityLimiter(_HEAVY_PARSES)
 
     def check_admin(request: Request) -> None:
-        token = proxy.config.admin_token
+        token = cfg.admin_token
         auth = request.headers.get("authorization", "")
         given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
         if token is None or not secrets.compare_digest(given.encode(), token.encode()):
             raise unauthorized("admin API: missing or wrong admin token")
 
-    async def chat_completions(request: Request) -> Response:
-        sid = request.path_params["session_id"]
+    async def body(request: Request, route: Route, work: Callable[[Any], T]) -> T:
+        """Read the body within the route's limits; parse it and run `work` on it, off the loop if large."""
+        raw = await read_body(request, cfg.body_limit(route), cfg.body_timeout_s)
+
+        def parse() -> T:
+            return work(parse_json(raw))
+
+        if len(raw) <= _INLINE_BYTES:
+            return parse()
+        return await anyio.to_thread.run_sync(parse, limiter=heavy)
+
+    def session(request: Request) -> str:
+        sid = str(request.path_params["session_id"])
         proxy.authenticate(sid, _api_key(request))
-        req = _validate(ChatCompletionRequest, await _json(request))
-        result = await proxy.chat(sid, to_core(req))
-        model = req.model or proxy.config.model_name
-        if not req.stream:
-            return JSONResponse(completion_body(result, model))
-        usage = req.stream_options is not None and req.stream_options.include_usage
-        return StreamingResponse(stream_events(result, model, usage), media_type="text/event-stream")
+        return sid
+
+    async def chat_completions(request: Request) -> Response:
+        sid = session(request)
+        req, core = await body(
+            request, "chat_completions", lambda d: _with(_validate(ChatCompletionRequest, d), to_core)
+        )
+        model = req.model or cfg.model_name
+
+        def respond(result: ChatResult) -> Response:
+            if not req.stream:
+                return JSONResponse(completion_body(result, model))
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            return event_stream(stream_events(result, model, usage))
+
+        return await proxy.serve(sid, core, respond)
 
     async def responses(request: Request) -> Response:
-        sid = request.path_params["session_id"]
-        proxy.authenticate(sid, _api_key(request))
-        req = _validate(oa.ResponsesRequest, await _json(request))
-        core, custom = oa.to_core(req)
-        result = await proxy.chat(sid, core)
-        model, reply_id = req.model or proxy.config.model_name, core.reply_id or oa.new_reply_id()
-        if not req.stream:
-            return JSONResponse(oa.response_body(result, reply_id, custom, model))
-        return StreamingResponse(
-            oa.stream_events(result, reply_id, custom, model), media_type="text/event-stream"
+        sid = session(request)
+        req, (core, custom) = await body(
+            request, "responses", lambda d: _with(_validate(oa.ResponsesRequest, d), oa.to_core)
         )
+        model, reply_id = req.model or cfg.model_name, core.reply_id or oa.new_reply_id()
 
-    @_anthropic_errors
+        def respond(result: ChatResult) -> Response:
+            if not req.stream:
+                return JSONResponse(oa.response_body(result, reply_id, custom, model))
+            return event_stream(oa.stream_events(result, reply_id, custom, model))
+
+        return await proxy.serve(sid, core, respond)
+
     async def messages(request: Request) -> Response:
-        sid = request.path_params["session_id"]
-        proxy.authenticate(sid, _api_key(request))
-        req = _validate(am.MessagesRequest, await _json(request))
-        core = am.to_core(req)
-        result = await proxy.chat(sid, core)
-        model = req.model or proxy.config.model_name
+        sid = session(request)
+        req, core = await body(
+            request, "messages", lambda d: _with(_validate(am.MessagesRequest, d), am.to_core)
+        )
+        model = req.model or cfg.model_name
         headers = {"x-tito-aux": "1"} if core.aux else None
-        if not req.stream:
-            return JSONResponse(am.message_body(result, model, req.stop_sequences), headers=headers)
-        events = am.stream_events(result, model, req.stop_sequences)
-        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
-    @_anthropic_errors
+        def respond(result: ChatResult) -> Response:
+            if not req.stream:
+                return JSONResponse(am.message_body(result, model, req.stop_sequences), headers=headers)
+            return event_stream(am.stream_events(result, model, req.stop_sequences), headers)
+
+        return await proxy.serve(sid, core, respond)
+
+    def count_request(data: Any) -> ChatRequest:
+        req = _validate(am.CountTokensRequest, data)
+        return ChatRequest(messages=tuple(am.core_messages(req)), tools=am.core_tools(req.tools))
+
     async def count_tokens(request: Request) -> Response:
-        sid = request.path_params["session_id"]
-        proxy.authenticate(sid, _api_key(request))
-        req = _validate(am.CountTokensRequest, await _json(request))
-        core = ChatRequest(messages=tuple(am.core_messages(req)), tools=am.core_tools(req.tools))
+        sid = session(request)
+        core = await body(request, "count_tokens", count_request)
         return JSONResponse({"input_tokens": await proxy.count_tokens(sid, core)})
 
     async def head(request: Request) -> Response:
         return Response(status_code=200)
 
     async def models(request: Request) -> Response:
-        proxy.authenticate(request.path_params["session_id"], _api_key(request))
-        name = proxy.config.model_name
+        session(request)
+        name = cfg.model_name
         # one body both SDKs accept: OpenAI's list and Anthropic's page
         model = {"id": name, "object": "model", "created": 0, "owned_by": "miles-env"}
         model |= {"type": "model", "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
@@ -162,9 +169,8 @@ def create_app(proxy: TitoProxy) -> Starlette:
 
     async def admin_create(request: Request) -> Response:
         check_admin(request)
-        data = await _json(request)
-        body = _validate(CreateSessionBody, data if data is not None else {})
-        h = proxy.create_session(body.metadata, body.budget)
+        new = await body(request, "admin", lambda d: _validate(CreateSessionBody, d if d is not None else {}))
+        h = proxy.create_session(new.metadata, new.budget)
         base = f"{str(request.base_url).rstrip('/')}/s/{h.session_id}/v1"
         return JSONResponse({"session_id": h.session_id, "base_url": base, "api_key": h.api_key})
 
@@ -172,7 +178,7 @@ def create_app(proxy: TitoProxy) -> Starlette:
         check_admin(request)
         sid = request.path_params["session_id"]
         info = proxy.get_session(sid)
-        branches = [t.model_dump(mode="json") for t in proxy.export(sid)]
+        branches = [export_body(t) for t in proxy.export(sid)]  # -inf logprobs as "-Infinity"
         return JSONResponse(
             {"session_id": sid, "truncated": info.truncated, "metadata": info.metadata, "branches": branches}
         )
@@ -185,31 +191,47 @@ def create_app(proxy: TitoProxy) -> Starlette:
     async def health(request: Request) -> Response:
         return JSONResponse({"ok": True, "sessions": len(proxy.session_ids())})
 
-    async def on_proxy_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, ProxyError)
-        return _error(exc)
-
     async def on_http_error(request: Request, exc: Exception) -> Response:
+        """The router's own 404 and 405, in the dialect of the path asked for."""
         assert isinstance(exc, HTTPException)
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(ProxyError(exc.status_code, str(exc.detail), type=kind, code=str(exc.status_code)))
+        status, headers = exc.status_code, dict(exc.headers or {})
+        if status == 405:
+            message = f"method {request.method} is not allowed on {request.url.path} (allowed: {headers.get('Allow')})"
+        elif status == 404:
+            message = f"no route {request.method} {request.url.path}"
+        else:
+            message = str(exc.detail)
+        kind = "not_found_error" if status == 404 else "invalid_request_error"
+        err = ProxyError(status, message, type=kind, code=str(status), headers=headers)
+        return error_response(dialect_of(request), err)
 
     async def on_internal_error(request: Request, exc: Exception) -> Response:
-        return _error(ProxyError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+        err = ProxyError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        return error_response(dialect_of(request), err)
 
+    openai: Dialect = "openai"
+    anthropic: Dialect = "anthropic"
     routes = [
-        Route("/s/{session_id}/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/s/{session_id}/v1/responses", responses, methods=["POST"]),
-        Route("/s/{session_id}/v1/messages", messages, methods=["POST"]),
-        Route("/s/{session_id}/v1/messages/count_tokens", count_tokens, methods=["POST"]),
-        Route("/s/{session_id}/v1/models", models, methods=["GET"]),
-        Route("/", head, methods=["HEAD", "GET"]),
-        Route("/s/{session_id}/", head, methods=["HEAD", "GET"]),
-        Route("/s/{session_id}", head, methods=["HEAD", "GET"]),
-        Route("/admin/sessions", admin_create, methods=["POST"]),
-        Route("/admin/sessions/{session_id}/trajectory", admin_trajectory, methods=["GET"]),
-        Route("/admin/sessions/{session_id}", admin_delete, methods=["DELETE"]),
-        Route("/health", health, methods=["GET"]),
+        HttpRoute("/s/{session_id}/v1/chat/completions", guard(openai, chat_completions), methods=["POST"]),
+        HttpRoute("/s/{session_id}/v1/responses", guard(openai, responses), methods=["POST"]),
+        HttpRoute("/s/{session_id}/v1/messages", guard(anthropic, messages), methods=["POST"]),
+        HttpRoute(
+            "/s/{session_id}/v1/messages/count_tokens", guard(anthropic, count_tokens), methods=["POST"]
+        ),
+        HttpRoute("/s/{session_id}/v1/models", guard(None, models), methods=["GET"]),
+        HttpRoute("/", head, methods=["HEAD", "GET"]),
+        HttpRoute("/s/{session_id}/", head, methods=["HEAD", "GET"]),
+        HttpRoute("/s/{session_id}", head, methods=["HEAD", "GET"]),
+        HttpRoute("/admin/sessions", guard(openai, admin_create), methods=["POST"]),
+        HttpRoute(
+            "/admin/sessions/{session_id}/trajectory", guard(openai, admin_trajectory), methods=["GET"]
+        ),
+        HttpRoute("/admin/sessions/{session_id}", guard(openai, admin_delete), methods=["DELETE"]),
+        HttpRoute("/health", health, methods=["GET"]),
     ]
-    handlers = {ProxyError: on_proxy_error, HTTPException: on_http_error, Exception: on_internal_error}
+    handlers = {HTTPException: on_http_error, Exception: on_internal_error}
     return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
+
+
+def _with(req: M, convert: Callable[[M], T]) -> tuple[M, T]:
+    return req, convert(req)

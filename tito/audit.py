@@ -16,6 +16,8 @@ record no longer matches its digest or its lengths differ), `sampled_ids` and
 logprob non-zero where mask is 0), `prefix` (a branch's ids differ from its
 events, or a fork's ids from its parent's prefix), `ownership` (a sampled token
 with mask 1 in none or in more than one exported sample).
+Logprobs are compared in their strict-JSON form (strictjson.py), so a -inf or NaN
+the engine returned is equal to itself wherever it was stored.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from miles_env.tito import strictjson
 from miles_env.tito.messages import digest
 from miles_env.tito.session import Session
 
@@ -111,7 +114,14 @@ def _check(sid: str, source: str, trajs: list[dict[str, Any]], exp: _Expected, o
     present: set[int] = set()
     for t in trajs:
         b = t["branch"]
-        ids, mask, lps = t["token_ids"], t["loss_mask"], t["logprobs"]
+        ids, mask = t["token_ids"], t["loss_mask"]
+        try:
+            lps = strictjson.floats(t["logprobs"])
+        except (TypeError, ValueError):
+            out.append(
+                Drift("logprobs", sid, t["branch"], f"{source} branch {t['branch']}: unreadable logprobs")
+            )
+            continue
         want, sampled = exp.ids.get(b, []), exp.sampled.get(b, [])
         where = f"{source} branch {b}"
         if not (len(ids) == len(mask) == len(lps)) or len(ids) > len(want):
@@ -139,7 +149,7 @@ def _check(sid: str, source: str, trajs: list[dict[str, Any]], exp: _Expected, o
             m = mask[start:end]
             if all(m) and m:
                 owned[k] += 1
-                if lps[start:end] != rec_lps:
+                if strictjson.numbers(lps[start:end]) != strictjson.numbers(rec_lps):
                     out.append(
                         Drift("logprobs", sid, b, f"{where}: turn {k} logprobs differ from the engine's")
                     )

@@ -2,7 +2,9 @@
 
 `TitoConfig` is the component config (one per proxy); `Budget` is what a session
 may spend. A session's budget is the config default overridden field by field by
-the one given at `create_session`; `None` means unlimited.
+the one given at `create_session`; `None` means unlimited. Request bodies are
+bounded per route (`max_body_bytes`, overridden by name in `route_body_bytes`) and
+in time (`body_timeout_s`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["Budget", "TitoConfig"]
+__all__ = ["Budget", "TitoConfig", "Route"]
+
+# the routes that take a body, by name (app.py)
+Route = Literal["chat_completions", "responses", "messages", "count_tokens", "admin"]
 
 
 class Budget(BaseModel):
@@ -30,6 +35,10 @@ class Budget(BaseModel):
         return Budget(**data)
 
 
+def _route_defaults() -> dict[Route, int]:
+    return {"admin": 2**20}
+
+
 class TitoConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -42,3 +51,10 @@ class TitoConfig(BaseModel):
     stop_token: str | None = "<|im_end|>"  # the end-of-turn token; falls back to tokenizer.eos_token
     # which branches `export` returns: every one, the one with most ids, or the newest
     branch_policy: Literal["all", "longest", "last"] = "all"
+    # request bodies: bytes per route (a 413 in the route's dialect), and seconds to arrive (408)
+    max_body_bytes: int = Field(16 * 2**20, ge=1024)
+    route_body_bytes: dict[Route, int] = Field(default_factory=_route_defaults)
+    body_timeout_s: float = Field(60.0, gt=0)
+
+    def body_limit(self, route: Route) -> int:
+        return self.route_body_bytes.get(route, self.max_body_bytes)

@@ -9,7 +9,9 @@ by its tool calls when it has any: ids, names and the arguments canonicalised as
 parsed JSON (clients re-serialize arguments: compact, their own key order), else
 by its stripped text; every other message by role, text and tool-call id. A
 message carrying a client-visible item `id` the proxy handed out (Responses
-`msg_...`) is matched by that id first (the session's alias table).
+`msg_...`) is matched by that id first (the session's alias table). Arguments
+that are not strict JSON (strictjson.loads: NaN, too deep, lone surrogates) are
+kept and compared as their text.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from miles_env.tito import strictjson
 
 __all__ = [
     "ToolCall",
@@ -38,9 +42,10 @@ class ToolCall:
     arguments: str  # JSON text, exactly as produced (or as the client sent it back)
 
     def arguments_obj(self) -> Any:
+        """The arguments as parsed strict JSON, or the text itself when it is not (strictjson.loads)."""
         try:
-            return json.loads(self.arguments) if self.arguments else {}
-        except json.JSONDecodeError:
+            return strictjson.loads(self.arguments) if self.arguments else {}
+        except strictjson.JSONError:
             return self.arguments
 
 
@@ -88,15 +93,36 @@ def digest(*parts: Any) -> str:
     return _digest(*parts)
 
 
+_CHUNK = 1 << 20
+
+
 def _digest(*parts: Any) -> str:
-    return hashlib.blake2b(json.dumps(parts, ensure_ascii=False).encode(), digest_size=16).hexdigest()
+    """blake2b of `json.dumps(parts, ensure_ascii=False)`; a long string is fed in slices of the same
+    bytes, so no single step holds the GIL for long (other sessions keep being served)."""
+    h = hashlib.blake2b(digest_size=16)
+    if all(not isinstance(p, str) or len(p) <= _CHUNK for p in parts):
+        h.update(json.dumps(parts, ensure_ascii=False).encode())
+        return h.hexdigest()
+    h.update(b"[")
+    for i, p in enumerate(parts):
+        if i:
+            h.update(b", ")
+        if isinstance(p, str) and len(p) > _CHUNK:  # JSON escapes are per character: slices concatenate
+            h.update(b'"')
+            for k in range(0, len(p), _CHUNK):
+                h.update(json.dumps(p[k : k + _CHUNK], ensure_ascii=False)[1:-1].encode())
+            h.update(b'"')
+        else:
+            h.update(json.dumps(p, ensure_ascii=False).encode())
+    h.update(b"]")
+    return h.hexdigest()
 
 
 def canonical_arguments(arguments: str) -> str:
     """Tool-call arguments as sorted compact JSON, so a re-serialized call keeps its identity."""
     try:
-        obj = json.loads(arguments) if arguments else {}
-    except json.JSONDecodeError:
+        obj = strictjson.loads(arguments) if arguments else {}
+    except strictjson.JSONError:
         return arguments
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 

@@ -8,14 +8,15 @@ other than text are refused with a 400 naming the field.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Iterator
 from typing import Any, Literal
 
+from miles_env.tito import strictjson
 from miles_env.tito.errors import bad_request
 from miles_env.tito.messages import ChatRequest, ChatResult, Message, ToolCall
+from miles_env.tito.wire import Items
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["ChatCompletionRequest", "to_core", "completion_body", "stream_events"]
@@ -43,9 +44,9 @@ class ContentPart(_In):
 
 class ChatMessageIn(_In):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | Items[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None
+    tool_calls: Items[ToolCallIn] | None = None
     tool_call_id: str | None = None
 
 
@@ -66,14 +67,14 @@ class StreamOptions(_In):
 
 class ChatCompletionRequest(_In):
     model: str | None = None
-    messages: list[ChatMessageIn] = Field(min_length=1)
-    tools: list[ToolIn] | None = None
+    messages: Items[ChatMessageIn] = Field(min_length=1)
+    tools: Items[ToolIn] | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
-    stop: str | list[str] | None = None
+    stop: str | Items[str] | None = None
     seed: int | None = None
     n: int | None = Field(default=None, ge=1, le=1)
     stream: bool = False
@@ -160,7 +161,7 @@ def stream_events(result: ChatResult, model: str, include_usage: bool, piece: in
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
         body = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
-        return f"data: {json.dumps(body)}\n\n"
+        return f"data: {strictjson.dumps(body)}\n\n"
 
     yield chunk({"role": "assistant", "content": ""})
     content = result.content or ""
@@ -170,5 +171,5 @@ def stream_events(result: ChatResult, model: str, include_usage: bool, piece: in
         yield chunk({"tool_calls": [{"index": i, **call}]})
     yield chunk({}, result.finish_reason)
     if include_usage:
-        yield f"data: {json.dumps({**base, 'choices': [], 'usage': _usage(result)})}\n\n"
+        yield f"data: {strictjson.dumps({**base, 'choices': [], 'usage': _usage(result)})}\n\n"
     yield "data: [DONE]\n\n"

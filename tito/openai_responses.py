@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal
 from miles_env.tito.errors import bad_request
 from miles_env.tito.messages import ChatRequest, ChatResult, Message, ToolCall
 from miles_env.tito.wire import (
+    Items,
     custom_input,
     custom_tool_function,
     decode_reasoning,
@@ -51,7 +52,7 @@ class Part(_In):
 class MessageItem(_In):
     type: Literal["message"]
     role: Literal["developer", "system", "user", "assistant"]
-    content: str | list[Part]
+    content: str | Items[Part]
     id: str | None = None
 
 
@@ -74,14 +75,14 @@ class CustomCallItem(_In):
 class CallOutputItem(_In):
     type: Literal["function_call_output", "custom_tool_call_output"]
     call_id: str
-    output: str | list[Part]
+    output: str | Items[Part]
 
 
 class ReasoningItem(_In):
     type: Literal["reasoning"]
     id: str | None = None
     encrypted_content: str | None = None
-    summary: list[dict[str, Any]] = Field(default_factory=list)
+    summary: Items[dict[str, Any]] = Field(default_factory=list)
 
 
 Item = Annotated[
@@ -92,9 +93,9 @@ Item = Annotated[
 
 class ResponsesRequest(_In):
     model: str | None = None
-    input: str | list[Item]
+    input: str | Items[Item]
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Items[dict[str, Any]] | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)

@@ -3,18 +3,22 @@
 Concept: `chat(session_id, ChatRequest)` matches the request's messages against
 the session's branches (`message_key` per message), reuses the stored ids of a
 fully matched branch (sampled assistant turns verbatim, stop token included),
-renders and tokenizes only the new tail, asks the engine to generate from the
-ids, and records prompt tail (mask 0) + sampled ids (mask 1, their logprobs) as
-one event. A history that repeats a branch only up to one of its assistant turns
-(a retried turn, two requests from one parent) forks a child branch that copies
-the parent's ids to that turn verbatim; a history that shares no turn (edited
-first turn, compaction, new tools) is rendered in full onto a new branch: never
-an error, never a rewrite. `export` applies the config's branch policy; shared
-sampled ids get mask 1 in exactly one exported sample (see session.py).
+renders and tokenizes only the new tail (plan.py), asks the engine to generate
+from the ids, and records prompt tail (mask 0) + sampled ids (mask 1, their
+logprobs) as one event. A history that repeats a branch only up to one of its
+assistant turns (a retried turn, two requests from one parent) forks a child
+branch that copies the parent's ids to that turn verbatim; a history that shares
+no turn (edited first turn, compaction, new tools) is rendered in full onto a new
+branch: never an error, never a rewrite. `export` applies the config's branch
+policy; shared sampled ids get mask 1 in exactly one exported sample (see session.py).
 
-Invariants: nothing is stored unless the engine returned a generation; every
-mask-1 token is an engine output id with the engine's logprob; requests of one
-session run one at a time (per-session lock), sessions share nothing.
+Invariants: a turn is stored only once the engine returned a generation *and*
+the caller's `respond` turned it into a response (`serve`): a response that
+cannot be serialized stores nothing. Every mask-1 token is an engine output id
+with the engine's logprob. Requests of one session run one at a time
+(per-session lock), sessions share nothing; rendering and tokenizing run in a
+worker thread, so a huge prompt never stalls the event loop (other sessions).
+Engine refusals (EngineRefused) are the client's 400, other engine failures a 502.
 Lifecycle: create_session -> chat* -> export -> close_session; with a store_dir
 the event journal makes all of it survive a restart.
 """
@@ -23,43 +27,45 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
+from miles_env.tito import strictjson
 from miles_env.tito.config import Budget, TitoConfig
-from miles_env.tito.errors import ProxyError, budget_exceeded, context_exceeded, not_found, unauthorized
-from miles_env.tito.messages import ChatRequest, ChatResult, Message, digest, message_key, tools_key
-from miles_env.tito.render import Renderer
+from miles_env.tito.errors import (
+    bad_request,
+    budget_exceeded,
+    context_exceeded,
+    engine_failed,
+    engine_refused,
+    not_found,
+    unauthorized,
+)
+from miles_env.tito.messages import ChatRequest, ChatResult, Message, digest, message_key
+from miles_env.tito.plan import Plan, PromptTooLong, full_prompt, make_plan
+from miles_env.tito.render import Renderer, TemplateRefused
 from miles_env.tito.session import Session, SessionInfo
 from miles_env.tito.store import Journal, load_sessions
 from miles_env.tito.toolparse import parse_tool_calls
 
-from miles_env.engines.base import Engine, EngineInfo, SamplingParams
+from miles_env.engines.base import Engine, EngineInfo, Generation, SamplingParams
+from miles_env.errors import EngineRefused
 from miles_env.harness import Endpoint
 from miles_env.types import Trajectory
 
 __all__ = ["TitoProxy", "SessionHandle"]
+
+R = TypeVar("R")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
 class SessionHandle:
     session_id: str
     api_key: str
-
-
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    branch: int
-    new_branch: bool
-    prompt: list[int]  # the full prompt sent to the engine
-    delta: list[int]  # the part of `prompt` not yet stored on the branch
-    keys: list[str]  # message keys the delta adds
-    tools_key: str
-    parent: int | None = None  # for a fork: the parent branch, and its (keys, ids) copied
-    fork_keys: int = 0
-    fork_tokens: int = 0
 
 
 class TitoProxy:
@@ -137,9 +143,10 @@ class TitoProxy:
 
     # -- the core turn --------------------------------------------------------------------------------
     def _record(self, s: Session, event: dict[str, Any]) -> None:
-        s.apply(event)
+        """Journal `event` (strict JSON, one write), then apply it: memory never runs ahead of the disk."""
         if self._journal is not None:
             self._journal.append(s.id, event)
+        s.apply(event)
 
     def _truncate(self, s: Session, reason: str) -> None:
         if s.truncated is None:
@@ -157,67 +164,41 @@ class TitoProxy:
             self._truncate(s, "wall_time_s")
             raise budget_exceeded("wall_time_s", f"{s.elapsed():.1f}s of {b.wall_time_s}s elapsed")
 
-    def _keys(self, s: Session, req: ChatRequest) -> list[str]:
-        alias = s.aliases
-        return [alias[m.id] if m.id is not None and m.id in alias else message_key(m) for m in req.messages]
-
-    def _plan(self, s: Session, req: ChatRequest) -> _Plan:
-        keys = self._keys(s, req)
-        tkey = tools_key(req.tools)
-        r = self.renderer
-        for b in reversed(s.branches):
-            n = len(b.keys)
-            if b.tools_key != tkey or n > len(keys) or keys[:n] != b.keys:
-                continue
-            suffix = r.render_suffix(req.messages[n:], req.tools, tkey)
-            if suffix is None:
-                break  # the template does not render this tail as a pure suffix: re-render on a new branch
-            delta = r.encode(r.assistant_close(req.tools, tkey, self._ended(b, len(b.token_ids))) + suffix)
-            return _Plan(b.index, False, b.token_ids + delta, delta, keys[n:], tkey)
-        fork = self._fork_point(s, keys, tkey)
-        if fork is not None:
-            b, n_keys, n_ids = fork
-            suffix = r.render_suffix(req.messages[n_keys:], req.tools, tkey)
-            if suffix is not None:
-                delta = r.encode(r.assistant_close(req.tools, tkey, self._ended(b, n_ids)) + suffix)
-                prompt = b.token_ids[:n_ids] + delta
-                return _Plan(
-                    len(s.branches), True, prompt, delta, keys[n_keys:], tkey, b.index, n_keys, n_ids
-                )
-        ids = r.encode(r.render_full(req.messages, req.tools))
-        return _Plan(len(s.branches), True, ids, ids, keys, tkey)
-
-    def _ended(self, b: Any, n_ids: int) -> bool:
-        return n_ids > 0 and b.loss_mask[n_ids - 1] == 1 and b.token_ids[n_ids - 1] == self.renderer.stop_id
-
     @staticmethod
-    def _fork_point(s: Session, keys: list[str], tkey: str) -> tuple[Any, int, int] | None:
-        """The branch and turn end (keys, ids) sharing the longest history with `keys`, if any."""
-        best: tuple[Any, int, int] | None = None
-        for b in s.branches:
-            if b.tools_key != tkey:
-                continue
-            n, lim = 0, min(len(b.keys), len(keys))
-            while n < lim and b.keys[n] == keys[n]:
-                n += 1
-            for n_keys, n_ids in reversed(b.marks):
-                if n_keys <= n:
-                    if best is None or n_keys > best[1]:
-                        best = (b, n_keys, n_ids)
-                    break
-        return best
+    def _limit(s: Session, info: EngineInfo) -> int | None:
+        """max_context: the min of the session budget and the engine."""
+        limits = [x for x in (s.budget.max_context, info.max_context) if x]
+        return min(limits) if limits else None
+
+    async def _described(self) -> EngineInfo:
+        try:
+            return await self.engine_info()
+        except Exception as e:  # an engine that cannot even describe itself is a transient failure
+            raise engine_failed(e) from e
+
+    async def _off_loop(self, s: Session, fn: Callable[[], T], *, mark: bool = True) -> T:
+        """Run stitching/rendering/tokenizing in a worker thread, its refusals translated to 400s.
+
+        A prompt proven too long is a context refusal (marking `s` truncated unless `mark` is False)."""
+        try:
+            return await anyio.to_thread.run_sync(fn)
+        except PromptTooLong as e:
+            if mark:
+                self._truncate(s, "max_context")
+            raise context_exceeded(e.tokens, e.limit) from None
+        except TemplateRefused as e:
+            raise bad_request(f"the chat template refused these messages: {e}", param="messages") from None
+
+    async def _plan(self, s: Session, req: ChatRequest, limit: int | None, *, mark: bool = True) -> Plan:
+        _require_messages(req)
+        return await self._off_loop(s, lambda: make_plan(s, req, self.renderer, limit), mark=mark)
 
     def _max_new(
-        self, s: Session, req: ChatRequest, prompt_len: int, info: EngineInfo
+        self, s: Session, req: ChatRequest, prompt_len: int, limit: int | None
     ) -> tuple[int, str | None]:
-        limits = [x for x in (s.budget.max_context, info.max_context) if x]
-        limit = min(limits) if limits else None
         if limit is not None and prompt_len >= limit:
             self._truncate(s, "max_context")
-            raise context_exceeded(
-                f"prompt of {prompt_len} tokens leaves no room in the context of {limit} tokens "
-                "(max_context: min of the session budget and the engine)"
-            )
+            raise context_exceeded(prompt_len, limit)
         want = req.max_tokens or self.config.default_max_tokens
         caps: list[tuple[int, str | None]] = [(want, None)]
         if limit is not None:
@@ -238,69 +219,100 @@ class TitoProxy:
             seed=req.seed,
         )
 
-    async def count_tokens(self, session_id: str, req: ChatRequest) -> int:
-        """The prompt length a request would have, stitched as `chat` would; nothing is generated."""
-        s = self._session(session_id)
-        async with s.lock:
-            return len(self._plan(s, req).prompt)
-
-    async def _aux(self, s: Session, req: ChatRequest) -> ChatResult:
-        """An auxiliary call: rendered in full, generated, answered, and not recorded anywhere."""
-        info = await self.engine_info()
-        ids = self.renderer.encode(self.renderer.render_full(req.messages, req.tools))
-        max_new, _ = self._max_new(s, req, len(ids), info)
+    async def _engine(
+        self, s: Session, ids: list[int], sampling: SamplingParams, limit: int | None, sid: str | None
+    ) -> Generation:
         try:
-            gen = await self.engine.generate(ids, self._sampling(req, max_new, info), session_id=None)
-        except Exception as e:
-            raise ProxyError(502, f"engine failed: {e}", type="server_error", code="engine_error") from e
-        out = list(gen.output_ids)
-        body = out[:-1] if out and out[-1] == self.renderer.stop_id else out
-        text = self.renderer.decode(body)
-        content, calls = parse_tool_calls(text) if req.tools else (text, ())
-        finish = "tool_calls" if calls else gen.finish_reason
-        # flagged in the journal (counted in SessionInfo.n_aux), never part of a trajectory
-        self._record(s, {"kind": "aux", "prompt_tokens": len(ids), "completion_tokens": len(out)})
-        return ChatResult(text, content, calls, finish, len(ids), len(out), 0, -1, {"aux": True})
+            return await self.engine.generate(ids, sampling, session_id=sid)
+        except EngineRefused as e:  # deterministic: the dialect's own 400, nothing stored
+            if e.reason == "context_length":
+                self._truncate(s, "max_context")
+            raise engine_refused(e, len(ids), limit) from e
+        except Exception as e:  # transient: a 5xx the client may retry, nothing stored
+            raise engine_failed(e) from e
 
-    async def chat(self, session_id: str, req: ChatRequest) -> ChatResult:
-        s = self._session(session_id)
-        async with s.lock:
-            if s.closed:
-                raise not_found(f"session {session_id!r} is closed")
-            if req.aux:
-                return await self._aux(s, req)
-            self._check_budget(s)
-            info = await self.engine_info()
-            plan = self._plan(s, req)
-            max_new, capped_by = self._max_new(s, req, len(plan.prompt), info)
-            sampling = self._sampling(req, max_new, info)
-            # Shielded: a client that disconnects must not lose a turn the engine has sampled.
-            with anyio.CancelScope(shield=True):
-                return await self._generate(s, req, plan, sampling, info, capped_by)
-
-    async def _generate(
-        self,
-        s: Session,
-        req: ChatRequest,
-        plan: _Plan,
-        sampling: SamplingParams,
-        info: EngineInfo,
-        capped_by: str | None,
-    ) -> ChatResult:
-        t0 = time.perf_counter()
-        try:
-            gen = await self.engine.generate(plan.prompt, sampling, session_id=s.id)
-        except Exception as e:  # an engine failure is reported to the client; nothing is stored
-            raise ProxyError(502, f"engine failed: {e}", type="server_error", code="engine_error") from e
-        latency = time.perf_counter() - t0
+    def _parse(self, gen: Generation, sampling: SamplingParams, req: ChatRequest) -> ChatResult:
+        """The generation as text, content and tool calls (prompt counts left 0 for the caller)."""
         out = list(gen.output_ids)
         body = out[:-1] if out and out[-1] in sampling.stop_token_ids else out
         text = self.renderer.decode(body)
         content, calls = parse_tool_calls(text) if req.tools else (text, ())
         finish = "tool_calls" if calls else gen.finish_reason
-        assistant = Message("assistant", content or "", calls)
-        akey = message_key(assistant)
-        lps = list(gen.logprobs)
+        return ChatResult(text, content, calls, finish, 0, len(out), 0, -1)
+
+    async def count_tokens(self, session_id: str, req: ChatRequest) -> int:
+        """The prompt length a request would have, stitched as `chat` would; nothing is generated.
+
+        A prompt whose size alone proves it exceeds max_context is refused like `chat` refuses it
+        (context_length_exceeded) rather than tokenized; the session is not marked."""
+        s = self._session(session_id)
+        async with s.lock:
+            limit = self._limit(s, await self._described())
+            return len((await self._plan(s, req, limit, mark=False)).prompt)
+
+    async def chat(self, session_id: str, req: ChatRequest) -> ChatResult:
+        return await self.serve(session_id, req, _same)
+
+    async def serve(self, session_id: str, req: ChatRequest, respond: Callable[[ChatResult], R]) -> R:
+        """One turn: generate, build the client's response with `respond`, only then store the turn.
+
+        `respond` runs under the session lock; when it raises (a response that cannot be
+        serialized), nothing is stored and the error propagates."""
+        s = self._session(session_id)
+        async with s.lock:
+            if s.closed:
+                raise not_found(f"session {session_id!r} is closed")
+            if not req.aux:
+                self._check_budget(s)
+            info = await self._described()
+            limit = self._limit(s, info)
+            if req.aux:
+                return await self._aux(s, req, info, limit, respond)
+            plan = await self._plan(s, req, limit)
+            max_new, capped_by = self._max_new(s, req, len(plan.prompt), limit)
+            sampling = self._sampling(req, max_new, info)
+            # Shielded: a client that disconnects must not lose a turn the engine has sampled.
+            with anyio.CancelScope(shield=True):
+                reply = await self._generate(s, req, plan, sampling, limit, capped_by, info, respond)
+            return reply
+
+    async def _aux(
+        self,
+        s: Session,
+        req: ChatRequest,
+        info: EngineInfo,
+        limit: int | None,
+        respond: Callable[[ChatResult], R],
+    ) -> R:
+        """An auxiliary call: rendered in full, generated, answered, and not recorded anywhere."""
+        _require_messages(req)
+        ids = await self._off_loop(s, lambda: full_prompt(req, self.renderer, limit))
+        max_new, _ = self._max_new(s, req, len(ids), limit)
+        sampling = self._sampling(req, max_new, info)
+        gen = await self._engine(s, ids, sampling, limit, None)
+        r = self._parse(gen, sampling, req)
+        reply = respond(replace(r, prompt_tokens=len(ids), branch=-1, meta={"aux": True}))
+        # flagged in the journal (counted in SessionInfo.n_aux), never part of a trajectory
+        self._record(s, {"kind": "aux", "prompt_tokens": len(ids), "completion_tokens": r.completion_tokens})
+        return reply
+
+    async def _generate(
+        self,
+        s: Session,
+        req: ChatRequest,
+        plan: Plan,
+        sampling: SamplingParams,
+        limit: int | None,
+        capped_by: str | None,
+        info: EngineInfo,
+        respond: Callable[[ChatResult], R],
+    ) -> R:
+        t0 = time.perf_counter()
+        gen = await self._engine(s, plan.prompt, sampling, limit, s.id)
+        latency = time.perf_counter() - t0
+        r = self._parse(gen, sampling, req)
+        out, lps = list(gen.output_ids), list(gen.logprobs)
+        akey = message_key(Message("assistant", r.content or "", r.tool_calls))
         event: dict[str, Any] = {
             "kind": "turn",
             "branch": plan.branch,
@@ -308,11 +320,11 @@ class TitoProxy:
             "tools_key": plan.tools_key,
             "prompt_ids": plan.delta,
             "output_ids": out,
-            "logprobs": lps,
+            "logprobs": strictjson.numbers(lps),  # -inf as "-Infinity": strict JSON that round-trips
             "gen_digest": digest(out, lps),  # the engine's record, checked by `tito audit`
             "keys": [*plan.keys, akey],
             "turn": {
-                "finish_reason": finish,
+                "finish_reason": r.finish_reason,
                 "weight_version": gen.weight_version,
                 "latency_s": latency,
                 "engine": info.name,
@@ -322,16 +334,23 @@ class TitoProxy:
             event.update(parent=plan.parent, fork_keys=plan.fork_keys, fork_tokens=plan.fork_tokens)
         if req.reply_id is not None:
             event["aliases"] = {req.reply_id: akey}
-        self._record(s, event)
-        if gen.finish_reason == "length" and capped_by is not None:
-            self._truncate(s, capped_by)
-        return ChatResult(
-            text=text,
-            content=content,
-            tool_calls=calls,
-            finish_reason=finish,
+        result = replace(
+            r,
             prompt_tokens=len(plan.prompt),
-            completion_tokens=len(out),
             cached_tokens=len(plan.prompt) - len(plan.delta),
             branch=plan.branch,
         )
+        reply = respond(result)  # a response that cannot be built (serialized) stores nothing
+        self._record(s, event)
+        if gen.finish_reason == "length" and capped_by is not None:
+            self._truncate(s, capped_by)
+        return reply
+
+
+def _same(result: ChatResult) -> ChatResult:
+    return result
+
+
+def _require_messages(req: ChatRequest) -> None:
+    if not req.messages:  # e.g. only an empty final assistant message: nothing a template can render
+        raise bad_request("messages: there is no message with content", param="messages")

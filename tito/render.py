@@ -22,10 +22,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from miles_env.tito.bound import min_tokens, size_bound
 from miles_env.tito.messages import Message
 
-__all__ = ["Renderer"]
+__all__ = ["Renderer", "TemplateRefused"]
 
+_RELEASE_GIL_CHARS = 4096
 _ANCHOR_TEXT = "zqxanchorzqx"
 _ANCHOR = (
     Message("system", _ANCHOR_TEXT),
@@ -39,6 +41,10 @@ _TOOLS_PROMPT = (
     "<tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
 )
+
+
+class TemplateRefused(ValueError):
+    """The chat template raised on these messages (e.g. its own role-order check): a client mistake."""
 
 
 def tools_prompt(tools: tuple[dict[str, Any], ...]) -> str:
@@ -59,14 +65,21 @@ class Renderer:
         self.stop_id: int = int(stop_id)
         self.stop_text: str = tokenizer.decode([self.stop_id])
         self._anchor: dict[str, tuple[str, str]] = {}  # tools key -> (render(anchor), assistant close)
+        self.size_bound = size_bound(self._fast)  # None: no proof, prompts are tokenized in full (bound.py)
 
     # -- text ------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         if not text:
             return []
         if self._fast is not None:
+            if len(text) >= _RELEASE_GIL_CHARS:  # encode_batch runs without the GIL: the loop keeps serving
+                return list(self._fast.encode_batch([text], add_special_tokens=False)[0].ids)
             return list(self._fast.encode(text, add_special_tokens=False).ids)
         return list(self.tok.encode(text, add_special_tokens=False))
+
+    def min_tokens(self, text: str) -> int:
+        """A proven lower bound on `len(encode(text))`, from its size alone (0 when unprovable)."""
+        return min_tokens(text, self.size_bound)
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tok.decode(ids, skip_special_tokens=False))
@@ -109,7 +122,12 @@ class Renderer:
         kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": gen}
         if tools and self.native_tools:
             kwargs["tools"] = list(tools)
-        return str(self.tok.apply_chat_template(dicts, **kwargs))
+        try:
+            return str(self.tok.apply_chat_template(dicts, **kwargs))
+        except Exception as e:  # jinja2 is transformers' dependency, not ours: matched by module
+            if type(e).__module__.startswith("jinja2"):
+                raise TemplateRefused(str(e)) from None
+            raise
 
     # -- rendering ----------------------------------------------------------------------------------
     def render_full(self, messages: tuple[Message, ...], tools: tuple[dict[str, Any], ...]) -> str:

@@ -7,6 +7,9 @@ after its turn, so the cost per turn is proportional to the turn, not to the
 history; a torn last line (crash mid-write, so no trailing newline) is cut off on load.
 Lifecycle: written by the proxy as it goes, replayed by `load_sessions` at start.
 `<session_id>.export.json` holds the samples last exported (for `tito audit`).
+Both are strict JSON (strictjson.py): a non-finite logprob is the string
+"-Infinity" (etc.), read back as the float; an event that cannot be written as
+strict JSON raises before anything is written.
 """
 
 from __future__ import annotations
@@ -16,9 +19,17 @@ import os
 from pathlib import Path
 from typing import Any
 
+from miles_env.tito import strictjson
 from miles_env.tito.session import Session
 
-__all__ = ["Journal", "load_sessions"]
+__all__ = ["Journal", "load_sessions", "export_body"]
+
+
+def export_body(traj: Any) -> dict[str, Any]:
+    """A Trajectory as strict-JSON-ready data (non-finite logprobs as sentinel strings)."""
+    body: dict[str, Any] = traj.model_dump(mode="json")
+    body["logprobs"] = strictjson.numbers(body["logprobs"])
+    return body
 
 
 class Journal:
@@ -30,7 +41,7 @@ class Journal:
         return self.root / f"{session_id}.jsonl"
 
     def append(self, session_id: str, event: dict[str, Any]) -> None:
-        line = (json.dumps(event, separators=(",", ":")) + "\n").encode()
+        line = strictjson.encode(event) + b"\n"
         fd = os.open(self.path(session_id), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             os.write(fd, line)
@@ -42,10 +53,10 @@ class Journal:
         body = {
             "session_id": session_id,
             "policy": policy,
-            "branches": [t.model_dump(mode="json") for t in trajs],
+            "branches": [export_body(t) for t in trajs],
         }
         tmp = self.root / f".{session_id}.export.tmp"
-        tmp.write_text(json.dumps(body, separators=(",", ":")))
+        tmp.write_bytes(strictjson.encode(body))
         os.replace(tmp, self.root / f"{session_id}.export.json")
 
     def delete(self, session_id: str) -> None:

@@ -3,6 +3,8 @@
 Used both with templates that support tools natively and with the text-action
 fallback, which asks for the same block format. A block that is not valid JSON
 with a string `name` stays in the content as plain text: a bad tool call is data.
+So does one that is not strict JSON (strictjson.loads: NaN, too deep, an escape that
+decodes to a lone surrogate): no client could be sent it, while its text can.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import re
 import uuid
 
+from miles_env.tito import strictjson
 from miles_env.tito.messages import ToolCall
 
 __all__ = ["parse_tool_calls", "new_call_id"]
@@ -24,17 +27,14 @@ def new_call_id() -> str:
 
 def _parse_block(body: str) -> ToolCall | None:
     try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
+        obj = strictjson.loads(body)
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):
+            args = strictjson.loads(args)
+    except strictjson.JSONError:
+        return None
     if not isinstance(args, dict):
         return None
     return ToolCall(id=new_call_id(), name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))

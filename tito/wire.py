@@ -1,12 +1,15 @@
-"""Pieces shared by the Responses and Anthropic Messages dialects.
+"""Pieces shared by the dialects (mostly Responses and Anthropic Messages).
 
+- `Items[X]`: the list type of every wire model; validation stops at a list's first
+  bad item, so a huge junk array costs one error, not one per item.
 - SSE framing (`event:` + `data:` lines).
 - The reasoning codec: a completion that opens with `<think>...</think>` is shown
   to the client as a reasoning item / thinking block whose opaque field
   (`encrypted_content` / `signature`) carries the exact wrapper text. When the
   client sends it back, `merge_reasoning` rebuilds the completion text byte for
   byte, so the assistant turn keeps its identity and stitches to the sampled ids.
-  Reasoning the proxy did not produce (foreign signatures) is not rendered.
+  Reasoning the proxy did not produce (foreign signatures, or a payload that is not
+  three strings of valid Unicode) is not rendered.
 - Freeform (custom) tools: presented to the model as a function with one string
   parameter `input`.
 """
@@ -17,9 +20,13 @@ import base64
 import binascii
 import json
 import re
-from typing import Any
+from typing import Annotated, Any, TypeVar
+
+from miles_env.tito import strictjson
+from pydantic import Field
 
 __all__ = [
+    "Items",
     "sse",
     "split_reasoning",
     "encode_reasoning",
@@ -28,12 +35,15 @@ __all__ = [
     "custom_input",
 ]
 
+T = TypeVar("T")
+Items = Annotated[list[T], Field(fail_fast=True)]
+
 _THINK = re.compile(r"(\s*<think>)(.*?)(</think>\s*)", re.DOTALL)
 _PREFIX = "tito1:"
 
 
 def sse(event: str, data: dict[str, Any]) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"event: {event}\ndata: {strictjson.dumps(data)}\n\n"
 
 
 def split_reasoning(content: str) -> tuple[tuple[str, str, str] | None, str]:
@@ -54,11 +64,16 @@ def decode_reasoning(opaque: str | None) -> str | None:
         return None
     try:
         parts = json.loads(base64.b64decode(opaque[len(_PREFIX) :], validate=True))
-    except (binascii.Error, ValueError):
+    except (binascii.Error, ValueError, RecursionError):
         return None
     if not (isinstance(parts, list) and len(parts) == 3 and all(isinstance(p, str) for p in parts)):
         return None
-    return "".join(parts)
+    text = "".join(parts)
+    try:
+        text.encode("utf-8")  # a lone surrogate (an escape inside the payload) is not ours either
+    except UnicodeEncodeError:
+        return None
+    return text
 
 
 def custom_tool_function(name: str, description: str | None) -> dict[str, Any]:
