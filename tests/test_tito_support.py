@@ -1,13 +1,23 @@
-"""Shared fixtures for the TITO tests: the real SmolLM2 tokenizer, a ScriptedEngine, a served proxy."""
+"""Shared fixtures for the TITO tests: the real SmolLM2 tokenizer, a ScriptedEngine, a served proxy.
+
+`threaded(...)` serves the proxy on an event loop in a background thread, for sync tests
+that drive raw sockets (`Raw`, one keep-alive HTTP/1.1 connection spoken with h11) or
+hypothesis; `error_shape` checks a dialect's error body.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import json
+import socket
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import h11
+import httpx
+from anyio.from_thread import BlockingPortal, start_blocking_portal
 from miles_env.tito import TitoConfig, TitoProxy, create_app
 from openai import AsyncOpenAI
 
@@ -74,3 +84,149 @@ def check_fidelity(trajs: list[Trajectory], engine: ScriptedEngine, session_id: 
         assert sum(t.loss_mask) == sum(turn.completion_len for turn in t.turns)
         assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m == 0)
     assert sorted(map(repr, runs)) == sorted(repr((g.output_ids, g.logprobs)) for g in gens)
+
+
+T = TypeVar("T")
+
+
+def strict_json(data: bytes | str) -> Any:
+    """json.loads that refuses NaN/Infinity: what a strict client (or jq) accepts."""
+
+    def refuse(name: str) -> Any:
+        raise ValueError(f"not strict JSON: {name}")
+
+    return json.loads(data, parse_constant=refuse)
+
+
+def error_shape(dialect: str, body: bytes) -> dict[str, Any]:
+    """The error object of a dialect's error body, after checking its exact shape."""
+    data = strict_json(body)
+    if dialect == "anthropic":
+        assert data["type"] == "error" and set(data) == {"type", "error"}, data
+        assert set(data["error"]) == {"type", "message"} and data["error"]["message"], data
+    else:
+        assert set(data) == {"error"} and set(data["error"]) == {"message", "type", "code", "param"}, data
+        assert data["error"]["message"], data
+    return dict(data["error"])
+
+
+@dataclass
+class Threaded:
+    """A served proxy whose event loop runs in a background thread."""
+
+    served: Served
+    portal: BlockingPortal
+    store: Path | None
+
+    @property
+    def url(self) -> str:
+        return self.served.url
+
+    @property
+    def proxy(self) -> TitoProxy:
+        return self.served.proxy
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn` in the loop's thread (the proxy is not shared across threads)."""
+        return self.portal.call(fn, *args)
+
+    def session(self, **kw: Any) -> Any:
+        return self.call(lambda: self.proxy.create_session(**kw))
+
+    def info(self, session_id: str) -> Any:
+        return self.call(self.proxy.get_session, session_id)
+
+    def journal(self, session_id: str) -> list[dict[str, Any]]:
+        assert self.store is not None
+        return [strict_json(x) for x in (self.store / f"{session_id}.jsonl").read_bytes().splitlines()]
+
+
+@contextmanager
+def threaded(
+    tokenizer: Any, engine: ScriptedEngine | None = None, store_dir: Path | None = None, **cfg: Any
+) -> Iterator[Threaded]:
+    with start_blocking_portal("asyncio") as portal:
+        with portal.wrap_async_context_manager(served(tokenizer, engine, store_dir, **cfg)) as s:
+            yield Threaded(s, portal, store_dir)
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return strict_json(self.body)
+
+
+class Raw:
+    """One HTTP/1.1 connection, spoken with h11 over a blocking socket: shows whether it survives."""
+
+    def __init__(self, url: str, timeout: float = 30.0) -> None:
+        u = httpx.URL(url)
+        self.host = f"{u.host}:{u.port}"
+        self.sock = socket.create_connection((u.host, u.port or 80), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.conn = h11.Connection(h11.CLIENT)
+
+    def __enter__(self) -> Raw:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    @property
+    def alive(self) -> bool:
+        """Both sides done with the last exchange and neither asked to close."""
+        return self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE
+
+    def _send(self, event: Any) -> None:
+        data = self.conn.send(event)
+        if data:
+            self.sock.sendall(data)
+
+    def head(self, method: str, path: str, length: int | None, headers: dict[str, str] | None = None) -> None:
+        if self.alive:
+            self.conn.start_next_cycle()
+        hdrs = [("host", self.host), *(headers or {}).items()]
+        hdrs.append(
+            ("content-length", str(length)) if length is not None else ("transfer-encoding", "chunked")
+        )
+        self._send(h11.Request(method=method, target=path, headers=hdrs))
+
+    def data(self, chunk: bytes) -> None:
+        self._send(h11.Data(data=chunk))
+
+    def end(self) -> None:
+        self._send(h11.EndOfMessage())
+
+    def response(self) -> Reply:
+        status, headers, body = 0, {}, bytearray()
+        while True:
+            event = self.conn.next_event()
+            if event is h11.NEED_DATA:
+                self.conn.receive_data(self.sock.recv(1 << 16))
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+                headers = {k.decode().lower(): v.decode() for k, v in event.headers}
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                return Reply(status, headers, bytes(body))
+            elif isinstance(event, h11.ConnectionClosed):
+                raise ConnectionError("the server closed the connection without a response")
+
+    def request(
+        self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+    ) -> Reply:
+        if self.alive:
+            self.conn.start_next_cycle()
+        hdrs = [("host", self.host), *(headers or {}).items(), ("content-length", str(len(body)))]
+        out = self.conn.send(h11.Request(method=method, target=path, headers=hdrs)) or b""
+        out += (self.conn.send(h11.Data(data=body)) or b"") if body else b""
+        self.sock.sendall(out + (self.conn.send(h11.EndOfMessage()) or b""))  # one write: no Nagle stall
+        return self.response()
