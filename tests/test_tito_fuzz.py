@@ -129,17 +129,22 @@ JSON = st.recursive(
 
 def either(good: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     """Mostly the well-typed value, sometimes any JSON at all."""
-    return st.one_of(good, good, good, JSON)
+    return st.one_of(*[good] * 7, JSON)
+
+
+def mostly(good: st.SearchStrategy[Any], wild: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(good, good, wild)
 
 
 def bodies(fields: dict[str, st.SearchStrategy[Any]], required: tuple[str, ...]) -> st.SearchStrategy[Any]:
     """Objects with the route's fields (each well-typed or not, required ones sometimes missing), or any JSON."""
     req = {k: either(v) for k, v in fields.items() if k in required}
     opt = {k: either(v) for k, v in fields.items() if k not in required}
-    obj = st.fixed_dictionaries(req, optional=opt) | st.fixed_dictionaries({}, optional={**req, **opt})
-    return st.one_of(obj, obj, obj, JSON)
+    obj = st.fixed_dictionaries(req, optional=opt)
+    return st.one_of(obj, obj, obj, obj, st.fixed_dictionaries({}, optional={**req, **opt}), JSON)
 
 
+WORDS = st.text(st.sampled_from("abc xyz\n"), min_size=1, max_size=20)
 ROLE = st.sampled_from(["system", "developer", "user", "assistant", "tool", "wizard"])
 PART = st.fixed_dictionaries(
     {"type": st.sampled_from(["text", "image_url", "input_text", "tool_result", "tool_use", "thinking"])},
@@ -161,49 +166,55 @@ CALL = st.fixed_dictionaries(
         "function": st.fixed_dictionaries({"name": TEXT, "arguments": TEXT | JSON.map(json.dumps)}),
     }
 )
-CHAT_MSG = st.fixed_dictionaries(
-    {"role": ROLE, "content": either(CONTENT)},
-    optional={"tool_calls": st.lists(either(CALL), max_size=2), "tool_call_id": TEXT, "name": TEXT},
+CHAT_MSG = mostly(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": WORDS}),
+    st.fixed_dictionaries(
+        {"role": ROLE, "content": either(CONTENT)},
+        optional={"tool_calls": st.lists(either(CALL), max_size=2), "tool_call_id": TEXT, "name": TEXT},
+    ),
 )
 FN_TOOL = st.fixed_dictionaries(
     {"type": st.just("function"), "function": st.fixed_dictionaries({"name": TEXT, "parameters": JSON})}
 )
 SAMPLING = {
-    "temperature": st.floats(-1, 3, allow_nan=False),
-    "top_p": st.floats(-1, 2, allow_nan=False),
+    "temperature": mostly(st.floats(0, 1), st.floats(-1, 3, allow_nan=False)),
+    "top_p": mostly(st.floats(0.1, 1), st.floats(-1, 2, allow_nan=False)),
     "stream": st.booleans(),
     "model": TEXT,
 }
 CHAT = bodies(
     {
-        "messages": st.lists(either(CHAT_MSG), max_size=4),
+        "messages": st.lists(either(CHAT_MSG), min_size=1, max_size=4),
         "tools": st.lists(either(FN_TOOL), max_size=2),
-        "max_tokens": st.integers(-2, 6),
+        "max_tokens": mostly(st.integers(1, 6), st.integers(-2, 0)),
         "stop": TEXT | st.lists(TEXT, max_size=2),
-        "n": st.integers(0, 3),
+        "n": mostly(st.just(1), st.integers(0, 3)),
         **SAMPLING,
     },
     ("messages",),
 )
-ITEM = st.one_of(
-    st.fixed_dictionaries(
-        {"role": ROLE, "content": either(CONTENT)}, optional={"type": st.just("message"), "id": TEXT}
-    ),
-    st.fixed_dictionaries(
-        {"type": st.just("function_call"), "call_id": TEXT, "name": TEXT, "arguments": TEXT}
-    ),
-    st.fixed_dictionaries(
-        {"type": st.just("custom_tool_call"), "call_id": TEXT, "name": TEXT, "input": TEXT}
-    ),
-    st.fixed_dictionaries(
-        {
-            "type": st.sampled_from(["function_call_output", "custom_tool_call_output"]),
-            "call_id": TEXT,
-            "output": TEXT,
-        }
-    ),
-    st.fixed_dictionaries(
-        {"type": st.just("reasoning")}, optional={"encrypted_content": TEXT, "summary": JSON}
+ITEM = mostly(
+    st.fixed_dictionaries({"role": st.sampled_from(["developer", "user", "assistant"]), "content": WORDS}),
+    st.one_of(
+        st.fixed_dictionaries(
+            {"role": ROLE, "content": either(CONTENT)}, optional={"type": st.just("message"), "id": TEXT}
+        ),
+        st.fixed_dictionaries(
+            {"type": st.just("function_call"), "call_id": TEXT, "name": TEXT, "arguments": TEXT}
+        ),
+        st.fixed_dictionaries(
+            {"type": st.just("custom_tool_call"), "call_id": TEXT, "name": TEXT, "input": TEXT}
+        ),
+        st.fixed_dictionaries(
+            {
+                "type": st.sampled_from(["function_call_output", "custom_tool_call_output"]),
+                "call_id": TEXT,
+                "output": TEXT,
+            }
+        ),
+        st.fixed_dictionaries(
+            {"type": st.just("reasoning")}, optional={"encrypted_content": TEXT, "summary": JSON}
+        ),
     ),
 )
 RESP_TOOL = st.fixed_dictionaries(
@@ -212,11 +223,11 @@ RESP_TOOL = st.fixed_dictionaries(
 )
 RESPONSES = bodies(
     {
-        "input": TEXT | st.lists(either(ITEM), max_size=4),
+        "input": WORDS | st.lists(either(ITEM), min_size=1, max_size=4),
         "instructions": TEXT,
         "tools": st.lists(either(RESP_TOOL), max_size=2),
-        "max_output_tokens": st.integers(-2, 6),
-        "previous_response_id": TEXT,
+        "max_output_tokens": mostly(st.integers(1, 6), st.integers(-2, 0)),
+        "previous_response_id": st.none() | TEXT,
         **SAMPLING,
     },
     ("input",),
@@ -236,11 +247,20 @@ BLOCK = st.fixed_dictionaries(
         "cache_control": JSON,
     },
 )
-A_MSG = st.fixed_dictionaries(
-    {
-        "role": st.sampled_from(["user", "assistant", "system", "tool"]),
-        "content": TEXT | st.lists(either(BLOCK), max_size=3),
-    }
+TEXT_BLOCK = st.fixed_dictionaries({"type": st.just("text"), "text": WORDS}, optional={"cache_control": JSON})
+A_MSG = mostly(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "assistant"]),
+            "content": WORDS | st.lists(TEXT_BLOCK, min_size=1, max_size=2),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "assistant", "system", "tool"]),
+            "content": TEXT | st.lists(either(BLOCK), max_size=3),
+        }
+    ),
 )
 A_TOOL = st.fixed_dictionaries(
     {"name": TEXT},
@@ -251,7 +271,7 @@ A_TOOL = st.fixed_dictionaries(
     },
 )
 A_FIELDS = {
-    "messages": st.lists(either(A_MSG), max_size=4),
+    "messages": st.lists(either(A_MSG), min_size=1, max_size=4),
     "system": TEXT | st.lists(either(BLOCK), max_size=2),
     "tools": st.lists(either(A_TOOL), max_size=2),
     "model": TEXT,
@@ -259,9 +279,9 @@ A_FIELDS = {
 MESSAGES = bodies(
     {
         **A_FIELDS,
-        "max_tokens": st.integers(-2, 6),
+        "max_tokens": mostly(st.integers(1, 6), st.integers(-2, 0)),
         "stop_sequences": st.lists(TEXT, max_size=2),
-        "temperature": st.floats(-1, 2, allow_nan=False),
+        "temperature": mostly(st.floats(0, 1), st.floats(-1, 2, allow_nan=False)),
         "top_k": st.integers(-2, 5),
         "stream": st.booleans(),
         "output_config": JSON,
@@ -269,6 +289,66 @@ MESSAGES = bodies(
     ("messages", "max_tokens"),
 )
 COUNT = bodies(A_FIELDS, ("messages",))
+# well-formed bodies (a third of the examples): these must be served (200) and stored
+GOOD_TOOL = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": st.sampled_from(["bash", "f"]), "parameters": st.just({"type": "object"})}
+        ),
+    }
+)
+GOOD_SAMPLING = {
+    "model": TEXT,
+    "temperature": st.floats(0, 1),
+    "top_p": st.floats(0.1, 1),
+    "stream": st.booleans(),
+}
+CHAT_OK = st.fixed_dictionaries(
+    {
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {"role": st.sampled_from(["system", "user", "assistant"]), "content": WORDS}
+            ),
+            min_size=1,
+            max_size=4,
+        )
+    },
+    optional={
+        "max_tokens": st.integers(1, 6),
+        "stop": WORDS,
+        "tools": st.lists(GOOD_TOOL, max_size=2),
+        **GOOD_SAMPLING,
+    },
+)
+RESPONSES_OK = st.fixed_dictionaries(
+    {
+        "input": WORDS
+        | st.lists(
+            st.fixed_dictionaries(
+                {"role": st.sampled_from(["developer", "user", "assistant"]), "content": WORDS}
+            ),
+            min_size=1,
+            max_size=4,
+        )
+    },
+    optional={"instructions": WORDS, "max_output_tokens": st.integers(1, 6), **GOOD_SAMPLING},
+)
+A_MSGS_OK = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "assistant"]),
+            "content": WORDS | st.lists(TEXT_BLOCK, min_size=1, max_size=2),
+        }
+    ),
+    min_size=1,
+    max_size=4,
+)
+MESSAGES_OK = st.fixed_dictionaries(
+    {"messages": A_MSGS_OK, "max_tokens": st.integers(1, 6)},
+    optional={"system": WORDS, "stop_sequences": st.lists(WORDS, max_size=2), **GOOD_SAMPLING},
+)
+COUNT_OK = st.fixed_dictionaries({"messages": A_MSGS_OK}, optional={"system": WORDS, "model": TEXT})
 RAW = st.one_of(
     st.binary(max_size=64),
     st.sampled_from([b"", b"{", b"null", b"[]", b'"x"', b"NaN", b"{}", b"\xef\xbb\xbf{}"]),
@@ -280,20 +360,20 @@ def _post(c: Client, data: Any) -> None:
 
 
 @FUZZ
-@given(body=CHAT | RAW)
+@given(body=st.one_of(CHAT_OK, CHAT, CHAT, RAW))
 @example(body={"messages": [{"role": "user", "content": "x"}], "n": 2})
 def test_fuzz_chat_completions(clients: dict[str, Client], body: Any) -> None:
     _post(clients["chat"], body)
 
 
 @FUZZ
-@given(body=RESPONSES | RAW)
+@given(body=st.one_of(RESPONSES_OK, RESPONSES, RESPONSES, RAW))
 def test_fuzz_responses(clients: dict[str, Client], body: Any) -> None:
     _post(clients["responses"], body)
 
 
 @FUZZ
-@given(body=MESSAGES | RAW)
+@given(body=st.one_of(MESSAGES_OK, MESSAGES, MESSAGES, RAW))
 @example(body={"max_tokens": 4, "messages": [{"role": "user", "content": []}]})
 @example(body={"max_tokens": 4, "messages": [{"role": "assistant", "content": []}]})
 @example(
@@ -308,7 +388,7 @@ def test_fuzz_messages(clients: dict[str, Client], body: Any) -> None:
 
 
 @FUZZ
-@given(body=COUNT | RAW)
+@given(body=st.one_of(COUNT_OK, COUNT, COUNT, RAW))
 @example(body={"messages": [{"role": "assistant", "content": []}]})
 def test_fuzz_count_tokens(clients: dict[str, Client], body: Any) -> None:
     _post(clients["count"], body)
