@@ -10,8 +10,10 @@ tests/test_harness_codex.py and tests/test_harness_faults.py.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from miles_env.tito import audit
 
 from miles_env.engines.scripted import PolicyRule, ScriptedEngine, ScriptedPolicy
 from miles_env.harnesses import get_harness
-from miles_env.harnesses._cli import CLAUDE_CODE, CODEX, CliPackage, cli_cache_root
+from miles_env.harnesses._cli import CLAUDE_CODE, CODEX, TESTED, CliPackage, cli_cache_root
 from miles_env.models import load_tokenizer
 from miles_env.registry import load_environment
 from miles_env.rollout import run_episode
@@ -43,17 +45,23 @@ def tok() -> Any:
 
 
 def require_cli(pkg: CliPackage) -> None:
-    """Install the pinned CLI with scripts/install-clis.sh; skip (saying why) only when npm cannot."""
+    """Install the pin with scripts/install-clis.sh; skip (saying why) only when npm or pip cannot."""
     if (cli_cache_root() / f"{pkg.name}-{pkg.version}" / ".complete").exists():
         return
-    if shutil.which("npm") is None:
+    npm = pkg.name != "mini-swe-agent"  # the one pip-installed harness (its own venv)
+    if npm and shutil.which("npm") is None:
         pytest.skip(f"{pkg.package} is not installed and npm is not on PATH")
     proc = subprocess.run(
-        [str(ROOT / "scripts" / "install-clis.sh"), pkg.name], capture_output=True, text=True, timeout=900
+        [str(ROOT / "scripts" / "install-clis.sh"), f"{pkg.name}@{pkg.version}"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     if proc.returncode != 0:
         print(f"install-clis.sh failed: {proc.stderr[-2000:]}")
-        pytest.skip(f"npm could not install {pkg.package}@{pkg.version} (registry unreachable?)")
+        pytest.skip(
+            f"{'npm' if npm else 'pip'} could not install {pkg.package}@{pkg.version} (registry unreachable?)"
+        )
 
 
 def two_step_task() -> Task:
@@ -68,6 +76,13 @@ def two_step_task() -> Task:
         instruction="Write alpha into first.txt, then write the content of first.txt followed by ' beta' into second.txt.",
         verifier={"checks": checks},
     )
+
+
+def task_for(pin: CliPackage) -> Task:
+    """two_step_task() in a sandbox with the address space `pin` needs (Resources.memory_mb)."""
+    task = two_step_task()
+    resources = task.sandbox.resources.model_copy(update={"memory_mb": pin.memory_mb})
+    return task.model_copy(update={"sandbox": task.sandbox.model_copy(update={"resources": resources})})
 
 
 TWO_STEP_POLICY = ScriptedPolicy(
@@ -114,19 +129,51 @@ def check_exact(ep: Episode, engine: ScriptedEngine, store: Path) -> None:
     assert sum(len(g.output_ids) for g in gens) == sum(sum(s.loss_mask) for s in ep.samples)
 
 
+# Claude Code 2.0's Bash tool asks the model on the side (its "small fast model", same base URL):
+# which file paths a command read (after each command), and the prefix of a command that is not
+# plainly safe (a permission pre-flight, even with --dangerously-skip-permissions). 2.1 asks neither.
+SIDE_CALLS = {
+    "Extract any file paths that this command reads or modifies": "<filepaths>\n</filepaths>",
+    "Your task is to process Bash commands that an AI coding agent wants to run": "none",
+}
+
+
+def side_call(prompt: str) -> str | None:
+    return next((reply for mark, reply in SIDE_CALLS.items() if mark in prompt), None)
+
+
+class SideCallEngine(ScriptedEngine):
+    """The scripted policy for the agent's turns; a fixed answer to Claude Code 2.0's side calls,
+    which run concurrently with the agent's turns and so must not advance the policy."""
+
+    def _next_ids(self, session_id: str | None, input_ids: Sequence[int] = ()) -> list[int]:
+        reply = side_call(self.tokenizer.decode(list(input_ids[:200])))
+        return self._encode_reply(reply) if reply is not None else super()._next_ids(session_id, input_ids)
+
+
 @pytest.mark.slow
-async def test_claude_code_scripted_two_tool_calls(tok: Any, tmp_path: Path) -> None:
-    require_cli(CLAUDE_CODE)
-    engine = ScriptedEngine(tok, policy=TWO_STEP_POLICY, max_context=1 << 20)
-    ep = await run_one("claude-code", engine, tmp_path / "store", budget_s=120)
+@pytest.mark.parametrize("pin", TESTED["claude-code"], ids=lambda p: p.version)
+async def test_claude_code_scripted_two_tool_calls(pin: CliPackage, tok: Any, tmp_path: Path) -> None:
+    """Every tested Claude Code version (today's pin and the previous minor's newest patch)."""
+    require_cli(pin)
+    engine = SideCallEngine(tok, policy=TWO_STEP_POLICY, max_context=1 << 20)
+    ep = await run_one(
+        "claude-code", engine, tmp_path / "store", task_for(pin), budget_s=150, version=pin.version
+    )
     assert ep.status is Status.COMPLETED, (ep.error, ep.metadata["harness"])
     assert ep.reward is not None and ep.reward.passed, ep.reward
     meta = ep.metadata["harness"]
-    assert meta["exit_code"] == 0 and meta["output"]["num_turns"] == 3
+    assert meta["exit_code"] == 0 and meta["version"] == pin.version and meta["output"]["num_turns"] == 3
     assert meta["output"]["result"] == "Both files are written."
-    assert len(engine.generations) == 3  # two tool calls and the answer, no auxiliary request
+    prompts = [tok.decode(list(c.input_ids)) for c in engine.calls]
+    turns = [p for p in prompts if side_call(p) is None]
+    assert len(turns) == 3  # two tool calls and the answer; no warm-up or title request
+    # 2.1 makes no other call; 2.0 its side calls (at least a file-path call per command), which the
+    # session records like any turn (check_exact below covers them too).
+    side = len(prompts) - len(turns)
+    assert side >= 2 if pin.version.startswith("2.0.") else side == 0, side
     # The second prompt holds the first command's result, sent back by Claude Code as a tool_result.
-    assert "<tool_response>" in tok.decode(list(engine.calls[1].input_ids))
+    assert "<tool_response>" in turns[1]
     check_exact(ep, engine, tmp_path / "store")
 
 
@@ -172,3 +219,35 @@ def test_registry_and_argv() -> None:
     assert env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9/s/x" and env["ANTHROPIC_API_KEY"] == "k"
     assert env["DISABLE_TELEMETRY"] == env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
     assert CODEX.version and os.sep not in CLAUDE_CODE.name
+
+
+def test_tested_pins_match_the_install_script() -> None:
+    """scripts/install-clis.sh installs exactly the tested pins, default first; each pin is selectable."""
+    from miles_env.errors import ConfigError
+    from miles_env.harnesses._cli import tested_pin
+
+    script = (ROOT / "scripts" / "install-clis.sh").read_text()
+    for name, pins in TESTED.items():
+        var = name.upper().replace("-", "_") + "_VERSIONS"
+        found = re.search(rf'^{var}="\$\{{{var}:-([^}}]*)\}}"', script, re.M)
+        assert found is not None, var
+        assert found.group(1).split() == [p.version for p in pins], name
+        assert {p.name for p in pins} == {name} and len({p.version for p in pins}) == len(pins)
+        assert tested_pin(name) is pins[0] and all(tested_pin(name, p.version) is p for p in pins)
+    assert TESTED["claude-code"][0] is CLAUDE_CODE and TESTED["codex"][0] is CODEX
+    with pytest.raises(ConfigError, match=r"claude-code version '9\.9\.9' is not a tested pin"):
+        get_harness("claude-code", version="9.9.9")
+
+
+def test_out_of_address_space_names_the_memory_the_pin_needs() -> None:
+    from miles_env.harnesses._cli import OPENCODE, CliRun, cli_status
+
+    crash = CliRun(
+        ("x",), -6, "", "ASSERTION FAILED: MemoryExhaustion: Crash intentionally", False, None, 1.0, 0.0
+    )
+    status, error = cli_status(crash, OPENCODE)
+    assert status is Status.ABORTED and "Resources.memory_mb >= 6144" in (error or "")
+    killed = CliRun(("x",), 137, "", "", False, "memory", 1.0, 0.0)
+    assert "memory_mb >= 6144" in (cli_status(killed, OPENCODE)[1] or "")
+    other = CliRun(("x",), 1, "", "usage: x", False, None, 1.0, 0.0)
+    assert cli_status(other, OPENCODE) == (Status.ABORTED, "CLI exited with status 1: usage: x")

@@ -16,11 +16,18 @@ from miles_env.tito import audit
 
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.harnesses import get_harness
-from miles_env.harnesses._cli import CODEX
+from miles_env.harnesses._cli import CODEX, TESTED, CliPackage
 from miles_env.harnesses.codex import CodexHarness, codex_config_toml, parse_events
 from miles_env.models import load_tokenizer
 from miles_env.types import Status
-from tests.test_harness_claude_code import TWO_STEP_POLICY, check_exact, require_cli, run_one, two_step_task
+from tests.test_harness_claude_code import (
+    TWO_STEP_POLICY,
+    check_exact,
+    require_cli,
+    run_one,
+    task_for,
+    two_step_task,
+)
 from tests.test_tito_support import check_fidelity
 
 pytestmark = pytest.mark.anyio
@@ -37,12 +44,15 @@ def tok() -> Any:
 
 
 @pytest.mark.slow
-async def test_codex_scripted_two_tool_calls(tok: Any, tmp_path: Path) -> None:
-    require_cli(CODEX)
+@pytest.mark.parametrize("pin", TESTED["codex"], ids=lambda p: p.version)
+async def test_codex_scripted_two_tool_calls(pin: CliPackage, tok: Any, tmp_path: Path) -> None:
+    """Every tested Codex version (today's pin and the previous minor on npm)."""
+    require_cli(pin)
     engine = ScriptedEngine(tok, policy=TWO_STEP_POLICY, max_context=1 << 20)
-    ep = await run_one("codex", engine, tmp_path / "store", budget_s=120)
+    ep = await run_one("codex", engine, tmp_path / "store", task_for(pin), budget_s=150, version=pin.version)
     assert ep.status is Status.COMPLETED, (ep.error, ep.metadata["harness"])
     assert ep.reward is not None and ep.reward.passed, ep.reward
+    assert ep.metadata["harness"]["version"] == pin.version
     events = ep.metadata["harness"]["output"]
     commands = [
         e["item"]

@@ -1,12 +1,17 @@
-"""Shared machinery of the agent-CLI harnesses (Claude Code, Codex): install once, run in a sandbox.
+"""Shared machinery of the agent-CLI harnesses (Claude Code, Codex, opencode): install once, run in a sandbox.
 
 Concept: a CLI is an npm package pinned to one version (`CliPackage`), installed
 with npm into `${MILES_ENV_CACHE:-~/.cache/miles-env}/clis/<name>-<version>` the
-first time it is needed (scripts/install-clis.sh makes the same layout). A run
-bind-mounts that directory read-only into the sandbox at `/.miles-cli/<name>`,
-gives the CLI a private HOME under the sandbox's /tmp, points it at the TITO
-session through `sandbox.expose()` (the sandbox has no other network) and execs
-its native binary with one wall-clock budget.
+first time it is needed (scripts/install-clis.sh makes the same layout). Each CLI
+has a small tuple of *tested* pins (`TESTED`, newest first, the first is the
+default): a harness runs any of them (`tested_pin`), CI runs the scripted
+end-to-end test against each, so an upgrade that changes request shapes shows
+up as a failing version, not as a user's broken run. A run bind-mounts the
+install directory read-only into the sandbox at `/.miles-cli/<name>`, gives the
+CLI a private HOME under the sandbox's /tmp, points it at the TITO session
+through `sandbox.expose()` (the sandbox has no other network) and execs its
+entry point (`command()`: a native binary, or a JS file run by the host's node,
+which the sandbox sees through its read-only /usr) with one wall-clock budget.
 
 Invariants: an install is complete iff its `.complete` marker exists (written
 last, under a file lock, so concurrent episodes install once); a run never
@@ -20,6 +25,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -30,7 +36,7 @@ from typing import Any
 
 import anyio
 
-from miles_env.errors import HarnessError, SandboxError
+from miles_env.errors import ConfigError, HarnessError, SandboxError
 from miles_env.sandbox import Sandbox
 from miles_env.types import Status
 
@@ -39,6 +45,9 @@ __all__ = [
     "CliRun",
     "CLAUDE_CODE",
     "CODEX",
+    "OPENCODE",
+    "TESTED",
+    "tested_pin",
     "cli_cache_root",
     "ensure_cli",
     "mount_cli",
@@ -56,12 +65,21 @@ class CliPackage:
     name: str  # cache dir prefix and log name
     package: str  # npm package
     version: str  # pinned; keep in sync with scripts/install-clis.sh
-    binary: str  # native executable, relative to the install dir
+    binary: str  # entry point relative to the install dir: a native executable, or a script for `runner`
     path_dirs: tuple[str, ...] = ()  # extra PATH entries (relative), e.g. codex's bundled rg
+    runner: tuple[str, ...] = ()  # argv before the entry point, e.g. ("node",) for a JS file
+    # Address space the CLI needs (MB). The local sandbox applies Resources.memory_mb as RLIMIT_AS,
+    # which counts virtual reservations: JIT runtimes reserve far more than they touch.
+    memory_mb: int = 1024
+    env: tuple[tuple[str, str], ...] = ()  # variables this pin needs in the sandbox
 
     def inner(self, rel: str = "") -> str:
         base = f"{INNER_ROOT}/{self.name}"
         return f"{base}/{rel}" if rel else base
+
+    def command(self, binary: str | None = None) -> list[str]:
+        """argv prefix that starts this CLI inside the sandbox (`binary` overrides the entry point)."""
+        return [binary] if binary else [*self.runner, self.inner(self.binary)]
 
 
 CLAUDE_CODE = CliPackage(
@@ -69,6 +87,22 @@ CLAUDE_CODE = CliPackage(
     "@anthropic-ai/claude-code",
     "2.1.332",
     "node_modules/@anthropic-ai/claude-code/bin/claude.exe",
+)
+# The previous minor's newest patch. Claude Code 2.0 ships JavaScript (cli.js), not a native binary.
+# Node's WebAssembly trap handler reserves ~10 GB of address space per Wasm memory (Claude Code
+# 2.0 instantiates some at start): without --disable-wasm-trap-handler no RLIMIT_AS below that works.
+# 2.0 also "warms up" three subagents with a model call each at start unless prompt caching is off
+# (cache_control means nothing to TITO). Its Bash tool still asks the model, after every command,
+# which file paths the command read (querySource bash_extract_command_paths): those calls reach the
+# session as extra branches; no setting turns them off in 2.0.
+_CLAUDE_CODE_2_0 = CliPackage(
+    "claude-code",
+    "@anthropic-ai/claude-code",
+    "2.0.77",
+    "node_modules/@anthropic-ai/claude-code/cli.js",
+    runner=("node", "--disable-wasm-trap-handler"),
+    memory_mb=3072,  # measured: killed at 1024, passes at 2048
+    env=(("DISABLE_PROMPT_CACHING", "1"),),
 )
 _CODEX_VENDOR = "node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl"
 CODEX = CliPackage(
@@ -78,6 +112,36 @@ CODEX = CliPackage(
     f"{_CODEX_VENDOR}/bin/codex",
     (f"{_CODEX_VENDOR}/codex-path",),
 )
+# The previous minor on npm (there is no 0.170.x); same layout as 0.171.
+_CODEX_0_169 = CliPackage("codex", "@openai/codex", "0.169.0", CODEX.binary, CODEX.path_dirs)
+# opencode-ai's postinstall links the platform's native binary (AVX2 or baseline build) to bin/opencode.exe.
+# Its JavaScriptCore heap reserves ~4.5 GB of address space (RSS ~600 MB): at 4096 it aborts with
+# "MemoryExhaustion" or a Bun panic (SIGILL), at 4608 it passes.
+OPENCODE = CliPackage(
+    "opencode", "opencode-ai", "1.18.33", "node_modules/opencode-ai/bin/opencode.exe", memory_mb=6144
+)
+
+# name -> tested pins, newest first; the first is the default. Keep in sync with scripts/install-clis.sh.
+TESTED: dict[str, tuple[CliPackage, ...]] = {
+    "claude-code": (CLAUDE_CODE, _CLAUDE_CODE_2_0),
+    "codex": (CODEX, _CODEX_0_169),
+    "opencode": (OPENCODE,),
+}
+
+
+def tested_pin(name: str, version: str | None = None) -> CliPackage:
+    """The tested pin of CLI `name` at `version` (None: the default); ConfigError for an untested one."""
+    pins = TESTED[name]
+    if version is None:
+        return pins[0]
+    for pin in pins:
+        if pin.version == version:
+            return pin
+    tested = ", ".join(p.version for p in pins)
+    raise ConfigError(
+        f"{name} version {version!r} is not a tested pin (tested: {tested}); add it to "
+        "miles_env/harnesses/_cli.py TESTED and scripts/install-clis.sh, then run its end-to-end test"
+    )
 
 
 def cli_cache_root() -> Path:
@@ -166,16 +230,30 @@ async def run_cli(
     )
 
 
-def cli_status(run: CliRun) -> tuple[Status, str | None]:
+_OUT_OF_MEMORY = re.compile(r"MemoryExhaustion|Out of memory|bad_alloc|Cannot allocate memory|MemoryError")
+
+
+def cli_status(run: CliRun, pkg: CliPackage | None = None) -> tuple[Status, str | None]:
     """Budget kill -> TRUNCATED; crash, signal or nonzero exit -> ABORTED; exit 0 -> COMPLETED."""
     if run.timed_out:
         return Status.TRUNCATED, f"CLI wall-clock budget exceeded after {run.duration_s:.1f}s"
     if run.killed_by_limit:
-        return Status.ABORTED, f"CLI killed by the sandbox {run.killed_by_limit} limit"
+        error = f"CLI killed by the sandbox {run.killed_by_limit} limit"
+        return Status.ABORTED, _memory_hint(pkg, error) if run.killed_by_limit == "memory" else error
     if run.exit_code != 0:
         tail = run.stderr.strip()[-400:] or run.stdout.strip()[-400:]
-        return Status.ABORTED, f"CLI exited with status {run.exit_code}: {tail}"
+        error = f"CLI exited with status {run.exit_code}: {tail}"
+        return Status.ABORTED, _memory_hint(pkg, error) if _OUT_OF_MEMORY.search(run.stderr) else error
     return Status.COMPLETED, None
+
+
+def _memory_hint(pkg: CliPackage | None, error: str) -> str:
+    if pkg is None:
+        return error
+    return (
+        f"{pkg.name} {pkg.version} ran out of address space: give the task's sandbox "
+        f"Resources.memory_mb >= {pkg.memory_mb} (applied as RLIMIT_AS). {error}"
+    )
 
 
 def last_json(text: str) -> Any:

@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles_env.harness import Endpoint, HarnessResult
-from miles_env.harnesses._cli import CLAUDE_CODE, HOME, cli_status, ensure_cli, last_json, mount_cli, run_cli
+from miles_env.harnesses._cli import HOME, cli_status, ensure_cli, last_json, mount_cli, run_cli, tested_pin
 from miles_env.sandbox import Sandbox
 from miles_env.types import Status, Task
 
@@ -32,6 +32,9 @@ class ClaudeCodeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     budget_s: float = Field(default=300.0, gt=0, description="wall-clock budget of one CLI run")
+    version: str | None = Field(
+        default=None, description="a tested Claude Code version (_cli.TESTED); None = the default"
+    )
     max_turns: int | None = Field(default=None, ge=1, description="Claude Code --max-turns")
     tools: str | None = Field(
         default=None, description="Claude Code --tools (built-in tools offered, e.g. 'Bash'); None = all"
@@ -49,10 +52,11 @@ class ClaudeCodeHarness:
     def __init__(self, config: ClaudeCodeConfig | None = None, **overrides: Any) -> None:
         base = (config or ClaudeCodeConfig()).model_dump()
         self.config = ClaudeCodeConfig(**{**base, **overrides})
+        self.pin = tested_pin("claude-code", self.config.version)
 
     def argv(self, task: Task, endpoint: Endpoint) -> list[str]:
         cfg = self.config
-        argv = [cfg.binary or CLAUDE_CODE.inner(CLAUDE_CODE.binary), "-p", task.instruction]
+        argv = [*self.pin.command(cfg.binary), "-p", task.instruction]
         argv += ["--output-format", "json", "--dangerously-skip-permissions", "--model", endpoint.model]
         if cfg.max_turns is not None:
             argv += ["--max-turns", str(cfg.max_turns)]
@@ -71,13 +75,14 @@ class ClaudeCodeHarness:
             "DISABLE_AUTOUPDATER": "1",
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
             "IS_SANDBOX": "1",
+            **dict(self.pin.env),
             **self.config.extra_env,
         }
 
     async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint) -> HarnessResult:
         t0 = time.time()
-        install_dir = await ensure_cli(CLAUDE_CODE)
-        mount_cli(sandbox, CLAUDE_CODE, install_dir)
+        install_dir = await ensure_cli(self.pin)
+        mount_cli(sandbox, self.pin, install_dir)
         root = endpoint.root_url or endpoint.base_url.removesuffix("/v1")
         inner_root = await sandbox.expose(root)
         await sandbox.exec(["mkdir", "-p", HOME], timeout=30)
@@ -85,7 +90,7 @@ class ClaudeCodeHarness:
         run = await run_cli(
             sandbox, self.argv(task, endpoint), self.env(inner_root, endpoint), self.config.budget_s
         )
-        status, error = cli_status(run)
+        status, error = cli_status(run, self.pin)
         output = last_json(run.stdout)
         if status is Status.COMPLETED and isinstance(output, dict) and output.get("is_error"):
             # Claude Code exits 0 on some failures (max turns, API errors) and says so in its JSON.
@@ -93,8 +98,8 @@ class ClaudeCodeHarness:
             status = Status.TRUNCATED if "max_turns" in sub else Status.ABORTED
             error = f"Claude Code result {sub or 'error'}: {str(output.get('result', ''))[:400]}"
         metadata = {
-            "cli": CLAUDE_CODE.name,
-            "version": CLAUDE_CODE.version,
+            "cli": self.pin.name,
+            "version": self.pin.version,
             "exit_code": run.exit_code,
             "timed_out": run.timed_out,
             "output": output,

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles_env.harness import Endpoint, HarnessResult
-from miles_env.harnesses._cli import CODEX, HOME, cli_status, ensure_cli, mount_cli, run_cli
+from miles_env.harnesses._cli import HOME, cli_status, ensure_cli, mount_cli, run_cli, tested_pin
 from miles_env.sandbox import Sandbox
 from miles_env.types import Task
 
@@ -36,6 +36,9 @@ class CodexConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     budget_s: float = Field(default=300.0, gt=0, description="wall-clock budget of one CLI run")
+    version: str | None = Field(
+        default=None, description="a tested Codex version (_cli.TESTED); None = the default"
+    )
     binary: str | None = Field(
         default=None, description="inner path of the executable (fault injection); None = pinned"
     )
@@ -122,11 +125,11 @@ class CodexHarness:
     def __init__(self, config: CodexConfig | None = None, **overrides: Any) -> None:
         base = (config or CodexConfig()).model_dump()
         self.config = CodexConfig(**{**base, **overrides})
+        self.pin = tested_pin("codex", self.config.version)
 
     def argv(self, task: Task) -> list[str]:
-        binary = self.config.binary or CODEX.inner(CODEX.binary)
         argv = [
-            binary,
+            *self.pin.command(self.config.binary),
             "exec",
             "--skip-git-repo-check",
             "--dangerously-bypass-approvals-and-sandbox",
@@ -135,19 +138,20 @@ class CodexHarness:
         return argv + list(self.config.extra_args) + [task.instruction]
 
     def env(self, endpoint: Endpoint) -> dict[str, str]:
-        path = ":".join([*(CODEX.inner(d) for d in CODEX.path_dirs), DEFAULT_PATH])
+        path = ":".join([*(self.pin.inner(d) for d in self.pin.path_dirs), DEFAULT_PATH])
         return {
             "PATH": path,
             "HOME": HOME,
             "CODEX_HOME": CODEX_HOME,
             KEY_VAR: endpoint.api_key,
             "NO_COLOR": "1",
+            **dict(self.pin.env),
         }
 
     async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint) -> HarnessResult:
         t0 = time.time()
-        install_dir = await ensure_cli(CODEX)
-        mount_cli(sandbox, CODEX, install_dir)
+        install_dir = await ensure_cli(self.pin)
+        mount_cli(sandbox, self.pin, install_dir)
         inner_v1 = await sandbox.expose(endpoint.base_url)
         await sandbox.exec(["mkdir", "-p", CODEX_HOME], timeout=30)
         toml = codex_config_toml(inner_v1, endpoint.model, self.config.extra_config)
@@ -155,15 +159,15 @@ class CodexHarness:
         prepared = time.time()
         env = {**self.env(endpoint), **self.config.extra_env}
         run = await run_cli(sandbox, self.argv(task), env, self.config.budget_s)
-        status, error = cli_status(run)
+        status, error = cli_status(run, self.pin)
         events = parse_events(run.stdout)
         final = _final_message(events)
         failure = _failure(events)
         if error is not None and failure:
             error = f"{error.split(':', 1)[0]}: {failure}"
         metadata = {
-            "cli": CODEX.name,
-            "version": CODEX.version,
+            "cli": self.pin.name,
+            "version": self.pin.version,
             "exit_code": run.exit_code,
             "timed_out": run.timed_out,
             "output": events,
