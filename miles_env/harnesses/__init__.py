@@ -19,6 +19,8 @@ HARNESSES: dict[str, str] = {
     "builtin": "miles_env.harnesses.builtin:BuiltinHarness",
     "claude-code": "miles_env.harnesses.claude_code:ClaudeCodeHarness",  # the real Claude Code CLI
     "codex": "miles_env.harnesses.codex:CodexHarness",  # the real Codex CLI
+    "opencode": "miles_env.harnesses.opencode:OpencodeHarness",  # the real opencode CLI
+    "mini-swe-agent": "miles_env.harnesses.mini_swe_agent:MiniSweAgentHarness",  # mini-swe-agent (pip)
     "framework": "miles_env.adapters.harness:FrameworkHarness",  # a framework adapter's own agent loop
 }
 
