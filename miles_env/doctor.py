@@ -3,7 +3,8 @@
 Concept: each check is a small function returning a `Check` (ok or not, what was found, and the
 command that fixes it). `needs(config)` says which checks a given run config cannot do without:
 every run needs Python, torch, bubblewrap and the default model; a docker sandbox needs the
-Docker SDK and a daemon, `harness.name: claude-code` needs node and the pinned CLI, and so on.
+Docker SDK and a daemon, `harness.name: claude-code` (codex, opencode) needs node and the pinned CLI,
+`mini-swe-agent` its venv, and so on.
 Checks that the config does not need are still shown, marked optional.
 
 Invariant: checking never changes the machine (no installs, no model conversion) and never
@@ -132,9 +133,9 @@ def check_node() -> Check:
 
 
 def _check_cli(which: str) -> Check:
-    from miles_env.harnesses._cli import CLAUDE_CODE, CODEX, cli_cache_root
+    from miles_env.harnesses._cli import TESTED, cli_cache_root
 
-    pkg = CLAUDE_CODE if which == "claude-code" else CODEX
+    pkg = TESTED[which][0]  # the default pin
     target = cli_cache_root() / f"{pkg.name}-{pkg.version}"
     if not (target / pkg.binary).is_file():
         return Check(
@@ -149,6 +150,25 @@ def check_claude_code() -> Check:
 
 def check_codex() -> Check:
     return _check_cli("codex")
+
+
+def check_opencode() -> Check:
+    return _check_cli("opencode")
+
+
+def check_mini_swe_agent() -> Check:
+    from miles_env.harnesses._cli import cli_cache_root
+    from miles_env.harnesses.mini_swe_agent import MINI_SWE_AGENT as pkg
+
+    target = cli_cache_root() / f"{pkg.name}-{pkg.version}"
+    if not (target / ".complete").is_file() or not (target / pkg.binary).exists():
+        return Check(
+            "mini-swe-agent",
+            False,
+            f"{pkg.package}=={pkg.version} venv not in {target}",
+            "scripts/install-clis.sh mini-swe-agent",
+        )
+    return Check("mini-swe-agent", True, f"{pkg.package}=={pkg.version} ({target})")
 
 
 def check_docker() -> Check:
@@ -220,6 +240,8 @@ CHECKS: dict[str, Callable[[], Check]] = {
     "node/npm": check_node,
     "claude-code": check_claude_code,
     "codex": check_codex,
+    "opencode": check_opencode,
+    "mini-swe-agent": check_mini_swe_agent,
     "docker": check_docker,
     "vllm venv": check_vllm,
     "megatron-core": check_megatron,
@@ -239,8 +261,10 @@ def needs(config: RunConfig) -> set[str]:
     elif provider in CREDENTIALS:
         required.add(f"{provider} credentials")
     harness = str(config.harness.get("name", "builtin"))
-    if harness in ("claude-code", "codex"):
+    if harness in ("claude-code", "codex", "opencode"):
         required |= {"node/npm", harness}
+    elif harness == "mini-swe-agent":  # a venv in the cache, no node
+        required.add(harness)
     if config.engine.get("kind") == "vllm":
         required.add("vllm venv")
     if config.trainer.backend == "megatron":
