@@ -107,7 +107,7 @@ def parse_opts(pairs: list[str] | None, flag: str) -> dict[str, Any]:
 
 def eval_command(
     env: Annotated[str, typer.Option("--env", help="environment name (see `miles-env env list`)")],
-    harness: Annotated[str, typer.Option(help="builtin | claude-code | codex | framework")] = "builtin",
+    harness: Annotated[str, typer.Option(help="builtin | claude-code | codex | opencode | mini-swe-agent | framework")] = "builtin",
     split: Annotated[str, typer.Option(help="task split")] = "test",
     n: Annotated[int | None, typer.Option("--n", help="number of tasks (default: all in the split)")] = None,
     rollouts: Annotated[int, typer.Option("--rollouts", "-r", help="episodes per task")] = 1,
