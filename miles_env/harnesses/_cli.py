@@ -37,10 +37,12 @@ from typing import Any
 import anyio
 
 from miles_env.errors import ConfigError, HarnessError, SandboxError
+from miles_env.harness import HarnessResult
 from miles_env.sandbox import Sandbox
 from miles_env.types import Status
 
 __all__ = [
+    "cli_result",
     "CliPackage",
     "CliRun",
     "CLAUDE_CODE",
@@ -231,6 +233,43 @@ async def run_cli(
 
 
 _OUT_OF_MEMORY = re.compile(r"MemoryExhaustion|Out of memory|bad_alloc|Cannot allocate memory|MemoryError")
+
+
+def cli_result(
+    pkg: CliPackage,
+    run: CliRun,
+    status: Status,
+    error: str | None,
+    *,
+    instruction: str,
+    final: object,
+    output: object,
+    timing: tuple[float, float],
+    stdout_tail: bool = False,
+) -> HarnessResult:
+    """What every CLI harness returns: the task and the CLI's final text, plus the run's record.
+
+    `timing` is (start, prepared) wall-clock times; `stdout_tail` keeps the end of stdout when the
+    CLI's own output could not be read.
+    """
+    t0, prepared = timing
+    metadata: dict[str, Any] = {
+        "cli": pkg.name,
+        "version": pkg.version,
+        "exit_code": run.exit_code,
+        "timed_out": run.timed_out,
+        "output": output,
+        "stderr_tail": run.stderr[-2000:],
+        "prepare_s": prepared - t0,
+        "cli_start": run.started_at,
+        "cli_s": run.duration_s,
+    }
+    if stdout_tail:
+        metadata["stdout_tail"] = run.stdout[-2000:]
+    transcript = [{"role": "user", "content": instruction}]
+    if isinstance(final, str):
+        transcript.append({"role": "assistant", "content": final})
+    return HarnessResult(status, transcript, error, metadata)
 
 
 def cli_status(run: CliRun, pkg: CliPackage | None = None) -> tuple[Status, str | None]:

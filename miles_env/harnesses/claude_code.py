@@ -19,7 +19,16 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles_env.harness import Endpoint, HarnessResult
-from miles_env.harnesses._cli import HOME, cli_status, ensure_cli, last_json, mount_cli, run_cli, tested_pin
+from miles_env.harnesses._cli import (
+    HOME,
+    cli_result,
+    cli_status,
+    ensure_cli,
+    last_json,
+    mount_cli,
+    run_cli,
+    tested_pin,
+)
 from miles_env.sandbox import Sandbox
 from miles_env.types import Status, Task
 
@@ -97,21 +106,8 @@ class ClaudeCodeHarness:
             sub = str(output.get("subtype", ""))
             status = Status.TRUNCATED if "max_turns" in sub else Status.ABORTED
             error = f"Claude Code result {sub or 'error'}: {str(output.get('result', ''))[:400]}"
-        metadata = {
-            "cli": self.pin.name,
-            "version": self.pin.version,
-            "exit_code": run.exit_code,
-            "timed_out": run.timed_out,
-            "output": output,
-            "stderr_tail": run.stderr[-2000:],
-            "prepare_s": prepared - t0,
-            "cli_start": run.started_at,
-            "cli_s": run.duration_s,
-        }
-        if output is None:
-            metadata["stdout_tail"] = run.stdout[-2000:]
         final = output.get("result") if isinstance(output, dict) else None
-        transcript = [{"role": "user", "content": task.instruction}]
-        if isinstance(final, str):
-            transcript.append({"role": "assistant", "content": final})
-        return HarnessResult(status, transcript, error, metadata)
+        return cli_result(
+            self.pin, run, status, error, instruction=task.instruction, final=final, output=output,
+            timing=(t0, prepared), stdout_tail=output is None,
+        )  # fmt: skip

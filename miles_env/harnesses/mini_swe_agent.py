@@ -35,7 +35,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from miles_env.errors import HarnessError, SandboxError
 from miles_env.harness import Endpoint, HarnessResult
-from miles_env.harnesses._cli import HOME, CliPackage, cli_cache_root, cli_status, mount_cli, run_cli
+from miles_env.harnesses._cli import (
+    HOME,
+    CliPackage,
+    cli_cache_root,
+    cli_result,
+    cli_status,
+    mount_cli,
+    run_cli,
+)
 from miles_env.sandbox import Sandbox
 from miles_env.types import Status, Task
 
@@ -202,26 +210,15 @@ class MiniSweAgentHarness:
         if status is not Status.TRUNCATED and trajectory is not None:
             status, error = outcome(trajectory)  # the agent's own account beats a bare exit status
         info = (trajectory or {}).get("info", {})
-        metadata = {
-            "cli": self.pin.name,
-            "version": self.pin.version,
-            "exit_code": run.exit_code,
-            "timed_out": run.timed_out,
-            "output": {
-                "exit_status": info.get("exit_status"),
-                "submission": info.get("submission"),
-                "api_calls": info.get("model_stats", {}).get("api_calls"),
-                "steps": _steps(trajectory or {}),
-            },
-            "stderr_tail": run.stderr[-2000:],
-            "prepare_s": prepared - t0,
-            "cli_start": run.started_at,
-            "cli_s": run.duration_s,
+        output = {
+            "exit_status": info.get("exit_status"),
+            "submission": info.get("submission"),
+            "api_calls": info.get("model_stats", {}).get("api_calls"),
+            "steps": _steps(trajectory or {}),
         }
-        if trajectory is None:
-            metadata["stdout_tail"] = run.stdout[-2000:]
-        transcript = [{"role": "user", "content": task.instruction}]
         said = [m for m in (trajectory or {}).get("messages", []) if m.get("role") == "assistant"]
-        if said and isinstance(said[-1].get("content"), str):
-            transcript.append({"role": "assistant", "content": said[-1]["content"]})
-        return HarnessResult(status, transcript, error, metadata)
+        return cli_result(
+            self.pin, run, status, error, instruction=task.instruction,
+            final=said[-1].get("content") if said else None, output=output,
+            timing=(t0, prepared), stdout_tail=trajectory is None,
+        )  # fmt: skip

@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles_env.harness import Endpoint, HarnessResult
-from miles_env.harnesses._cli import HOME, cli_status, ensure_cli, mount_cli, run_cli, tested_pin
+from miles_env.harnesses._cli import HOME, cli_result, cli_status, ensure_cli, mount_cli, run_cli, tested_pin
 from miles_env.sandbox import Sandbox
 from miles_env.types import Status, Task
 
@@ -180,18 +180,7 @@ class OpencodeHarness:
             status = Status.TRUNCATED if budget else Status.ABORTED
             error = f"{'budget' if budget else 'model call failed'}: {message}"
         final = final_text(events)
-        metadata = {
-            "cli": self.pin.name,
-            "version": self.pin.version,
-            "exit_code": run.exit_code,
-            "timed_out": run.timed_out,
-            "output": events,
-            "stderr_tail": run.stderr[-2000:],
-            "prepare_s": prepared - t0,
-            "cli_start": run.started_at,
-            "cli_s": run.duration_s,
-        }
-        transcript = [{"role": "user", "content": task.instruction}]
-        if final is not None:
-            transcript.append({"role": "assistant", "content": final})
-        return HarnessResult(status, transcript, error, metadata)
+        return cli_result(
+            self.pin, run, status, error, instruction=task.instruction, final=final, output=events,
+            timing=(t0, prepared),
+        )  # fmt: skip
