@@ -12,12 +12,20 @@ message carrying a client-visible item `id` the proxy handed out (Responses
 `msg_...`) is matched by that id first (the session's alias table). Arguments
 that are not strict JSON (strictjson.loads: NaN, too deep, lone surrogates) are
 kept and compared as their text.
+
+Key schemes: `message_key` (scheme 2) is sha256 over length-prefixed raw fields
+(64 hex digits); `message_key_v1` (scheme 1, blake2b-128 over `json.dumps` of the
+fields, 32 hex digits) is kept for sessions whose journal was written with it.
+A journal stores keys, not messages, so a session's keys cannot be recomputed:
+`key_function(stored_key)` picks the scheme a session already uses from the length
+of one of its keys, and the whole session stays on it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +37,8 @@ __all__ = [
     "ChatRequest",
     "ChatResult",
     "message_key",
+    "message_key_v1",
+    "key_function",
     "tools_key",
     "canonical_arguments",
     "digest",
@@ -127,13 +137,45 @@ def canonical_arguments(arguments: str) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def message_key(m: Message) -> str:
+def message_key_v1(m: Message) -> str:
+    """Scheme 1 (journals written before scheme 2): blake2b-128 over `json.dumps` of the fields."""
     if m.role == "assistant":
         if m.tool_calls:
             calls = [(c.id, c.name, canonical_arguments(c.arguments)) for c in m.tool_calls]
             return _digest("assistant-tools", calls)
         return _digest("assistant", m.content.strip())
     return _digest(m.role, m.content, m.tool_call_id)
+
+
+def _key(tag: str, ref: str | None, text: str) -> str:
+    """sha256 of `tag`, `ref` (None apart from "") and `text`, each prefixed by its length in
+    characters (unambiguous). A long text is fed in slices (hashlib releases the GIL on each)."""
+    head = f"{len(tag)}:{tag}" + ("-" if ref is None else f"{len(ref)}:{ref}") + f"{len(text)}:"
+    h = hashlib.sha256(head.encode("utf-8", "surrogatepass"))
+    if len(text) <= _CHUNK:
+        h.update(text.encode("utf-8", "surrogatepass"))
+    else:
+        for k in range(0, len(text), _CHUNK):
+            h.update(text[k : k + _CHUNK].encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+def message_key(m: Message) -> str:
+    """Scheme 2: the message's identity (see the module note), 64 hex digits."""
+    if m.role == "assistant":
+        if m.tool_calls:
+            calls = [(c.id, c.name, canonical_arguments(c.arguments)) for c in m.tool_calls]
+            return _key("assistant-tools", None, json.dumps(calls, ensure_ascii=False))
+        return _key("assistant", None, m.content.strip())
+    return _key(m.role, m.tool_call_id, m.content)
+
+
+_V1_LEN = 32
+
+
+def key_function(stored_key: str | None) -> Callable[[Message], str]:
+    """The key scheme of a session holding `stored_key` (None: a session with no key yet: scheme 2)."""
+    return message_key_v1 if stored_key is not None and len(stored_key) == _V1_LEN else message_key
 
 
 def tools_key(tools: tuple[dict[str, Any], ...]) -> str:

@@ -3,8 +3,9 @@
 Concept: `make_plan` matches the request's message keys against the session's
 branches (extension first, then the best fork point, else a full render) and
 renders and tokenizes only what is not stored yet (see proxy.py for the rules).
-It only reads the session, so it runs in a worker thread while the event loop
-serves other sessions (the session's lock is held by the caller).
+It only reads the session (the caller holds the session's lock), so a large plan
+runs in a worker thread while the event loop serves other sessions; a small one
+runs in-line (`inline_chars`: Offload stops it before it renders more than that).
 
 Bounded: with a context `limit`, each text is measured before it is tokenized; when
 its size alone proves the prompt reaches the limit (`Renderer.min_tokens`), the
@@ -14,14 +15,15 @@ prompt is refused in microseconds instead of tokenized for seconds.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from miles_env.tito.messages import ChatRequest, message_key, tools_key
+from miles_env.tito.messages import ChatRequest, Message, key_function, tools_key
 from miles_env.tito.render import Renderer
 from miles_env.tito.session import Branch, Session
 
-__all__ = ["Plan", "PromptTooLong", "make_plan", "full_prompt"]
+__all__ = ["Plan", "PromptTooLong", "Offload", "make_plan", "full_prompt", "request_keys", "text_size"]
 
 
 class PromptTooLong(Exception):
@@ -55,22 +57,57 @@ def _encode(r: Renderer, text: str, before: int, limit: int | None) -> list[int]
     return r.encode(text)
 
 
-def _keys(s: Session, req: ChatRequest) -> list[str]:
-    alias = s.aliases
-    return [alias[m.id] if m.id is not None and m.id in alias else message_key(m) for m in req.messages]
+def session_key(s: Session) -> Callable[[Message], str]:
+    """The key scheme the session's stored keys use (messages.key_function)."""
+    return key_function(s.branches[0].keys[0] if s.branches and s.branches[0].keys else None)
+
+
+def request_keys(s: Session, req: ChatRequest) -> list[str]:
+    alias, key = s.aliases, session_key(s)
+    return [alias[m.id] if m.id is not None and m.id in alias else key(m) for m in req.messages]
 
 
 def _ended(r: Renderer, b: Branch, n_ids: int) -> bool:
     return n_ids > 0 and b.loss_mask[n_ids - 1] == 1 and b.token_ids[n_ids - 1] == r.stop_id
 
 
-def make_plan(s: Session, req: ChatRequest, r: Renderer, limit: int | None) -> Plan:
-    keys = _keys(s, req)
+class Offload(Exception):
+    """Planning in-line would render and tokenize more than `inline_chars`: redo it in a thread.
+
+    Carries the keys already computed, so the thread does not hash the messages again."""
+
+    def __init__(self, keys: list[str]) -> None:
+        super().__init__()
+        self.keys = keys
+
+
+def text_size(messages: Sequence[Message]) -> int:
+    """Characters of the messages' texts (content, tool-call arguments): what rendering costs."""
+    return sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in messages)
+
+
+def make_plan(
+    s: Session,
+    req: ChatRequest,
+    r: Renderer,
+    limit: int | None,
+    *,
+    keys: list[str] | None = None,
+    inline_chars: int | None = None,
+) -> Plan:
+    """The plan of `req` on `s`. With `inline_chars`, raises Offload before rendering more text than that."""
+    keys = request_keys(s, req) if keys is None else keys
     tkey = tools_key(req.tools)
+
+    def check(messages: Sequence[Message]) -> None:
+        if inline_chars is not None and text_size(messages) > inline_chars:
+            raise Offload(keys)
+
     for b in reversed(s.branches):
         n = len(b.keys)
         if b.tools_key != tkey or n > len(keys) or keys[:n] != b.keys:
             continue
+        check(req.messages[n:])
         suffix = r.render_suffix(req.messages[n:], req.tools, tkey)
         if suffix is None:
             break  # the template does not render this tail as a pure suffix: re-render on a new branch
@@ -80,11 +117,13 @@ def make_plan(s: Session, req: ChatRequest, r: Renderer, limit: int | None) -> P
     fork = fork_point(s, keys, tkey)
     if fork is not None:
         b, n_keys, n_ids = fork
+        check(req.messages[n_keys:])
         suffix = r.render_suffix(req.messages[n_keys:], req.tools, tkey)
         if suffix is not None:
             delta = _encode(r, r.assistant_close(req.tools, tkey, _ended(r, b, n_ids)) + suffix, n_ids, limit)
             prompt = b.token_ids[:n_ids] + delta
             return Plan(len(s.branches), True, prompt, delta, keys[n_keys:], tkey, b.index, n_keys, n_ids)
+    check(req.messages)
     ids = _encode(r, r.render_full(req.messages, req.tools), 0, limit)
     return Plan(len(s.branches), True, ids, ids, keys, tkey)
 

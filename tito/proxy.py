@@ -17,7 +17,8 @@ the caller's `respond` turned it into a response (`serve`): a response that
 cannot be serialized stores nothing. Every mask-1 token is an engine output id
 with the engine's logprob. Requests of one session run one at a time
 (per-session lock), sessions share nothing; rendering and tokenizing run in a
-worker thread, so a huge prompt never stalls the event loop (other sessions).
+worker thread, so a huge prompt never stalls the event loop (other sessions),
+except a small request's, which is planned in-line (cheaper than the thread hop).
 Engine refusals (EngineRefused) are the client's 400, other engine failures a 502.
 Lifecycle: create_session -> chat* -> export -> close_session; with a store_dir
 the event journal makes all of it survive a restart.
@@ -27,7 +28,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -44,8 +46,8 @@ from miles_env.tito.errors import (
     not_found,
     unauthorized,
 )
-from miles_env.tito.messages import ChatRequest, ChatResult, Message, digest, message_key
-from miles_env.tito.plan import Plan, PromptTooLong, full_prompt, make_plan
+from miles_env.tito.messages import ChatRequest, ChatResult, Message, digest
+from miles_env.tito.plan import Offload, Plan, PromptTooLong, full_prompt, make_plan, session_key, text_size
 from miles_env.tito.render import Renderer, TemplateRefused
 from miles_env.tito.session import Session, SessionInfo
 from miles_env.tito.store import Journal, load_sessions
@@ -60,6 +62,12 @@ __all__ = ["TitoProxy", "SessionHandle"]
 
 R = TypeVar("R")
 T = TypeVar("T")
+
+# In-line planning (no thread hop, ~40 us and more under GIL contention) when hashing the texts
+# costs about as much (sha256, ~0.1 ms for 128K characters) and the tail to render and tokenize
+# is short (tokenizing 4K characters, ~1K tokens, holds the GIL anyway: render.py).
+_INLINE_KEY_CHARS = 128 * 1024
+_INLINE_RENDER_CHARS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,12 +184,12 @@ class TitoProxy:
         except Exception as e:  # an engine that cannot even describe itself is a transient failure
             raise engine_failed(e) from e
 
-    async def _off_loop(self, s: Session, fn: Callable[[], T], *, mark: bool = True) -> T:
-        """Run stitching/rendering/tokenizing in a worker thread, its refusals translated to 400s.
-
-        A prompt proven too long is a context refusal (marking `s` truncated unless `mark` is False)."""
+    @contextmanager
+    def _refusals(self, s: Session, mark: bool) -> Iterator[None]:
+        """Planning's refusals as 400s: a prompt proven too long is a context refusal (marking `s`
+        truncated unless `mark` is False), a template that raises is the client's mistake."""
         try:
-            return await anyio.to_thread.run_sync(fn)
+            yield
         except PromptTooLong as e:
             if mark:
                 self._truncate(s, "max_context")
@@ -189,9 +197,24 @@ class TitoProxy:
         except TemplateRefused as e:
             raise bad_request(f"the chat template refused these messages: {e}", param="messages") from None
 
+    async def _off_loop(self, s: Session, fn: Callable[[], T], *, mark: bool = True) -> T:
+        """Run stitching/rendering/tokenizing in a worker thread, its refusals translated to 400s."""
+        with self._refusals(s, mark):
+            return await anyio.to_thread.run_sync(fn)
+
     async def _plan(self, s: Session, req: ChatRequest, limit: int | None, *, mark: bool = True) -> Plan:
+        """Plan in-line when the request is small enough that a thread hop would cost more than the
+        work (measured from its texts' sizes before hashing, and from the tail's before rendering);
+        otherwise, or as soon as planning finds more to render, in a worker thread."""
         _require_messages(req)
-        return await self._off_loop(s, lambda: make_plan(s, req, self.renderer, limit), mark=mark)
+        keys = None
+        if text_size(req.messages) <= _INLINE_KEY_CHARS and _within(req.tools, _INLINE_KEY_CHARS):
+            try:
+                with self._refusals(s, mark):
+                    return make_plan(s, req, self.renderer, limit, inline_chars=_INLINE_RENDER_CHARS)
+            except Offload as o:
+                keys = o.keys
+        return await self._off_loop(s, lambda: make_plan(s, req, self.renderer, limit, keys=keys), mark=mark)
 
     def _max_new(
         self, s: Session, req: ChatRequest, prompt_len: int, limit: int | None
@@ -312,7 +335,7 @@ class TitoProxy:
         latency = time.perf_counter() - t0
         r = self._parse(gen, sampling, req)
         out, lps = list(gen.output_ids), list(gen.logprobs)
-        akey = message_key(Message("assistant", r.content or "", r.tool_calls))
+        akey = session_key(s)(Message("assistant", r.content or "", r.tool_calls))
         event: dict[str, Any] = {
             "kind": "turn",
             "branch": plan.branch,
@@ -349,6 +372,25 @@ class TitoProxy:
 
 def _same(result: ChatResult) -> ChatResult:
     return result
+
+
+def _within(obj: Any, budget: int) -> bool:
+    """Whether parsed JSON `obj` holds at most `budget` characters and values (stops once over)."""
+    stack, n = [obj], 0
+    while stack:
+        v = stack.pop()
+        n += 1
+        kind = type(v)
+        if kind is str:
+            n += len(v)
+        elif kind is dict:
+            n += sum(len(k) for k in v)
+            stack.extend(v.values())
+        elif kind is list or kind is tuple:
+            stack.extend(v)
+        if n > budget:
+            return False
+    return True
 
 
 def _require_messages(req: ChatRequest) -> None:
