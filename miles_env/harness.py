@@ -23,6 +23,9 @@ class Endpoint:
     session_id: str
     model: str = "policy"
     root_url: str = ""  # session root without /v1 (Anthropic-style clients append /v1 themselves)
+    # The session's context limit (prompt + completion tokens) as the proxy enforces it, when known:
+    # harnesses tell their CLI, so that it compacts before (or when) a request would not fit.
+    max_context: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -41,6 +41,8 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
         metadata={"task_id": task.id, "env": task.env, "episode_id": episode_id}
     )
     endpoint = ctx.proxy.endpoint(handle.session_id, ctx.proxy_url)
+    if endpoint.max_context is None:
+        endpoint = replace(endpoint, max_context=await _context_limit(ctx.proxy, handle.session_id))
     timings: dict[str, float] = {}
     result: HarnessResult | None = None
     reward: Reward | None = None
@@ -97,6 +99,16 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
             "transcript": result.transcript if result else [],
         },
     )
+
+
+async def _context_limit(proxy: Any, session_id: str) -> int | None:
+    """max_context as the proxy enforces it: the min of the session budget's and the engine's."""
+    try:
+        engine = (await proxy.engine_info()).max_context
+    except Exception:  # an engine that cannot describe itself fails the first turn, with its error
+        engine = None
+    limits = [x for x in (proxy.get_session(session_id).budget.max_context, engine) if x]
+    return min(limits) if limits else None
 
 
 async def run_group(ctx: RolloutContext, task: Task, size: int) -> list[Episode]:

@@ -18,6 +18,10 @@ from there. The copy keeps the parent's masks internally; `export` decides
 ownership: a sampled token has mask 1 only in the *earliest exported* branch that
 holds it (with keep-all: the branch where it was sampled) and mask 0, logprob 0.0
 in every later branch that shares it by prefix.
+
+Truncation: `truncated` names the budget that cut the session's latest turn or
+refused a request after it; a later turn answered in full (the client compacted
+or retried shorter) clears it, so it reports the end state, not the history.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ class SessionInfo:
     n_turns: int
     sampled_tokens: int
     n_branches: int
-    truncated: str | None  # the budget that ended the session, if any
+    truncated: str | None  # the budget that cut the session's last turn or refused its last request
     closed: bool
     n_aux: int = 0  # auxiliary requests served (title generation, ...): never trained on
 
@@ -125,7 +129,10 @@ class Session:
     def apply(self, event: dict[str, Any]) -> None:
         kind = event["kind"]
         if kind == "turn":
+            # A client that recovers (compacts, retries shorter) and is answered in full is not cut:
+            # the flag tells the end state. A turn the proxy cuts is followed by its own marker.
             self._apply_turn(event)
+            self.truncated = None
         elif kind == "truncated":
             self.truncated = self.truncated or event["reason"]
         elif kind == "closed":

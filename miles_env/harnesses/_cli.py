@@ -74,6 +74,7 @@ class CliPackage:
     # which counts virtual reservations: JIT runtimes reserve far more than they touch.
     memory_mb: int = 1024
     env: tuple[tuple[str, str], ...] = ()  # variables this pin needs in the sandbox
+    context_env: str | None = None  # variable that tells this pin the model's context window, if any
 
     def inner(self, rel: str = "") -> str:
         base = f"{INNER_ROOT}/{self.name}"
@@ -89,6 +90,10 @@ CLAUDE_CODE = CliPackage(
     "@anthropic-ai/claude-code",
     "2.1.332",
     "node_modules/@anthropic-ai/claude-code/bin/claude.exe",
+    # 2.1 reads it as the window of a model it does not know (ours): its auto-compaction threshold
+    # and its reaction to "prompt is too long" follow it. 2.0 has no such variable (its window is
+    # fixed per model; CLAUDE_AUTOCOMPACT_PCT_OVERRIDE is only a percentage of that).
+    context_env="CLAUDE_CODE_MAX_CONTEXT_TOKENS",
 )
 # The previous minor's newest patch. Claude Code 2.0 ships JavaScript (cli.js), not a native binary.
 # Node's WebAssembly trap handler reserves ~10 GB of address space per Wasm memory (Claude Code

@@ -8,7 +8,9 @@ off -> exit status and Claude Code's own JSON result into the metadata.
 Claude Code speaks Anthropic Messages (`POST {ANTHROPIC_BASE_URL}/v1/messages`),
 so it gets the session *root* URL; its tool calls (Bash, Write, ...) run in the
 sandbox because the CLI itself runs there. It runs as the sandbox's root user,
-hence IS_SANDBOX=1 with --dangerously-skip-permissions (no approval prompts).
+hence IS_SANDBOX=1 with --dangerously-skip-permissions (no approval prompts). It
+is told the session's context (CLAUDE_CODE_MAX_CONTEXT_TOKENS, 2.1), so that it
+compacts a long conversation instead of ending at the proxy's context refusal.
 """
 
 from __future__ import annotations
@@ -84,9 +86,16 @@ class ClaudeCodeHarness:
             "DISABLE_AUTOUPDATER": "1",
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
             "IS_SANDBOX": "1",
+            **self._context_env(endpoint),
             **dict(self.pin.env),
             **self.config.extra_env,
         }
+
+    def _context_env(self, endpoint: Endpoint) -> dict[str, str]:
+        """The session's max_context as this pin's context-window variable (when it has one)."""
+        if self.pin.context_env is None or endpoint.max_context is None:
+            return {}
+        return {self.pin.context_env: str(endpoint.max_context)}
 
     async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint) -> HarnessResult:
         t0 = time.time()

@@ -9,7 +9,9 @@ events into the metadata.
 Why a custom provider: Codex ignores OPENAI_BASE_URL and its built-in provider
 tries a WebSocket first; a custom provider speaks plain streamed Responses. Codex
 runs its shell tool (`exec_command`) in the sandbox because the CLI itself runs
-there; its own sandboxing is off (bwrap is the sandbox).
+there; its own sandboxing is off (bwrap is the sandbox). Long episodes: Codex is
+told the session's context (`model_context_window`, an auto-compaction limit below
+it) and keeps its own bounded retries; its multi-agent tools are off by default.
 """
 
 from __future__ import annotations
@@ -47,14 +49,40 @@ class CodexConfig(BaseModel):
     extra_config: str = Field(
         default="", description="TOML added to config.toml before its tables (top-level keys allowed)"
     )
+    retries: int = Field(
+        default=4, ge=0, le=10, description="Codex request_max_retries and stream_max_retries (5xx, drops)"
+    )
+    auto_compact: float = Field(
+        default=0.8,
+        gt=0,
+        le=1,
+        description="model_auto_compact_token_limit as a fraction of the session's max_context",
+    )
+    multi_agent: bool = Field(
+        default=False, description="offer Codex's multi-agent tools (a `namespace` TITO does not convert yet)"
+    )
 
 
 def _q(value: str) -> str:
     return json.dumps(value)  # a JSON string is a valid TOML basic string
 
 
-def codex_config_toml(base_url: str, model: str, extra: str = "") -> str:
-    """config.toml pointing Codex at `base_url` (…/v1) with the key in $TITO_API_KEY."""
+def codex_config_toml(
+    base_url: str,
+    model: str,
+    extra: str = "",
+    *,
+    context: int | None = None,
+    auto_compact: float = 0.8,
+    retries: int = 4,
+    multi_agent: bool = False,
+) -> str:
+    """config.toml pointing Codex at `base_url` (…/v1) with the key in $TITO_API_KEY.
+
+    `context` (the session's max_context) becomes `model_context_window`, and `auto_compact` of it
+    `model_auto_compact_token_limit`: Codex knows no window for an unknown model, so without them it
+    never compacts and a long episode ends at the proxy's context_length_exceeded.
+    """
     top = [
         f"model = {_q(model)}",
         'model_provider = "tito"',
@@ -62,6 +90,11 @@ def codex_config_toml(base_url: str, model: str, extra: str = "") -> str:
         'sandbox_mode = "danger-full-access"',
         "check_for_update_on_startup = false",
     ]
+    if context is not None:
+        top += [
+            f"model_context_window = {context}",
+            f"model_auto_compact_token_limit = {max(int(context * auto_compact), 1)}",
+        ]
     # `extra` goes before the first table so that its bare keys stay top-level keys.
     lines = (
         top
@@ -73,8 +106,11 @@ def codex_config_toml(base_url: str, model: str, extra: str = "") -> str:
             f"base_url = {_q(base_url)}",
             'wire_api = "responses"',
             f"env_key = {_q(KEY_VAR)}",
-            "request_max_retries = 0",
-            "stream_max_retries = 0",
+            f"request_max_retries = {retries}",  # a 502 (engine failure) or a dropped stream is retried
+            f"stream_max_retries = {retries}",
+            "",
+            "[features]",
+            f"multi_agent = {'true' if multi_agent else 'false'}",
             "",
             "[analytics]",
             "enabled = false",
@@ -154,7 +190,11 @@ class CodexHarness:
         mount_cli(sandbox, self.pin, install_dir)
         inner_v1 = await sandbox.expose(endpoint.base_url)
         await sandbox.exec(["mkdir", "-p", CODEX_HOME], timeout=30)
-        toml = codex_config_toml(inner_v1, endpoint.model, self.config.extra_config)
+        cfg = self.config
+        toml = codex_config_toml(
+            inner_v1, endpoint.model, cfg.extra_config, context=endpoint.max_context,
+            auto_compact=cfg.auto_compact, retries=cfg.retries, multi_agent=cfg.multi_agent,
+        )  # fmt: skip
         await sandbox.write_file(f"{CODEX_HOME}/config.toml", toml)
         prepared = time.time()
         env = {**self.env(endpoint), **self.config.extra_env}
