@@ -3,8 +3,11 @@
 Conversion: `system` (string or text blocks) and `role: "system"` messages become
 system messages; a user message's `tool_result` blocks become tool messages (in
 block order, text runs in between become user messages); an assistant message's
-text, `thinking` (ours: see wire.py) and `tool_use` blocks become one assistant
-message. `cache_control` is ignored everywhere, and so are the fields Claude
+text and `tool_use` blocks become one assistant message; `thinking` blocks are
+accepted and not rendered (reasoning is not part of a turn's identity: the stored ids
+already hold what was sampled). Reasoning the core split off a completion
+(tito/parsers) is answered as a `thinking` block whose `signature` is our exact-text
+codec (wire.py). `cache_control` is ignored everywhere, and so are the fields Claude
 Code adds (`context_management`, `output_config`, `metadata`, `thinking`).
 Identity: `tool_use.id` + the input as parsed JSON, so Claude Code's compact,
 re-ordered re-serialization of `tool_use.input` still stitches to the sampled ids.
@@ -22,7 +25,8 @@ from typing import Any, Literal
 
 from miles_env.tito.errors import ProxyError, bad_request
 from miles_env.tito.messages import ChatRequest, ChatResult, Message, ToolCall
-from miles_env.tito.wire import Items, decode_reasoning, encode_reasoning, split_reasoning, sse
+from miles_env.tito.parsers import reasoning_of
+from miles_env.tito.wire import Items, encode_reasoning, sse
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["MessagesRequest", "CountTokensRequest", "to_core", "message_body", "stream_events", "error_body"]
@@ -106,10 +110,10 @@ def _user(content: list[Block], where: str) -> list[Message]:
 
 
 def _assistant(content: list[Block], where: str) -> Message:
-    reasoning, texts, calls = "", [], []
+    texts, calls = [], []
     for j, b in enumerate(content):
         if b.type in ("thinking", "redacted_thinking"):
-            reasoning += decode_reasoning(b.signature) or ""  # thinking we did not produce is not rendered
+            continue  # not identity, not rendered: the stored ids hold what was sampled
         elif b.type == "text" and b.text is not None:
             texts.append(b.text)
         elif b.type == "tool_use" and b.id and b.name:
@@ -117,7 +121,7 @@ def _assistant(content: list[Block], where: str) -> Message:
             calls.append(ToolCall(b.id, b.name, args))
         else:
             raise bad_request(f"content block type {b.type!r} is not supported here", param=f"{where}[{j}]")
-    return Message("assistant", reasoning + "\n".join(texts), tuple(calls))
+    return Message("assistant", "\n".join(texts), tuple(calls))
 
 
 def core_messages(req: CountTokensRequest) -> list[Message]:
@@ -189,9 +193,10 @@ def _stop(result: ChatResult, stops: list[str] | None) -> tuple[str, str | None]
 
 def content_blocks(result: ChatResult) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
-    think, rest = split_reasoning(result.content or "")
+    think, rest = reasoning_of(result), result.content or ""
     if think is not None:
-        blocks.append({"type": "thinking", "thinking": think[1], "signature": encode_reasoning(think)})
+        sig = encode_reasoning((think.lead, think.text, think.trail))
+        blocks.append({"type": "thinking", "thinking": think.text, "signature": sig})
     if rest or not result.tool_calls:
         blocks.append({"type": "text", "text": rest})
     for c in result.tool_calls:

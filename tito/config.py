@@ -4,14 +4,16 @@
 may spend. A session's budget is the config default overridden field by field by
 the one given at `create_session`; `None` means unlimited. Request bodies are
 bounded per route (`max_body_bytes`, overridden by name in `route_body_bytes`) and
-in time (`body_timeout_s`).
+in time (`body_timeout_s`). `tool_parser` / `reasoning_parser` name the completion parsers
+(tito/parsers/); "auto" picks them from the chat template.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from miles_env.tito.parsers import check_name
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 __all__ = ["Budget", "TitoConfig", "Route"]
 
@@ -49,12 +51,20 @@ class TitoConfig(BaseModel):
     # "auto": the chat template's own `tools` support when it has one, else the text-action fallback
     tool_mode: Literal["auto", "template", "text"] = "auto"
     stop_token: str | None = "<|im_end|>"  # the end-of-turn token; falls back to tokenizer.eos_token
+    # completion parsers (tito/parsers/): "auto" reads the chat template's family markers
+    tool_parser: str = "auto"
+    reasoning_parser: str = "auto"
     # which branches `export` returns: every one, the one with most ids, or the newest
     branch_policy: Literal["all", "longest", "last"] = "all"
     # request bodies: bytes per route (a 413 in the route's dialect), and seconds to arrive (408)
     max_body_bytes: int = Field(16 * 2**20, ge=1024)
     route_body_bytes: dict[Route, int] = Field(default_factory=_route_defaults)
     body_timeout_s: float = Field(60.0, gt=0)
+
+    @field_validator("tool_parser", "reasoning_parser")
+    @classmethod
+    def _known_parser(cls, name: str, info: ValidationInfo) -> str:
+        return check_name(str(info.field_name), name)
 
     def body_limit(self, route: Route) -> int:
         return self.route_body_bytes.get(route, self.max_body_bytes)

@@ -4,6 +4,11 @@ Requests are validated with pydantic. Unknown top-level and message fields are
 ignored rather than forbidden: real clients send vendor fields (store, metadata,
 reasoning_effort, ...) that do not change what the policy sees. Content parts
 other than text are refused with a 400 naming the field.
+
+Reasoning the core split off a completion (tito/parsers) is returned as the message's
+`reasoning_content` (the vLLM / SGLang / DeepSeek convention), streamed as
+`reasoning_content` deltas before the content. It is not part of an assistant turn's
+identity, so a client that drops it (or sends it back) still stitches to the sampled ids.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any, Literal
 from miles_env.tito import strictjson
 from miles_env.tito.errors import bad_request
 from miles_env.tito.messages import ChatRequest, ChatResult, Message, ToolCall
+from miles_env.tito.parsers import reasoning_of
 from miles_env.tito.wire import Items
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -136,6 +142,9 @@ def new_completion_id() -> str:
 
 def completion_body(result: ChatResult, model: str) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": result.content}
+    reasoning = reasoning_of(result)
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning.text
     if result.tool_calls:
         message["tool_calls"] = _calls(result)
     return {
@@ -164,6 +173,10 @@ def stream_events(result: ChatResult, model: str, include_usage: bool, piece: in
         return f"data: {strictjson.dumps(body)}\n\n"
 
     yield chunk({"role": "assistant", "content": ""})
+    reasoning = reasoning_of(result)
+    thought = reasoning.text if reasoning is not None else ""
+    for i in range(0, len(thought), piece):
+        yield chunk({"reasoning_content": thought[i : i + piece]})
     content = result.content or ""
     for i in range(0, len(content), piece):
         yield chunk({"content": content[i : i + piece]})

@@ -9,9 +9,12 @@ message. Only `store: false`-style use is served: the full history is resent, an
 
 Identity: the reply's `msg_...` id is generated before the turn and stored with it
 as an alias, `function_call` items are known by `call_id` (+ canonical arguments),
-`fc_...` ids derive from the call id; reasoning comes back via `encrypted_content`
-(see wire.py). So Codex's history, resent as an exact byte prefix, stitches to the
-sampled ids. Unknown fields are ignored; unknown item types and non-text content
+`fc_...` ids derive from the call id. Reasoning the core split off a completion
+(tito/parsers) is a `reasoning` output item (summary = the reasoning text,
+`encrypted_content` = our exact-text codec, wire.py); it is not part of the turn's
+identity, so reasoning items sent back are accepted and not rendered (the stored ids
+already hold what was sampled). So Codex's history, resent as an exact byte prefix,
+stitches to the sampled ids. Unknown fields are ignored; unknown item types and non-text content
 parts are refused with a 400 naming the item.
 """
 
@@ -25,13 +28,12 @@ from typing import Annotated, Any, Literal
 
 from miles_env.tito.errors import bad_request
 from miles_env.tito.messages import ChatRequest, ChatResult, Message, ToolCall
+from miles_env.tito.parsers import reasoning_of
 from miles_env.tito.wire import (
     Items,
     custom_input,
     custom_tool_function,
-    decode_reasoning,
     encode_reasoning,
-    split_reasoning,
     sse,
 )
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -133,16 +135,15 @@ class _Assistant:
     """Collects a run of assistant-side items into one core message."""
 
     def __init__(self) -> None:
-        self.reasoning = ""
         self.text: str | None = None
         self.calls: list[ToolCall] = []
         self.id: str | None = None
 
     def empty(self) -> bool:
-        return self.text is None and not self.calls and not self.reasoning
+        return self.text is None and not self.calls
 
     def message(self) -> Message:
-        return Message("assistant", self.reasoning + (self.text or ""), tuple(self.calls), id=self.id)
+        return Message("assistant", self.text or "", tuple(self.calls), id=self.id)
 
 
 def _messages(req: ResponsesRequest) -> list[Message]:
@@ -158,10 +159,9 @@ def _messages(req: ResponsesRequest) -> list[Message]:
         group = _Assistant()
 
     for i, it in enumerate(req.input):
-        if isinstance(it, ReasoningItem):
+        if isinstance(it, ReasoningItem):  # not identity, not rendered: the stored ids hold what was sampled
             if group.text is not None or group.calls:
                 flush()
-            group.reasoning += decode_reasoning(it.encrypted_content) or ""  # foreign reasoning: not rendered
         elif isinstance(it, MessageItem) and it.role == "assistant":
             if group.text is not None or group.calls:
                 flush()
@@ -228,16 +228,16 @@ def to_core(req: ResponsesRequest) -> tuple[ChatRequest, frozenset[str]]:
 
 def output_items(result: ChatResult, reply_id: str, custom: frozenset[str]) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
-    think, rest = split_reasoning(result.content or "")
+    think, rest = reasoning_of(result), result.content or ""
     suffix = reply_id.removeprefix("msg_")
     if think is not None:
-        summary = [{"type": "summary_text", "text": think[1]}]
-        enc = encode_reasoning(think)
+        summary = [{"type": "summary_text", "text": think.text}]
+        enc = encode_reasoning((think.lead, think.text, think.trail))
         items.append(
             {"type": "reasoning", "id": "rs_" + suffix, "summary": summary, "encrypted_content": enc}
         )
     if rest or not result.tool_calls:
-        part = {"type": "output_text", "text": rest, "annotations": [], "logprobs": []}
+        part: dict[str, Any] = {"type": "output_text", "text": rest, "annotations": [], "logprobs": []}
         items.append(
             {"type": "message", "id": reply_id, "status": "completed", "role": "assistant", "content": [part]}
         )

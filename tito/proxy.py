@@ -47,11 +47,11 @@ from miles_env.tito.errors import (
     unauthorized,
 )
 from miles_env.tito.messages import ChatRequest, ChatResult, Message, digest
+from miles_env.tito.parsers import build_parsers
 from miles_env.tito.plan import Offload, Plan, PromptTooLong, full_prompt, make_plan, session_key, text_size
 from miles_env.tito.render import Renderer, TemplateRefused
 from miles_env.tito.session import Session, SessionInfo
 from miles_env.tito.store import Journal, load_sessions
-from miles_env.tito.toolparse import parse_tool_calls
 
 from miles_env.engines.base import Engine, EngineInfo, Generation, SamplingParams
 from miles_env.errors import EngineRefused
@@ -85,6 +85,7 @@ class TitoProxy:
         self.renderer = Renderer(
             tokenizer, tool_mode=self.config.tool_mode, stop_token=self.config.stop_token
         )
+        self.parsers = build_parsers(tokenizer, self.config.tool_parser, self.config.reasoning_parser)
         self._journal = Journal(Path(store_dir)) if store_dir is not None else None
         self._sessions: dict[str, Session] = {}
         if store_dir is not None:
@@ -259,9 +260,9 @@ class TitoProxy:
         out = list(gen.output_ids)
         body = out[:-1] if out and out[-1] in sampling.stop_token_ids else out
         text = self.renderer.decode(body)
-        content, calls = parse_tool_calls(text) if req.tools else (text, ())
-        finish = "tool_calls" if calls else gen.finish_reason
-        return ChatResult(text, content, calls, finish, 0, len(out), 0, -1)
+        p = self.parsers.parse(text, req.tools)  # reasoning split off, tool calls parsed (tito/parsers)
+        finish = "tool_calls" if p.tool_calls else gen.finish_reason
+        return ChatResult(text, p.content, p.tool_calls, finish, 0, len(out), 0, -1, p.meta())
 
     async def count_tokens(self, session_id: str, req: ChatRequest) -> int:
         """The prompt length a request would have, stitched as `chat` would; nothing is generated.
