@@ -10,16 +10,22 @@ A client that hangs up mid-body raises starlette's ClientDisconnect.
 
 `parse_json(raw)`: UTF-8 and strictjson.loads (no NaN, bounded depth and size, no
 lone surrogates); every failure is a 400 naming the place. CPU-bound on a large
-body: callers run it in a worker thread.
+body: callers run it in a worker thread. Fast path: pydantic-core's parser (Rust,
+~6x faster than `json`), which refuses NaN/Infinity, lone surrogates, invalid UTF-8
+and a BOM as strictjson does; what it accepts is walked once for what it does not
+bound (depth, value count, a literal overflowing to inf). Anything it refuses or
+the walk flags is parsed again by strictjson.loads, so result and error are strictjson's.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import anyio
 from miles_env.tito import strictjson
 from miles_env.tito.errors import ProxyError, bad_request, body_timeout, too_large
+from pydantic_core import from_json
 from starlette.requests import Request
 
 __all__ = ["read_body", "parse_json", "DRAIN_FACTOR"]
@@ -52,10 +58,41 @@ def _invalid(message: str) -> ProxyError:
     return bad_request(f"request body is not valid JSON: {message}", code="invalid_json")
 
 
+def _plain(data: Any) -> bool:
+    """Whether strictjson would accept `data` as parsed (depth, value count, finite floats)."""
+    stack: list[tuple[Any, int]] = [(data, 0)]
+    n = 0
+    while stack:
+        value, depth = stack.pop()
+        n += 1
+        kind = type(value)
+        if kind is dict:
+            value = value.values()
+        elif kind is not list:
+            if kind is float and not math.isfinite(value):
+                return False
+            continue
+        if depth >= strictjson.MAX_DEPTH - 1:
+            return False
+        stack.extend([(x, depth + 1) for x in value])
+    return n < strictjson.MAX_VALUES
+
+
 def parse_json(raw: bytes) -> Any:
     """The body as strict JSON (None when empty); a ProxyError 400 otherwise."""
     if not raw:
         return None
+    try:
+        data = from_json(raw, allow_inf_nan=False)
+    except ValueError:
+        pass  # strictjson words the refusal (or accepts what this parser does not)
+    else:
+        if _plain(data):
+            return data
+    return _strict(raw)
+
+
+def _strict(raw: bytes) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
