@@ -14,6 +14,7 @@ import anyio
 import typer
 
 from miles_env.errors import MilesEnvError
+from miles_env.http import loop_options
 from miles_env.jsonio import dumps, write_json
 from miles_env.types import Episode
 
@@ -107,7 +108,9 @@ def parse_opts(pairs: list[str] | None, flag: str) -> dict[str, Any]:
 
 def eval_command(
     env: Annotated[str, typer.Option("--env", help="environment name (see `miles-env env list`)")],
-    harness: Annotated[str, typer.Option(help="builtin | claude-code | codex | opencode | mini-swe-agent | framework")] = "builtin",
+    harness: Annotated[
+        str, typer.Option(help="builtin | claude-code | codex | opencode | mini-swe-agent | framework")
+    ] = "builtin",
     split: Annotated[str, typer.Option(help="task split")] = "test",
     n: Annotated[int | None, typer.Option("--n", help="number of tasks (default: all in the split)")] = None,
     rollouts: Annotated[int, typer.Option("--rollouts", "-r", help="episodes per task")] = 1,
@@ -141,9 +144,8 @@ def eval_command(
         harness_cfg["max_turns"] = max_turns
     if temperature is not None:
         harness_cfg["temperature"] = temperature
-    summary = anyio.run(
-        _run, env, harness, split, n, rollouts, concurrency, engine_cfg, harness_cfg, sandbox, out
-    )
+    args = (env, harness, split, n, rollouts, concurrency, engine_cfg, harness_cfg, sandbox, out)
+    summary = anyio.run(_run, *args, backend_options=loop_options())  # the in-process proxy on uvloop
     if as_json:
         typer.echo(dumps(summary))
         return

@@ -21,11 +21,12 @@ def train_command(
     from rich.console import Console
 
     from miles_env.config import load_config
+    from miles_env.http import loop_options
     from miles_env.train import run_training
 
     console = Console()
     cfg = load_config(config, overrides or [])
-    summary = anyio.run(run_training, cfg, console)
+    summary = anyio.run(run_training, cfg, console, backend_options=loop_options())  # the proxy on uvloop
     if "rank" in summary:  # a torchrun follower (trainer/ranks.py)
         console.print(f"rank {summary['rank']}: made {summary['trainer_calls']} trainer calls with rank 0")
         return
