@@ -1,0 +1,281 @@
+"""Model families end to end: each family's chat template (tests/templates/, written from the model's
+public template) over SmolLM2's vocabulary plus the family's special tokens, a scripted policy that
+emits the family's native tool-call (and reasoning) format non-canonically, and a three-turn session
+in all three dialects through the official `openai` / `anthropic` clients. Every sampled id must be
+stored exactly with mask 1, the engine must have been fed the stored prefix, and `tito audit` is clean.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from anthropic import AsyncAnthropic
+from miles_env.tito import audit
+from tokenizers import AddedToken
+
+from miles_env.engines.scripted import ScriptedEngine
+from miles_env.models import load_tokenizer
+from tests.test_tito_support import TOOLS, Served, check_fidelity, served
+
+pytestmark = pytest.mark.anyio
+
+TEMPLATES = Path(__file__).parent / "templates"
+SYSTEM = "You are terse."
+FILES = "a.txt\nb.txt"
+ANSWER = "There are two files."
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # the template file
+    parser: str  # the tool parser `detect` must pick from it
+    specials: tuple[str, ...]
+    stop: str
+    call: str  # turn 1: (reasoning) + a native `bash {"command": "ls -la"}` call, odd spacing and order
+    answer: str  # turn 2: (reasoning) + ANSWER
+    bye: str  # turn 3
+    thoughts: tuple[str | None, str | None] = (None, None)  # the reasoning of turns 1 and 2
+    one_branch: bool = True  # whether every request extends the stored history
+
+    def tokenizer(self) -> Any:
+        tok = load_tokenizer()
+        tok.add_tokens([AddedToken(t, special=True) for t in self.specials], special_tokens=True)
+        tok.chat_template = (TEMPLATES / f"{self.name}.jinja").read_text()
+        return tok
+
+
+QWEN_TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+FAMILIES = [
+    Family(
+        "qwen3",  # hermes JSON + <think>; the template drops reasoning before the last user query
+        "hermes",
+        QWEN_TAGS,
+        "<|im_end|>",
+        '<think>\nI should list the files.\n</think>\n\n<tool_call>\n{"arguments":  {"command": "ls -la"}, '
+        '"name": "bash"}\n</tool_call>',
+        f"<think>\nTwo names.\n</think>\n\n{ANSWER}",
+        "<think>\n\n</think>\n\nBye.",
+        ("\nI should list the files.\n", "\nTwo names.\n"),
+        one_branch=False,
+    ),
+    Family(
+        "qwen3_coder",
+        "qwen3_coder",
+        QWEN_TAGS,
+        "<|im_end|>",
+        "I'll look.\n<tool_call>\n<function=bash>\n\n<parameter=command>\nls -la\n</parameter>  \n</function>\n"
+        "</tool_call>",
+        ANSWER,
+        "Bye.",
+    ),
+    Family(
+        "glm45",
+        "glm45",
+        (
+            "[gMASK]",
+            "<sop>",
+            "<|system|>",
+            "<|user|>",
+            "<|assistant|>",
+            "<|observation|>",
+            "<arg_key>",
+            "</arg_key>",
+            "<arg_value>",
+            "</arg_value>",
+            *QWEN_TAGS,
+        ),
+        "<|endoftext|>",  # GLM ends turns on <|user|> / <|observation|>: see tito/README.md (Model families)
+        "\n<think>I should list the files.</think>\n<tool_call>bash\n<arg_key> command</arg_key>  "
+        "<arg_value>ls -la</arg_value>\n</tool_call>",
+        f"\n<think>Two names.</think>\n{ANSWER}",
+        "\n<think></think>\nBye.",
+        ("I should list the files.", "Two names."),
+    ),
+    Family(
+        "llama3",
+        "llama3_json",
+        ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"),
+        "<|eot_id|>",
+        '<|python_tag|>{"parameters": {"command": "ls -la"},  "name": "bash"}',
+        ANSWER,
+        "Bye.",
+    ),
+    Family(
+        "kimi_k2",
+        "kimi_k2",
+        (
+            "<|im_system|>",
+            "<|im_user|>",
+            "<|im_assistant|>",
+            "<|im_middle|>",
+            "<|tool_calls_section_begin|>",
+            "<|tool_calls_section_end|>",
+            "<|tool_call_begin|>",
+            "<|tool_call_argument_begin|>",
+            "<|tool_call_end|>",
+        ),
+        "<|im_end|>",
+        "Let me look.<|tool_calls_section_begin|>\n<|tool_call_begin|> functions.bash:0 "
+        '<|tool_call_argument_begin|>{ "command":"ls -la" }<|tool_call_end|>\n<|tool_calls_section_end|>',
+        ANSWER,
+        "Bye.",
+    ),
+    Family(
+        "deepseek_v31",
+        "deepseek_v31",
+        (
+            "<｜User｜>",
+            "<｜Assistant｜>",
+            "<｜end▁of▁sentence｜>",
+            "<｜tool▁calls▁begin｜>",
+            "<｜tool▁calls▁end｜>",
+            "<｜tool▁call▁begin｜>",
+            "<｜tool▁call▁end｜>",
+            "<｜tool▁sep｜>",
+            "<｜tool▁output▁begin｜>",
+            "<｜tool▁output▁end｜>",
+            "<think>",
+            "</think>",
+        ),
+        "<｜end▁of▁sentence｜>",
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜> bash<｜tool▁sep｜>{\n  "command": "ls -la"\n}'
+        "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        ANSWER,
+        "Bye.",
+    ),
+]
+ANTHROPIC_TOOLS = [
+    {"name": t["function"]["name"], "description": "Run", "input_schema": t["function"]["parameters"]}
+    for t in TOOLS
+]
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+# One turn as the test saw it: (reasoning shown in the dialect's own field, text, tool calls as (name, args)).
+Turn = tuple[str | None, str | None, list[tuple[str, dict[str, Any]]]]
+
+
+async def chat(s: Served, sid: str) -> list[Turn]:
+    c = s.client(sid)
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "list files"},
+    ]
+    turns: list[Turn] = []
+    for follow in ("tool", "user", None):
+        r = await c.chat.completions.create(model="policy", messages=msgs, tools=TOOLS)
+        m = r.choices[0].message
+        calls = [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls or []]
+        turns.append((getattr(m, "reasoning_content", None), m.content, calls))
+        back = m.model_dump(exclude_none=True)
+        if follow == "user":
+            back.pop("reasoning_content", None)  # a client that drops reasoning still stitches
+        msgs.append(back)
+        if follow == "tool":
+            msgs.append({"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": FILES})
+        elif follow == "user":
+            msgs.append({"role": "user", "content": "thanks"})
+    return turns
+
+
+async def responses(s: Served, sid: str) -> list[Turn]:
+    c = s.client(sid)
+    items: list[Any] = [{"role": "user", "content": "list files"}]
+    turns: list[Turn] = []
+    for follow in ("tool", "user", None):
+        r = await c.responses.create(model="policy", instructions=SYSTEM, input=items, tools=RESPONSES_TOOLS)
+        think = next((o.summary[0].text for o in r.output if o.type == "reasoning"), None)
+        fcs = [o for o in r.output if o.type == "function_call"]
+        text = "".join(
+            p.text for o in r.output if o.type == "message" for p in o.content if p.type == "output_text"
+        )
+        turns.append((think, text or None, [(f.name, json.loads(f.arguments)) for f in fcs]))
+        items += [o.model_dump(exclude_none=True) for o in r.output]
+        if follow == "tool":
+            items.append({"type": "function_call_output", "call_id": fcs[0].call_id, "output": FILES})
+        elif follow == "user":
+            items.append({"role": "user", "content": "thanks"})
+    return turns
+
+
+async def anthropic(s: Served, sid: str) -> list[Turn]:
+    ep = s.proxy.endpoint(sid, s.url)
+    a = AsyncAnthropic(base_url=ep.base_url.removesuffix("/v1"), api_key=ep.api_key, max_retries=0)
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "list files"}]
+    turns: list[Turn] = []
+    try:
+        for follow in ("tool", "user", None):
+            r = await a.messages.create(
+                model="policy", max_tokens=512, system=SYSTEM, messages=msgs, tools=ANTHROPIC_TOOLS
+            )
+            think = next((b.thinking for b in r.content if b.type == "thinking"), None)
+            uses = [b for b in r.content if b.type == "tool_use"]
+            text = "".join(b.text for b in r.content if b.type == "text")
+            turns.append((think, text or None, [(u.name, dict(u.input)) for u in uses]))
+            msgs.append(
+                {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]}
+            )
+            if follow == "tool":
+                result = {"type": "tool_result", "tool_use_id": uses[0].id, "content": FILES}
+                msgs.append({"role": "user", "content": [result]})
+            elif follow == "user":
+                msgs.append({"role": "user", "content": "thanks"})
+    finally:
+        await a.close()
+    return turns
+
+
+DIALECTS = {"chat": chat, "responses": responses, "anthropic": anthropic}
+
+
+@pytest.mark.parametrize("dialect", sorted(DIALECTS))
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+async def test_three_turn_session_is_token_exact(family: Family, dialect: str, tmp_path: Path) -> None:
+    tok = family.tokenizer()
+    engine = ScriptedEngine(tok, [family.call, family.answer, family.bye], stop_token=family.stop)
+    async with served(tok, engine, store_dir=tmp_path, stop_token=family.stop) as s:
+        assert (s.proxy.parsers.tool, s.proxy.parsers.reasoning) == (family.parser, "think")
+        h = s.proxy.create_session()
+        turns = await DIALECTS[dialect](s, h.session_id)
+        trajs = s.proxy.export(h.session_id)
+    (think1, _, calls1), (think2, text2, calls2), (_, text3, _) = turns
+    assert calls1 == [("bash", {"command": "ls -la"})]
+    assert (think1, think2) == family.thoughts
+    assert text2 == ANSWER and calls2 == [] and text3 == "Bye."
+    check_fidelity(trajs, engine, h.session_id)  # every sampled id stored exactly once, mask 1
+    assert audit(tmp_path).ok
+    if family.one_branch:
+        assert_one_stitched_branch(trajs, engine)
+
+
+def assert_one_stitched_branch(trajs: list[Any], engine: ScriptedEngine) -> None:
+    assert len(trajs) == 1  # every request extended the stored ids, sampled reasoning included
+    t = trajs[0]
+    for call, turn in zip(engine.calls, t.turns, strict=True):
+        assert list(call.input_ids) == t.token_ids[: turn.start]  # the engine was fed the stored prefix
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="render.py: render_suffix compares render(anchor + tail) with render(anchor), and Qwen3 renders "
+    "the anchor reply differently once a message follows it (no empty <think> block), so every turn is "
+    "re-rendered on a new branch; see tito/README.md (Model families) for the change that fixes it",
+)
+@pytest.mark.parametrize("dialect", sorted(DIALECTS))
+async def test_a_template_that_drops_earlier_reasoning_still_stitches(dialect: str) -> None:
+    family = next(f for f in FAMILIES if f.name == "qwen3")
+    tok = family.tokenizer()
+    engine = ScriptedEngine(tok, [family.call, family.answer, family.bye], stop_token=family.stop)
+    async with served(tok, engine, stop_token=family.stop) as s:
+        h = s.proxy.create_session()
+        await DIALECTS[dialect](s, h.session_id)
+        trajs = s.proxy.export(h.session_id)
+    assert_one_stitched_branch(trajs, engine)
