@@ -11,6 +11,7 @@ by the policy, the task passed, every sampled token in exactly one exported samp
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +21,14 @@ from miles_env.tito.config import Budget
 from miles_env.tito.errors import ProxyError
 from miles_env.tito.messages import ChatRequest, Message
 
-from miles_env.engines.scripted import ScriptedEngine
+from miles_env.engines.scripted import PolicyRule, ScriptedEngine, ScriptedPolicy
 from miles_env.harness import Endpoint
 from miles_env.harnesses import get_harness
-from miles_env.harnesses._cli import TESTED
+from miles_env.harnesses._cli import CLAUDE_CODE, CODEX, TESTED
 from miles_env.harnesses.codex import codex_config_toml
 from miles_env.models import load_tokenizer
+from miles_env.types import Episode, Status
+from tests.test_harness_claude_code import check_exact, require_cli, run_one
 
 pytestmark = pytest.mark.anyio
 
@@ -86,3 +89,87 @@ def test_claude_code_21_is_told_the_context_20_has_no_variable_for_it() -> None:
     )
     unknown = Endpoint("http://h/s/x/v1", "k", "x", "policy", "http://h/s/x")
     assert "CLAUDE_CODE_MAX_CONTEXT_TOKENS" not in get_harness("claude-code").env("http://h/s/x", unknown)
+
+
+# The CLIs' own compaction requests (the summarization instruction ends the prompt).
+COMPACTION = (
+    "You are performing a CONTEXT CHECKPOINT COMPACTION",  # Codex
+    "Your task is to create a detailed summary of the conversation so far",  # Claude Code
+)
+SUMMARY = "first.txt holds alpha; what remains: write second.txt as the content of first.txt plus ' beta'."
+
+
+class CompactingEngine(ScriptedEngine):
+    """The scripted policy for the agent's turns; a summary (Claude Code wants it in <summary> tags)
+    for the CLI's compaction requests, which do not advance the policy."""
+
+    def _next_ids(self, session_id: str | None, input_ids: Sequence[int] = ()) -> list[int]:
+        if is_compaction(self.tokenizer.decode(list(input_ids[-1500:]))):
+            return self._encode_reply(f"<analysis>Two steps.</analysis>\n<summary>{SUMMARY}</summary>")
+        return super()._next_ids(session_id, input_ids)
+
+
+def is_compaction(prompt_tail: str) -> bool:
+    return any(mark in prompt_tail for mark in COMPACTION)
+
+
+def long_policy(*outputs: int) -> ScriptedPolicy:
+    """Tool outputs of `seq 1 N` (one token per character with this tokenizer) fill the context."""
+    first, *more = outputs
+    return ScriptedPolicy(
+        (
+            PolicyRule(
+                "first.txt",
+                (
+                    {"shell": f"seq 1 {first}; echo alpha > first.txt"},
+                    *({"shell": f"seq 1 {n}"} for n in more),
+                    {"shell": 'echo "$(cat first.txt) beta" > second.txt'},
+                    "Both files are written.",
+                ),
+            ),
+        )
+    )
+
+
+def check_compacted(ep: Episode, engine: CompactingEngine, store: Path, limit: int) -> int:
+    """Passed after at least one compaction; every turn fit; exact tokens, clean audit. -> compactions."""
+    assert ep.status is Status.COMPLETED, (ep.error, ep.metadata["harness"])
+    assert ep.reward is not None and ep.reward.passed, ep.reward
+    prompts = [engine.tokenizer.decode(list(c.input_ids)) for c in engine.calls]
+    tails = [engine.tokenizer.decode(list(c.input_ids[-1500:])) for c in engine.calls]
+    compactions = [i for i, tail in enumerate(tails) if is_compaction(tail)]
+    assert compactions, [len(c.input_ids) for c in engine.calls]
+    # After the first compaction the CLI goes on from the summary, on a new, shorter history.
+    after = [p for i, p in enumerate(prompts) if i > compactions[0] and i not in compactions]
+    assert after and any(SUMMARY in p for p in after)
+    assert all(len(c.input_ids) + len(c.generation.output_ids) <= limit for c in engine.calls)
+    check_exact(ep, engine, store)  # every sampled token in exactly one exported sample
+    return len(compactions)
+
+
+@pytest.mark.slow
+async def test_codex_compacts_before_the_context_overflows(tok: Any, tmp_path: Path) -> None:
+    """Codex is told the window (12k) and compacts at 80% of it. Without it, the 4k-token output
+    below takes the next request past 12k and Codex ends at the proxy's context_length_exceeded:
+    Codex 0.171 does not compact on that error ("Codex ran out of room in the model's context
+    window"), so telling it the window is what keeps a long episode alive."""
+    require_cli(CODEX)
+    limit = 12000  # the first prompt is ~6.3k tokens
+    engine = CompactingEngine(tok, policy=long_policy(1000), max_context=limit)
+    ep = await run_one("codex", engine, tmp_path / "store", budget_s=240)
+    assert check_compacted(ep, engine, tmp_path / "store", limit) == 1
+    assert ep.metadata["transcript"][-1] == {"role": "assistant", "content": "Both files are written."}
+
+
+@pytest.mark.slow
+async def test_claude_code_compacts_before_the_context_overflows(tok: Any, tmp_path: Path) -> None:
+    """Claude Code 2.1 is told the window (CLAUDE_CODE_MAX_CONTEXT_TOKENS=32k, 2k-token replies):
+    it compacts as the tool outputs grow (~7k, then ~24k tokens) and finishes the task."""
+    require_cli(CLAUDE_CODE)
+    limit = 32000  # the first prompt is ~3.2k tokens with the Bash tool only
+    engine = CompactingEngine(tok, policy=long_policy(1600, 5000), max_context=limit)
+    ep = await run_one(
+        "claude-code", engine, tmp_path / "store", budget_s=240, tools="Bash", output_tokens=2000
+    )
+    assert check_compacted(ep, engine, tmp_path / "store", limit) >= 1
+    assert ep.metadata["harness"]["output"]["result"] == "Both files are written."

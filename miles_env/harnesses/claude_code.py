@@ -50,6 +50,12 @@ class ClaudeCodeConfig(BaseModel):
     tools: str | None = Field(
         default=None, description="Claude Code --tools (built-in tools offered, e.g. 'Bash'); None = all"
     )
+    output_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="CLAUDE_CODE_MAX_OUTPUT_TOKENS: also the share of the context Claude Code keeps free "
+        "for a reply (up to 20k): set it for a small max_context, or it compacts early or refuses to send",
+    )
     binary: str | None = Field(
         default=None, description="inner path of the executable (fault injection); None = pinned"
     )
@@ -92,10 +98,14 @@ class ClaudeCodeHarness:
         }
 
     def _context_env(self, endpoint: Endpoint) -> dict[str, str]:
-        """The session's max_context as this pin's context-window variable (when it has one)."""
-        if self.pin.context_env is None or endpoint.max_context is None:
-            return {}
-        return {self.pin.context_env: str(endpoint.max_context)}
+        """The session's max_context as this pin's context-window variable (when it has one), and
+        the reply size when configured: Claude Code sizes its compaction threshold from both."""
+        env = {}
+        if self.pin.context_env is not None and endpoint.max_context is not None:
+            env[self.pin.context_env] = str(endpoint.max_context)
+        if self.config.output_tokens is not None:
+            env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(self.config.output_tokens)
+        return env
 
     async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint) -> HarnessResult:
         t0 = time.time()
