@@ -28,7 +28,7 @@ from miles_env.harnesses._cli import CLAUDE_CODE, CODEX, TESTED
 from miles_env.harnesses.codex import codex_config_toml
 from miles_env.models import load_tokenizer
 from miles_env.types import Episode, Status
-from tests.test_harness_claude_code import check_exact, require_cli, run_one
+from tests.test_harness_claude_code import TWO_STEP_POLICY, check_exact, require_cli, run_one
 
 pytestmark = pytest.mark.anyio
 
@@ -173,3 +173,32 @@ async def test_claude_code_compacts_before_the_context_overflows(tok: Any, tmp_p
     )
     assert check_compacted(ep, engine, tmp_path / "store", limit) >= 1
     assert ep.metadata["harness"]["output"]["result"] == "Both files are written."
+
+
+class FlakyEngine(ScriptedEngine):
+    """Fails its `fail_at`-th generation once (a transient error: the proxy answers 502)."""
+
+    def __init__(self, *args: Any, fail_at: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fail_at, self.attempts = fail_at, 0
+
+    async def generate(
+        self, input_ids: Sequence[int], sampling: Any, *, session_id: str | None = None
+    ) -> Any:
+        self.attempts += 1
+        if self.attempts == self.fail_at:
+            raise RuntimeError("injected engine failure")
+        return await super().generate(input_ids, sampling, session_id=session_id)
+
+
+@pytest.mark.slow
+async def test_codex_retries_a_transient_engine_failure(tok: Any, tmp_path: Path) -> None:
+    """The engine fails the second turn once: Codex retries it (its own bounded retries) and the
+    episode passes, with the retried turn stored once."""
+    require_cli(CODEX)
+    engine = FlakyEngine(tok, policy=TWO_STEP_POLICY, max_context=1 << 20, fail_at=2)
+    ep = await run_one("codex", engine, tmp_path / "store", budget_s=150)
+    assert ep.status is Status.COMPLETED, (ep.error, ep.metadata["harness"])
+    assert ep.reward is not None and ep.reward.passed, ep.reward
+    assert engine.attempts == 4 and len(engine.generations) == 3
+    check_exact(ep, engine, tmp_path / "store")
