@@ -12,7 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from miles_env.tito import TitoConfig, TitoProxy, messages
+from miles_env.tito.config import Budget
 from miles_env.tito.messages import ChatRequest, Message, ToolCall, message_key, message_key_v1
+from miles_env.tito.plan import Seen, request_keys, session_key
+from miles_env.tito.session import Session
 
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.models import load_tokenizer
@@ -114,3 +117,21 @@ async def test_small_requests_are_planned_in_line_and_large_ones_in_a_thread(tok
         big = proxy.create_session()  # 200K characters of history: hashed off the loop
         await _turn(proxy, big.session_id, [Message("user", "word " * 40_000)], "go")
         assert len(hops) == 2
+
+
+def test_keys_reused_from_the_previous_request_are_the_keys_themselves() -> None:
+    s = Session("sid", "key", {}, Budget(), 0.0)
+    first = ChatRequest((Message("system", "be brief"), Message("user", "hi"), Message("assistant", "hello")))
+    seen = Seen(first.messages, request_keys(s, first), session_key(s))
+    edited = (
+        Message("system", "be brief"),
+        Message("user", "hi!"),
+        Message("assistant", "hello"),
+        Message("user", "go"),
+    )
+    s.aliases["msg_1"] = "k-alias"
+    with_id = (*edited[:2], Message("assistant", "hello", id="msg_1"), edited[3])
+    for msgs in (first.messages, edited, edited[:1], with_id, (*edited, *edited)):
+        req = ChatRequest(msgs)
+        assert request_keys(s, req, seen) == request_keys(s, req)
+    assert request_keys(s, ChatRequest(with_id), seen)[2] == "k-alias"

@@ -23,7 +23,16 @@ from miles_env.tito.messages import ChatRequest, Message, key_function, tools_ke
 from miles_env.tito.render import Renderer
 from miles_env.tito.session import Branch, Session
 
-__all__ = ["Plan", "PromptTooLong", "Offload", "make_plan", "full_prompt", "request_keys", "text_size"]
+__all__ = [
+    "Plan",
+    "PromptTooLong",
+    "Offload",
+    "Seen",
+    "make_plan",
+    "full_prompt",
+    "request_keys",
+    "text_size",
+]
 
 
 class PromptTooLong(Exception):
@@ -62,9 +71,31 @@ def session_key(s: Session) -> Callable[[Message], str]:
     return key_function(s.branches[0].keys[0] if s.branches and s.branches[0].keys else None)
 
 
-def request_keys(s: Session, req: ChatRequest) -> list[str]:
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """A session's previous request: its messages and their keys, by place."""
+
+    messages: tuple[Message, ...]
+    keys: list[str]
+    key: Callable[[Message], str]  # the scheme they were computed with
+
+
+def request_keys(s: Session, req: ChatRequest, seen: Seen | None = None) -> list[str]:
+    """The keys of the request's messages (an alias the proxy handed out first). A message equal to the
+    one at its place in `seen` reuses that key: an agent resends its whole history every turn, and
+    comparing it (memcmp) costs a fraction of hashing it."""
     alias, key = s.aliases, session_key(s)
-    return [alias[m.id] if m.id is not None and m.id in alias else key(m) for m in req.messages]
+    old, old_keys = (seen.messages, seen.keys) if seen is not None and seen.key is key else ((), [])
+    n_old = len(old)
+    out: list[str] = []
+    for i, m in enumerate(req.messages):
+        if m.id is not None and m.id in alias:
+            out.append(alias[m.id])
+        elif i < n_old and old[i] == m:
+            out.append(old_keys[i])
+        else:
+            out.append(key(m))
+    return out
 
 
 def _ended(r: Renderer, b: Branch, n_ids: int) -> bool:
@@ -72,18 +103,31 @@ def _ended(r: Renderer, b: Branch, n_ids: int) -> bool:
 
 
 class Offload(Exception):
-    """Planning in-line would render and tokenize more than `inline_chars`: redo it in a thread.
-
-    Carries the keys already computed, so the thread does not hash the messages again."""
-
-    def __init__(self, keys: list[str]) -> None:
-        super().__init__()
-        self.keys = keys
+    """Planning in-line would render and tokenize more than `inline_chars`: redo it in a thread."""
 
 
 def text_size(messages: Sequence[Message]) -> int:
     """Characters of the messages' texts (content, tool-call arguments): what rendering costs."""
     return sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in messages)
+
+
+def within(obj: Any, budget: int) -> bool:
+    """Whether parsed JSON `obj` holds at most `budget` characters and values (stops once over)."""
+    stack, n = [obj], 0
+    while stack:
+        v = stack.pop()
+        n += 1
+        kind = type(v)
+        if kind is str:
+            n += len(v)
+        elif kind is dict:
+            n += sum(len(k) for k in v)
+            stack.extend(v.values())
+        elif kind is list or kind is tuple:
+            stack.extend(v)
+        if n > budget:
+            return False
+    return True
 
 
 def make_plan(
@@ -101,7 +145,7 @@ def make_plan(
 
     def check(messages: Sequence[Message]) -> None:
         if inline_chars is not None and text_size(messages) > inline_chars:
-            raise Offload(keys)
+            raise Offload
 
     for b in reversed(s.branches):
         n = len(b.keys)

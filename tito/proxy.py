@@ -48,7 +48,18 @@ from miles_env.tito.errors import (
 )
 from miles_env.tito.messages import ChatRequest, ChatResult, Message, digest
 from miles_env.tito.parsers import build_parsers
-from miles_env.tito.plan import Offload, Plan, PromptTooLong, full_prompt, make_plan, session_key, text_size
+from miles_env.tito.plan import (
+    Offload,
+    Plan,
+    PromptTooLong,
+    Seen,
+    full_prompt,
+    make_plan,
+    request_keys,
+    session_key,
+    text_size,
+    within,
+)
 from miles_env.tito.render import Renderer, TemplateRefused
 from miles_env.tito.session import Session, SessionInfo
 from miles_env.tito.store import Journal, load_sessions
@@ -91,6 +102,10 @@ class TitoProxy:
         if store_dir is not None:
             self._sessions = {k: s for k, s in load_sessions(Path(store_dir)).items() if not s.closed}
         self._info: EngineInfo | None = None
+        # session id -> its last small request's messages and keys (plan.Seen): the next request
+        # compares its resent history instead of hashing it; at most ~_INLINE_KEY_CHARS of text
+        # each, a fraction of the memory of the session's own ids
+        self._seen: dict[str, Seen] = {}
 
     # -- sessions -----------------------------------------------------------------------------------
     def create_session(
@@ -133,6 +148,7 @@ class TitoProxy:
         s = self._sessions.pop(session_id, None)
         if s is None:
             raise not_found(f"session {session_id!r} does not exist")
+        self._seen.pop(session_id, None)
         s.apply({"kind": "closed"})
         if self._journal is not None:
             self._journal.append(session_id, {"kind": "closed"})
@@ -209,12 +225,18 @@ class TitoProxy:
         otherwise, or as soon as planning finds more to render, in a worker thread."""
         _require_messages(req)
         keys = None
-        if text_size(req.messages) <= _INLINE_KEY_CHARS and _within(req.tools, _INLINE_KEY_CHARS):
+        if text_size(req.messages) <= _INLINE_KEY_CHARS and within(req.tools, _INLINE_KEY_CHARS):
+            keys = request_keys(s, req, self._seen.get(s.id))
+            self._seen[s.id] = Seen(req.messages, keys, session_key(s))
             try:
                 with self._refusals(s, mark):
-                    return make_plan(s, req, self.renderer, limit, inline_chars=_INLINE_RENDER_CHARS)
-            except Offload as o:
-                keys = o.keys
+                    return make_plan(
+                        s, req, self.renderer, limit, keys=keys, inline_chars=_INLINE_RENDER_CHARS
+                    )
+            except Offload:
+                pass
+        else:
+            self._seen.pop(s.id, None)  # a large request is hashed in full, and not kept
         return await self._off_loop(s, lambda: make_plan(s, req, self.renderer, limit, keys=keys), mark=mark)
 
     def _max_new(
@@ -373,25 +395,6 @@ class TitoProxy:
 
 def _same(result: ChatResult) -> ChatResult:
     return result
-
-
-def _within(obj: Any, budget: int) -> bool:
-    """Whether parsed JSON `obj` holds at most `budget` characters and values (stops once over)."""
-    stack, n = [obj], 0
-    while stack:
-        v = stack.pop()
-        n += 1
-        kind = type(v)
-        if kind is str:
-            n += len(v)
-        elif kind is dict:
-            n += sum(len(k) for k in v)
-            stack.extend(v.values())
-        elif kind is list or kind is tuple:
-            stack.extend(v)
-        if n > budget:
-            return False
-    return True
 
 
 def _require_messages(req: ChatRequest) -> None:
