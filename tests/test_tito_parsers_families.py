@@ -45,6 +45,7 @@ class Family:
     bye: str  # turn 3
     thoughts: tuple[str | None, str | None] = (None, None)  # the reasoning of turns 1 and 2
     one_branch: bool = True  # whether every request extends the stored history
+    reasoning: str = "think"  # the reasoning parser `detect` must pick
 
     def tokenizer(self) -> Any:
         tok = load_tokenizer()
@@ -66,6 +67,19 @@ FAMILIES = [
         "<think>\n\n</think>\n\nBye.",
         ("\nI should list the files.\n", "\nTwo names.\n"),
         one_branch=False,
+    ),
+    Family(
+        "qwen3_thinking_2507",  # the prompt opens <think>: the completion only closes it
+        "hermes",
+        QWEN_TAGS,
+        "<|im_end|>",
+        'I should list the files.\n</think>\n\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la"}}'
+        "\n</tool_call>",
+        f"Two names.\n</think>\n\n{ANSWER}",
+        "Nothing to do.\n</think>\n\nBye.",
+        ("I should list the files.\n", "Two names.\n"),
+        one_branch=False,
+        reasoning="think_opened",
     ),
     Family(
         "qwen3_coder",
@@ -242,7 +256,7 @@ async def test_three_turn_session_is_token_exact(family: Family, dialect: str, t
     tok = family.tokenizer()
     engine = ScriptedEngine(tok, [family.call, family.answer, family.bye], stop_token=family.stop)
     async with served(tok, engine, store_dir=tmp_path, stop_token=family.stop) as s:
-        assert (s.proxy.parsers.tool, s.proxy.parsers.reasoning) == (family.parser, "think")
+        assert (s.proxy.parsers.tool, s.proxy.parsers.reasoning) == (family.parser, family.reasoning)
         h = s.proxy.create_session()
         turns = await DIALECTS[dialect](s, h.session_id)
         trajs = s.proxy.export(h.session_id)
@@ -279,3 +293,19 @@ async def test_a_template_that_drops_earlier_reasoning_still_stitches(dialect: s
         await DIALECTS[dialect](s, h.session_id)
         trajs = s.proxy.export(h.session_id)
     assert_one_stitched_branch(trajs, engine)
+
+
+async def test_chat_streams_reasoning_as_reasoning_content_deltas() -> None:
+    family = next(f for f in FAMILIES if f.name == "glm45")
+    tok = family.tokenizer()
+    engine = ScriptedEngine(tok, [family.answer], stop_token=family.stop)
+    async with served(tok, engine, stop_token=family.stop) as s:
+        c = s.client(s.proxy.create_session().session_id)
+        msgs = [{"role": "user", "content": "list files"}]
+        stream = await c.chat.completions.create(model="policy", messages=msgs, stream=True)
+        thought, content = "", ""
+        async for ev in stream:
+            for ch in ev.choices:
+                thought += getattr(ch.delta, "reasoning_content", None) or ""
+                content += ch.delta.content or ""
+    assert (thought, content) == ("Two names.", ANSWER)
