@@ -145,6 +145,9 @@ def test_detect_a_prompt_that_opens_think_and_config_overrides() -> None:
     tok = _Tok("<tool_call>", "<|im_start|>assistant\n<think>\n")
     assert detect(tok) == ("hermes", "think_opened")
     assert build_parsers(tok, "kimi_k2", "none") == Parsers("kimi_k2", "none")
+    glm = _Tok("<tool_call>{{ name }}<arg_key>")
+    assert build_parsers(glm, native_tools=False) == Parsers("hermes", "think")  # the text fallback's blocks
+    assert build_parsers(glm, "glm45", native_tools=False) == Parsers("glm45", "think")
 
 
 @pytest.mark.parametrize("field", ["tool_parser", "reasoning_parser"])

@@ -96,7 +96,12 @@ class TitoProxy:
         self.renderer = Renderer(
             tokenizer, tool_mode=self.config.tool_mode, stop_token=self.config.stop_token
         )
-        self.parsers = build_parsers(tokenizer, self.config.tool_parser, self.config.reasoning_parser)
+        self.parsers = build_parsers(
+            tokenizer,
+            self.config.tool_parser,
+            self.config.reasoning_parser,
+            native_tools=self.renderer.native_tools,
+        )
         self._journal = Journal(Path(store_dir)) if store_dir is not None else None
         self._sessions: dict[str, Session] = {}
         if store_dir is not None:

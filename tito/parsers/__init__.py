@@ -105,8 +105,13 @@ class Parsers:
         return Parsed(content, calls, reasoning)
 
 
-def build_parsers(tokenizer: Any, tool_parser: str = "auto", reasoning_parser: str = "auto") -> Parsers:
+def build_parsers(
+    tokenizer: Any, tool_parser: str = "auto", reasoning_parser: str = "auto", *, native_tools: bool = True
+) -> Parsers:
+    """The configured parsers, "auto" ones detected; without native tools (the renderer's text-action
+    fallback asks for hermes blocks) an "auto" tool parser is hermes whatever the template."""
     auto_tool, auto_reasoning = detect(tokenizer)
+    auto_tool = auto_tool if native_tools else "hermes"
     tool = auto_tool if check_name("tool_parser", tool_parser) == "auto" else tool_parser
     reasoning = (
         auto_reasoning if check_name("reasoning_parser", reasoning_parser) == "auto" else reasoning_parser

@@ -32,7 +32,7 @@ def _objects(body: str) -> list[ToolCall] | None:
         try:
             end = _DECODER.raw_decode(body, pos)[1]
             obj = strictjson.loads(body[pos:end])  # strict: no NaN, bounded depth
-        except (ValueError, strictjson.JSONError):
+        except (ValueError, RecursionError, strictjson.JSONError):
             return None
         if not isinstance(obj, dict):
             return None
