@@ -309,3 +309,23 @@ async def test_chat_streams_reasoning_as_reasoning_content_deltas() -> None:
                 thought += getattr(ch.delta, "reasoning_content", None) or ""
                 content += ch.delta.content or ""
     assert (thought, content) == ("Two names.", ANSWER)
+
+
+@pytest.mark.parametrize("name", ["glm45", "kimi_k2", "deepseek_v31"])
+async def test_a_malformed_native_call_is_data(name: str, tmp_path: Path) -> None:
+    """The text is kept as content, the turn recorded: a bad tool call is never an error."""
+    family = next(f for f in FAMILIES if f.name == name)
+    broken = family.call.replace("ls -la", 'ls -la"', 1).replace("<arg_value>", "<arg_valu>", 1)
+    tok = family.tokenizer()
+    engine = ScriptedEngine(tok, [broken], stop_token=family.stop)
+    async with served(tok, engine, store_dir=tmp_path, stop_token=family.stop) as s:
+        h = s.proxy.create_session()
+        msgs = [{"role": "user", "content": "list files"}]
+        r = await s.client(h.session_id).chat.completions.create(model="policy", messages=msgs, tools=TOOLS)
+        trajs = s.proxy.export(h.session_id)
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "stop" and not m.tool_calls
+    assert m.content is not None and m.content.strip() in broken
+    assert len(trajs) == 1 and len(trajs[0].turns) == 1
+    check_fidelity(trajs, engine, h.session_id)
+    assert audit(tmp_path).ok
