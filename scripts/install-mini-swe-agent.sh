@@ -9,7 +9,8 @@
 # Idempotent: a finished install leaves a .complete marker and is skipped next time.
 set -euo pipefail
 MINI_SWE_AGENT_VERSION="2.4.6"  # keep in sync with miles_env/harnesses/mini_swe_agent.py (MINI_SWE_AGENT)
-PYTHON="${PYTHON:-/usr/bin/python3}"
+# Not $PYTHON: setup and CI point that at the main (virtual) environment, which the sandbox cannot see.
+PYTHON="${MINI_SWE_AGENT_PYTHON:-/usr/bin/python3}"
 here="$(cd "$(dirname "$0")" && pwd)"
 lock="$here/../miles_env/harnesses/locks/mini-swe-agent.txt"
 root="${MILES_ENV_CACHE:-$HOME/.cache/miles-env}/clis"
@@ -19,11 +20,11 @@ relock=0
 if [[ -f "$dir/.complete" && $relock == 0 ]]; then
   echo "install-mini-swe-agent: mini-swe-agent==$MINI_SWE_AGENT_VERSION cached in $dir"; exit 0
 fi
-command -v "$PYTHON" >/dev/null || { echo "install-mini-swe-agent: $PYTHON not found (set PYTHON=...)" >&2; exit 2; }
+command -v "$PYTHON" >/dev/null || { echo "install-mini-swe-agent: $PYTHON not found (set MINI_SWE_AGENT_PYTHON=...)" >&2; exit 2; }
 real="$(readlink -f "$(command -v "$PYTHON")")"
 case "$real" in
   /usr/* | /bin/* | /opt/*) ;;
-  *) echo "install-mini-swe-agent: $PYTHON is $real, which the sandbox cannot see; use an interpreter under /usr or /opt (PYTHON=/usr/bin/python3)" >&2; exit 2 ;;
+  *) echo "install-mini-swe-agent: $PYTHON is $real, which the sandbox cannot see; use an interpreter under /usr or /opt (MINI_SWE_AGENT_PYTHON=/usr/bin/python3)" >&2; exit 2 ;;
 esac
 if ! "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -34,7 +35,7 @@ if ! "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null; then
 fi
 pyver="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 if [[ $relock == 0 ]] && ! head -1 "$lock" | grep -q "Python $pyver)"; then
-  echo "install-mini-swe-agent: $lock was resolved for $(head -1 "$lock" | grep -o 'Python [0-9.]*'), $PYTHON is $pyver: use that Python (PYTHON=...) or run with --lock" >&2
+  echo "install-mini-swe-agent: $lock was resolved for $(head -1 "$lock" | grep -o 'Python [0-9.]*'), $PYTHON is $pyver: use that Python (MINI_SWE_AGENT_PYTHON=...) or run with --lock" >&2
   exit 2
 fi
 mkdir -p "$root"
