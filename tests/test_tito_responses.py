@@ -21,6 +21,22 @@ EXEC = {
     "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]},
 }
 PATCH = {"type": "custom", "name": "apply_patch", "description": "Apply a patch", "format": {"type": "text"}}
+OBJ = {"type": "object", "properties": {"message": {"type": "string"}}, "additionalProperties": False}
+MULTI_AGENT = {  # Codex 0.169/0.171 with multi_agent on (abridged): its sub-agent tools as one namespace
+    "type": "namespace",
+    "name": "multi_agent_v1",
+    "description": "Tools for spawning and managing sub-agents.",
+    "tools": [
+        {
+            "type": "function",
+            "name": "spawn_agent",
+            "description": "Spawn",
+            "strict": False,
+            "parameters": OBJ,
+        },
+        {"type": "function", "name": "wait_agent", "description": "Wait", "strict": False, "parameters": OBJ},
+    ],
+}
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +180,64 @@ async def test_message_item_is_matched_by_its_id_even_if_text_differs(tok) -> No
         assert r2.status_code == 200
         trajs = s.proxy.export(h.session_id)
     assert len(trajs) == 1 and len(trajs[0].turns) == 2
+
+
+async def test_namespace_members_are_tools_and_their_calls_name_the_namespace(tok) -> None:
+    """Codex dispatches a namespaced call only when its function_call item names the namespace
+    ("unsupported call: spawn_agent" without it) and sends the item back with it: one branch."""
+    engine = ScriptedEngine(tok, [call("spawn_agent", {"message": "count"}), "Spawned."])
+    async with served(tok, engine) as s, httpx.AsyncClient() as http:
+        h = s.proxy.create_session()
+        url = s.proxy.endpoint(h.session_id, s.url).base_url + "/responses"
+        body: dict[str, Any] = {
+            "input": [{"type": "message", "role": "user", "content": "delegate"}],
+            "tools": [EXEC, MULTI_AGENT, {"type": "web_search", "external_web_access": False}],
+            "stream": True,
+        }
+        evs = sse_events((await post(http, url, body, h.api_key)).text)
+        added = next(e["item"] for e in evs if e["type"] == "response.output_item.added")
+        out = next(e for e in evs if e["type"] == "response.completed")["response"]["output"]
+        assert added["namespace"] == out[0]["namespace"] == "multi_agent_v1"
+        assert out[0]["name"] == "spawn_agent" and json.loads(out[0]["arguments"]) == {"message": "count"}
+        # Codex's own serialization of the item it sends back (its field order, its output id)
+        back = {k: out[0][k] for k in ("type", "status", "id", "name", "namespace", "arguments", "call_id")}
+        result = {"type": "function_call_output", "id": "fco_1", "call_id": back["call_id"], "output": "{}"}
+        body["input"] = [*body["input"], back, result]
+        r2 = await post(http, url, body, h.api_key)
+        assert r2.status_code == 200, r2.text
+        trajs = s.proxy.export(h.session_id)
+    prompt = tok.decode(list(engine.calls[0].input_ids))
+    assert '"name": "spawn_agent"' in prompt and '"name": "wait_agent"' in prompt
+    assert "multi_agent_v1" not in prompt and "web_search" not in prompt  # members by their own name
+    assert len(trajs) == 1 and len(trajs[0].turns) == 2
+    check_fidelity(trajs, engine, h.session_id)
+
+
+@pytest.mark.parametrize(
+    ("tools", "param", "named"),
+    [
+        ([{"type": "file_search", "vector_store_ids": ["v"]}], "tools[0].type", "'file_search'"),
+        ([{"type": "local_shell"}], "tools[0].type", "'local_shell'"),
+        ([{**MULTI_AGENT, "tools": [PATCH]}], "tools[0].tools[0].type", "'custom'"),
+        ([{**MULTI_AGENT, "tools": [MULTI_AGENT]}], "tools[0].tools[0].type", "'namespace'"),
+        ([{"type": "namespace", "name": "ns"}], "tools[0].tools", "list"),
+        ([{**MULTI_AGENT, "name": 3}], "tools[0].name", "string name"),
+        ([MULTI_AGENT, {**EXEC, "name": "wait_agent"}], "tools", "'wait_agent'"),
+        ([MULTI_AGENT, {**MULTI_AGENT, "name": "other"}], "tools", "'spawn_agent'"),
+    ],
+)
+async def test_a_tool_that_cannot_be_carried_is_refused_by_name(
+    tok, tools: list[Any], param: str, named: str
+) -> None:
+    engine = ScriptedEngine(tok, ["never"])
+    async with served(tok, engine) as s, httpx.AsyncClient() as http:
+        h = s.proxy.create_session()
+        url = s.proxy.endpoint(h.session_id, s.url).base_url + "/responses"
+        r = await post(http, url, {"input": "hi", "tools": tools}, h.api_key)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and named in err["message"]
+    assert not engine.calls
 
 
 @pytest.mark.parametrize(

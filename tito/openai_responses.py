@@ -7,6 +7,15 @@ assistant-side items (`reasoning`, assistant `message`, `function_call`,
 message. Only `store: false`-style use is served: the full history is resent, and
 `previous_response_id` is refused (400).
 
+Tools: `function`; `custom` (freeform) as a function with one string `input`; each
+`function` member of a `namespace` (Codex's `multi_agent_v1`: spawn_agent, ...) as a
+function under its own name (the name Codex's prompts and tool descriptions use), so
+a member's name must be unique in the request. Its `function_call` output item
+carries `namespace` (Codex dispatches a namespaced call only with it); `namespace` on
+a `function_call` input item is accepted and not rendered (the model saw the bare
+name). The hosted `web_search` is not offered (Codex sends it on every request);
+any other tool type is refused with a 400 naming it.
+
 Identity: the reply's `msg_...` id is generated before the turn and stored with it
 as an alias, `function_call` items are known by `call_id` (+ canonical arguments),
 `fc_...` ids derive from the call id. Reasoning the core split off a completion
@@ -23,7 +32,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from miles_env.tito.errors import bad_request
@@ -38,7 +49,11 @@ from miles_env.tito.wire import (
 )
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["ResponsesRequest", "to_core", "response_body", "stream_events", "new_reply_id"]
+__all__ = ["ResponsesRequest", "ToolKinds", "to_core", "response_body", "stream_events", "new_reply_id"]
+
+# Hosted tools a Responses server runs itself; this one offers none, so they are left out of
+# the prompt. Codex sends `web_search` on every request unless its config disables it.
+HOSTED = frozenset({"web_search", "web_search_preview"})
 
 
 class _In(BaseModel):
@@ -63,6 +78,7 @@ class FunctionCallItem(_In):
     call_id: str
     name: str
     arguments: str
+    namespace: str | None = None  # not rendered: the model called the member by its own name
     id: str | None = None
 
 
@@ -185,27 +201,75 @@ def _json_input(text: str) -> str:
     return json.dumps({"input": text}, ensure_ascii=False)
 
 
-def _tools(tools: list[dict[str, Any]] | None) -> tuple[tuple[dict[str, Any], ...], frozenset[str]]:
-    """Core function tools, and the names of the custom (freeform) ones. Built-in tool types are skipped."""
-    out, custom = [], set()
+@dataclass(frozen=True, slots=True)
+class ToolKinds:
+    """How the request offered the tools the model may call: the freeform (custom) ones by name,
+    and the namespace of each namespace member, which its `function_call` output item names."""
+
+    custom: frozenset[str] = frozenset()
+    namespace: Mapping[str, str] = field(default_factory=dict)
+
+
+def _name(t: dict[str, Any], where: str) -> str:
+    if not isinstance(t.get("name"), str):
+        raise bad_request(f"a {t.get('type')} tool needs a string name", param=f"{where}.name")
+    return str(t["name"])
+
+
+def _function(t: dict[str, Any], where: str) -> dict[str, Any]:
+    _name(t, where)
+    fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
+    return {"type": "function", "function": fn}
+
+
+def _members(t: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """A namespace's member functions, as core tools."""
+    members = t.get("tools")
+    if not isinstance(members, list):
+        raise bad_request("a namespace tool needs a list of tools", param=f"{where}.tools")
+    out = []
+    for j, m in enumerate(members):
+        kind = m.get("type") if isinstance(m, dict) else None
+        if kind != "function":
+            msg = f"tool type {kind!r} is not supported in a namespace (only function)"
+            raise bad_request(msg, param=f"{where}.tools[{j}].type")
+        out.append(_function(m, f"{where}.tools[{j}]"))
+    return out
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> tuple[tuple[dict[str, Any], ...], ToolKinds]:
+    """Core function tools, and how each was offered (module docstring). Hosted tools are left out;
+    any other type is a 400 naming it."""
+    out: list[dict[str, Any]] = []
+    custom: set[str] = set()
+    namespace: dict[str, str] = {}
     for i, t in enumerate(tools or ()):
-        kind, name = t.get("type"), t.get("name")
-        if kind in ("function", "custom") and not isinstance(name, str):
-            raise bad_request("a function or custom tool needs a string name", param=f"tools[{i}].name")
+        kind = t.get("type")
         if kind == "function":
-            fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
-            out.append({"type": "function", "function": fn})
+            out.append(_function(t, f"tools[{i}]"))
         elif kind == "custom":
-            out.append(custom_tool_function(str(name), t.get("description")))
-            custom.add(str(name))
-    return tuple(out), frozenset(custom)
+            name = _name(t, f"tools[{i}]")
+            out.append(custom_tool_function(name, t.get("description")))
+            custom.add(name)
+        elif kind == "namespace":
+            ns = _name(t, f"tools[{i}]")
+            members = _members(t, f"tools[{i}]")
+            out += members
+            namespace |= {fn["function"]["name"]: ns for fn in members}
+        elif kind not in HOSTED:
+            raise bad_request(f"tool type {kind!r} is not supported", param=f"tools[{i}].type")
+    seen = Counter(fn["function"]["name"] for fn in out)
+    clash = next((name for name in namespace if seen[name] > 1), None)
+    if clash is not None:  # the model calls a member by its bare name: it must name one tool
+        raise bad_request(f"tool name {clash!r} is offered twice, once in a namespace", param="tools")
+    return tuple(out), ToolKinds(frozenset(custom), namespace)
 
 
 def new_reply_id() -> str:
     return "msg_" + uuid.uuid4().hex
 
 
-def to_core(req: ResponsesRequest) -> tuple[ChatRequest, frozenset[str]]:
+def to_core(req: ResponsesRequest) -> tuple[ChatRequest, ToolKinds]:
     if req.previous_response_id is not None:
         raise bad_request(
             "previous_response_id is not supported: send the full history (store: false)",
@@ -214,7 +278,7 @@ def to_core(req: ResponsesRequest) -> tuple[ChatRequest, frozenset[str]]:
     messages = _messages(req)
     if not messages:
         raise bad_request("input must not be empty", param="input")
-    tools, custom = _tools(req.tools)
+    tools, kinds = _tools(req.tools)
     core = ChatRequest(
         messages=tuple(messages),
         tools=tools,
@@ -223,10 +287,10 @@ def to_core(req: ResponsesRequest) -> tuple[ChatRequest, frozenset[str]]:
         top_p=1.0 if req.top_p is None else req.top_p,
         reply_id=new_reply_id(),
     )
-    return core, custom
+    return core, kinds
 
 
-def output_items(result: ChatResult, reply_id: str, custom: frozenset[str]) -> list[dict[str, Any]]:
+def output_items(result: ChatResult, reply_id: str, kinds: ToolKinds) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     think, rest = reasoning_of(result), result.content or ""
     suffix = reply_id.removeprefix("msg_")
@@ -243,17 +307,19 @@ def output_items(result: ChatResult, reply_id: str, custom: frozenset[str]) -> l
         )
     for c in result.tool_calls:
         cs = c.id.removeprefix("call_")
-        if c.name in custom:
+        if c.name in kinds.custom:
             item = {"type": "custom_tool_call", "id": "ctc_" + cs, "call_id": c.id, "name": c.name}
             items.append({**item, "input": custom_input(c.arguments), "status": "completed"})
         else:
             item = {"type": "function_call", "id": "fc_" + cs, "call_id": c.id, "name": c.name}
+            if c.name in kinds.namespace:
+                item["namespace"] = kinds.namespace[c.name]
             items.append({**item, "arguments": c.arguments, "status": "completed"})
     return items
 
 
 def response_body(
-    result: ChatResult, reply_id: str, custom: frozenset[str], model: str, done: bool = True
+    result: ChatResult, reply_id: str, kinds: ToolKinds, model: str, done: bool = True
 ) -> dict[str, Any]:
     incomplete = result.finish_reason == "length"
     status = ("incomplete" if incomplete else "completed") if done else "in_progress"
@@ -270,7 +336,7 @@ def response_body(
         "created_at": int(time.time()),
         "status": status,
         "model": model,
-        "output": output_items(result, reply_id, custom) if done else [],
+        "output": output_items(result, reply_id, kinds) if done else [],
         "usage": usage if done else None,
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete and done else None,
@@ -281,7 +347,7 @@ def response_body(
 
 
 def stream_events(
-    result: ChatResult, reply_id: str, custom: frozenset[str], model: str, piece: int = 32
+    result: ChatResult, reply_id: str, kinds: ToolKinds, model: str, piece: int = 32
 ) -> Iterator[str]:
     """The SSE sequence Codex accepts, from response.created to response.completed."""
     seq = iter(range(1 << 30))
@@ -289,10 +355,10 @@ def stream_events(
     def ev(kind: str, **data: Any) -> str:
         return sse(kind, {"type": kind, "sequence_number": next(seq), **data})
 
-    start = response_body(result, reply_id, custom, model, done=False)
+    start = response_body(result, reply_id, kinds, model, done=False)
     yield ev("response.created", response=start)
     yield ev("response.in_progress", response=start)
-    final = response_body(result, reply_id, custom, model)
+    final = response_body(result, reply_id, kinds, model)
     for i, item in enumerate(final["output"]):
         yield from _item_events(ev, i, item, piece)
     yield ev(
