@@ -60,21 +60,22 @@ def _invalid(message: str) -> ProxyError:
 
 def _plain(data: Any) -> bool:
     """Whether strictjson would accept `data` as parsed (depth, value count, finite floats)."""
-    stack: list[tuple[Any, int]] = [(data, 0)]
-    n = 0
+    if type(data) is not dict and type(data) is not list:
+        return type(data) is not float or math.isfinite(data)
+    stack: list[tuple[Any, int]] = [(data, 1)]  # containers only, with the depth of their items
+    n = 1
     while stack:
         value, depth = stack.pop()
-        n += 1
-        kind = type(value)
-        if kind is dict:
-            value = value.values()
-        elif kind is not list:
-            if kind is float and not math.isfinite(value):
-                return False
-            continue
-        if depth >= strictjson.MAX_DEPTH - 1:
+        items = value.values() if type(value) is dict else value
+        n += len(items)
+        if depth >= strictjson.MAX_DEPTH:
             return False
-        stack.extend([(x, depth + 1) for x in value])
+        for x in items:
+            kind = type(x)
+            if kind is dict or kind is list:
+                stack.append((x, depth + 1))
+            elif kind is float and not math.isfinite(x):
+                return False
     return n < strictjson.MAX_VALUES
 
 
