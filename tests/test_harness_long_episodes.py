@@ -3,13 +3,16 @@
 Unit level: a session's `truncated` flag tells the end state (a client that recovers from a
 context refusal and finishes is not truncated); each harness passes the session's max_context
 to its CLI (Codex config.toml, Claude Code 2.1's context-window variable), keeps Codex's own
-bounded retries and turns its multi-agent tools off. End to end (real CLIs, scripted policy):
+bounded retries and offers its multi-agent tools. End to end (real CLIs, scripted policy):
 a tool output that overflows a small max_context, the CLI's compaction answered with a summary
-by the policy, the task passed, every sampled token in exactly one exported sample.
+by the policy, the task passed, every sampled token in exactly one exported sample; a Codex
+sub-agent spawned by the policy, its turns one more exported sample of the same session.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +24,7 @@ from miles_env.tito.config import Budget
 from miles_env.tito.errors import ProxyError
 from miles_env.tito.messages import ChatRequest, Message
 
-from miles_env.engines.scripted import PolicyRule, ScriptedEngine, ScriptedPolicy
+from miles_env.engines.scripted import PolicyRule, ScriptedEngine, ScriptedPolicy, shell_tool_call
 from miles_env.harness import Endpoint
 from miles_env.harnesses import get_harness
 from miles_env.harnesses._cli import CLAUDE_CODE, CODEX, TESTED
@@ -68,15 +71,17 @@ async def test_truncated_tells_the_end_state_not_the_history(tok: Any, tmp_path:
     assert TitoProxy(engine, tok, store_dir=tmp_path).get_session(sid).truncated == "max_context"
 
 
-def test_codex_config_carries_context_retries_and_no_multi_agent() -> None:
+def test_codex_config_carries_context_retries_and_multi_agent() -> None:
     cfg = tomllib.loads(codex_config_toml("http://h/v1", "policy", context=32768, auto_compact=0.75))
     assert cfg["model_context_window"] == 32768 and cfg["model_auto_compact_token_limit"] == 24576
     provider = cfg["model_providers"]["tito"]
     assert provider["request_max_retries"] == provider["stream_max_retries"] == 4
-    assert cfg["features"] == {"multi_agent": False}
-    bare = tomllib.loads(codex_config_toml("http://h/v1", "policy", retries=0, multi_agent=True))
+    assert cfg["features"] == {"multi_agent": True}
+    assert get_harness("codex").config.multi_agent  # on by default: TITO carries the namespace tools
+    bare = tomllib.loads(codex_config_toml("http://h/v1", "policy", retries=0, multi_agent=False))
     assert "model_context_window" not in bare and "model_auto_compact_token_limit" not in bare
-    assert bare["model_providers"]["tito"]["request_max_retries"] == 0 and bare["features"]["multi_agent"]
+    assert bare["model_providers"]["tito"]["request_max_retries"] == 0
+    assert bare["features"] == {"multi_agent": False}
 
 
 def test_claude_code_21_is_told_the_context_20_has_no_variable_for_it() -> None:
@@ -154,7 +159,7 @@ async def test_codex_compacts_before_the_context_overflows(tok: Any, tmp_path: P
     Codex 0.171 does not compact on that error ("Codex ran out of room in the model's context
     window"), so telling it the window is what keeps a long episode alive."""
     require_cli(CODEX)
-    limit = 12000  # the first prompt is ~6.3k tokens
+    limit = 12000  # the first prompt is ~9.0k tokens (~6.3k without the multi-agent tools)
     engine = CompactingEngine(tok, policy=long_policy(1000), max_context=limit)
     ep = await run_one("codex", engine, tmp_path / "store", budget_s=240)
     assert check_compacted(ep, engine, tmp_path / "store", limit) == 1
@@ -173,6 +178,59 @@ async def test_claude_code_compacts_before_the_context_overflows(tok: Any, tmp_p
     )
     assert check_compacted(ep, engine, tmp_path / "store", limit) >= 1
     assert ep.metadata["harness"]["output"]["result"] == "Both files are written."
+
+
+SUB_TASK = "Sub-task: write alpha into first.txt."
+
+
+class SubAgentEngine(ScriptedEngine):
+    """Plays both sides of a Codex sub-agent episode in one session, by prompt (turns interleave):
+    the parent (offered spawn_agent) spawns a sub-agent, waits for it, writes second.txt and
+    finishes; the sub-agent (no spawn_agent: Codex gives sub-agents no multi-agent tools) writes
+    first.txt and reports."""
+
+    def _next_ids(self, session_id: str | None, input_ids: Sequence[int] = ()) -> list[int]:
+        prompt = self.tokenizer.decode(list(input_ids))
+        turn = prompt.count("<|im_start|>assistant") - 1  # the prompt ends opening the reply
+        if '"name": "spawn_agent"' not in prompt:
+            sub = (shell_tool_call("echo alpha > first.txt", prompt), "first.txt holds alpha.")
+            return self._encode_reply(sub[min(turn, 1)])
+        agent = re.search(r'"agent_id":\s*"([^"]+)"', prompt)
+        replies = (
+            _call("spawn_agent", {"message": SUB_TASK}),
+            _call("wait_agent", {"targets": [agent.group(1) if agent else "?"], "timeout_ms": 60000}),
+            shell_tool_call('echo "$(cat first.txt) beta" > second.txt', prompt),
+            "Both files are written.",
+        )
+        return self._encode_reply(replies[min(turn, 3)])
+
+
+def _call(name: str, args: dict[str, Any]) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+
+@pytest.mark.slow
+async def test_codex_sub_agent_episode_is_exact(tok: Any, tmp_path: Path) -> None:
+    """Codex's multi-agent tools (on by default): the policy spawns a sub-agent, which writes
+    first.txt in the same sandbox; the parent waits for it and finishes the task. The sub-agent's
+    turns are a branch of the same session: every sampled token in exactly one exported sample."""
+    require_cli(CODEX)
+    engine = SubAgentEngine(tok, max_context=1 << 20)
+    ep = await run_one("codex", engine, tmp_path / "store", budget_s=180)
+    assert ep.status is Status.COMPLETED, (ep.error, ep.metadata["harness"])
+    assert ep.reward is not None and ep.reward.passed, ep.reward
+    collab = [
+        e["item"]
+        for e in ep.metadata["harness"]["output"]
+        if e.get("type") == "item.completed" and e["item"]["type"] == "collab_tool_call"
+    ]
+    assert [c["tool"] for c in collab] == ["spawn_agent", "wait"] and collab[0]["prompt"] == SUB_TASK
+    assert [s["status"] for s in collab[1]["agents_states"].values()] == ["completed"]
+    prompts = [tok.decode(list(c.input_ids)) for c in engine.calls]
+    subs = [p for p in prompts if '"name": "spawn_agent"' not in p]
+    assert len(engine.calls) == 6 and len(subs) == 2 and all(SUB_TASK in p for p in subs)
+    assert len(ep.samples) == 2  # the parent's branch and the sub-agent's
+    check_exact(ep, engine, tmp_path / "store")
 
 
 class FlakyEngine(ScriptedEngine):

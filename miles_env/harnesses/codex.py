@@ -11,7 +11,8 @@ tries a WebSocket first; a custom provider speaks plain streamed Responses. Code
 runs its shell tool (`exec_command`) in the sandbox because the CLI itself runs
 there; its own sandboxing is off (bwrap is the sandbox). Long episodes: Codex is
 told the session's context (`model_context_window`, an auto-compaction limit below
-it) and keeps its own bounded retries; its multi-agent tools are off by default.
+it) and keeps its own bounded retries; its multi-agent tools (sub-agents, one more branch
+of the same session) are on by default.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class CodexConfig(BaseModel):
         description="model_auto_compact_token_limit as a fraction of the session's max_context",
     )
     multi_agent: bool = Field(
-        default=False, description="offer Codex's multi-agent tools (a `namespace` TITO does not convert yet)"
+        default=True,
+        description="offer Codex's multi-agent tools (spawn_agent and its family, ~2.6k prompt tokens)",
     )
 
 
@@ -75,7 +77,7 @@ def codex_config_toml(
     context: int | None = None,
     auto_compact: float = 0.8,
     retries: int = 4,
-    multi_agent: bool = False,
+    multi_agent: bool = True,
 ) -> str:
     """config.toml pointing Codex at `base_url` (…/v1) with the key in $TITO_API_KEY.
 
