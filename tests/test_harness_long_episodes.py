@@ -28,7 +28,7 @@ from miles_env.engines.scripted import PolicyRule, ScriptedEngine, ScriptedPolic
 from miles_env.harness import Endpoint
 from miles_env.harnesses import get_harness
 from miles_env.harnesses._cli import CLAUDE_CODE, CODEX, TESTED
-from miles_env.harnesses.codex import codex_config_toml
+from miles_env.harnesses.codex import codex_config_toml, multi_agent_for
 from miles_env.models import load_tokenizer
 from miles_env.types import Episode, Status
 from tests.test_harness_claude_code import TWO_STEP_POLICY, check_exact, require_cli, run_one
@@ -77,7 +77,12 @@ def test_codex_config_carries_context_retries_and_multi_agent() -> None:
     provider = cfg["model_providers"]["tito"]
     assert provider["request_max_retries"] == provider["stream_max_retries"] == 4
     assert cfg["features"] == {"multi_agent": True}
-    assert get_harness("codex").config.multi_agent  # on by default: TITO carries the namespace tools
+    assert (
+        get_harness("codex").config.multi_agent is None
+    )  # on where it fits: TITO carries the namespace tools
+    assert multi_agent_for(None, None) and multi_agent_for(None, 32768)
+    assert not multi_agent_for(None, 8192)  # SmolLM2: the tools alone would overflow the first prompt
+    assert not multi_agent_for(False, 32768) and multi_agent_for(True, 8192)
     bare = tomllib.loads(codex_config_toml("http://h/v1", "policy", retries=0, multi_agent=False))
     assert "model_context_window" not in bare and "model_auto_compact_token_limit" not in bare
     assert bare["model_providers"]["tito"]["request_max_retries"] == 0

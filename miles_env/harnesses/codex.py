@@ -35,6 +35,10 @@ KEY_VAR = "TITO_API_KEY"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
+# Below this context an 8k model (SmolLM2) has no room for Codex's ~9k-token first prompt with them.
+MULTI_AGENT_MIN_CONTEXT = 16384
+
+
 class CodexConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -59,10 +63,18 @@ class CodexConfig(BaseModel):
         le=1,
         description="model_auto_compact_token_limit as a fraction of the session's max_context",
     )
-    multi_agent: bool = Field(
-        default=True,
-        description="offer Codex's multi-agent tools (spawn_agent and its family, ~2.6k prompt tokens)",
+    multi_agent: bool | None = Field(
+        default=None,
+        description="offer Codex's multi-agent tools (spawn_agent and its family, ~2.6k prompt tokens); "
+        f"None: on unless the session's max_context is under {MULTI_AGENT_MIN_CONTEXT}",
     )
+
+
+def multi_agent_for(setting: bool | None, max_context: int | None) -> bool:
+    """The multi-agent tools alone take ~2.6k prompt tokens: by default only where they leave room."""
+    if setting is not None:
+        return setting
+    return max_context is None or max_context >= MULTI_AGENT_MIN_CONTEXT
 
 
 def _q(value: str) -> str:
@@ -195,7 +207,8 @@ class CodexHarness:
         cfg = self.config
         toml = codex_config_toml(
             inner_v1, endpoint.model, cfg.extra_config, context=endpoint.max_context,
-            auto_compact=cfg.auto_compact, retries=cfg.retries, multi_agent=cfg.multi_agent,
+            auto_compact=cfg.auto_compact, retries=cfg.retries,
+            multi_agent=multi_agent_for(cfg.multi_agent, endpoint.max_context),
         )  # fmt: skip
         await sandbox.write_file(f"{CODEX_HOME}/config.toml", toml)
         prepared = time.time()
