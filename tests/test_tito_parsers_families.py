@@ -44,7 +44,6 @@ class Family:
     answer: str  # turn 2: (reasoning) + ANSWER
     bye: str  # turn 3
     thoughts: tuple[str | None, str | None] = (None, None)  # the reasoning of turns 1 and 2
-    one_branch: bool = True  # whether every request extends the stored history
     reasoning: str = "think"  # the reasoning parser `detect` must pick
 
     def tokenizer(self) -> Any:
@@ -66,7 +65,6 @@ FAMILIES = [
         f"<think>\nTwo names.\n</think>\n\n{ANSWER}",
         "<think>\n\n</think>\n\nBye.",
         ("\nI should list the files.\n", "\nTwo names.\n"),
-        one_branch=False,
     ),
     Family(
         "qwen3_thinking_2507",  # the prompt opens <think>: the completion only closes it
@@ -78,7 +76,6 @@ FAMILIES = [
         f"Two names.\n</think>\n\n{ANSWER}",
         "Nothing to do.\n</think>\n\nBye.",
         ("I should list the files.\n", "Two names.\n"),
-        one_branch=False,
         reasoning="think_opened",
     ),
     Family(
@@ -266,8 +263,7 @@ async def test_three_turn_session_is_token_exact(family: Family, dialect: str, t
     assert text2 == ANSWER and calls2 == [] and text3 == "Bye."
     check_fidelity(trajs, engine, h.session_id)  # every sampled id stored exactly once, mask 1
     assert audit(tmp_path).ok
-    if family.one_branch:
-        assert_one_stitched_branch(trajs, engine)
+    assert_one_stitched_branch(trajs, engine)
 
 
 def assert_one_stitched_branch(trajs: list[Any], engine: ScriptedEngine) -> None:
@@ -277,12 +273,6 @@ def assert_one_stitched_branch(trajs: list[Any], engine: ScriptedEngine) -> None
         assert list(call.input_ids) == t.token_ids[: turn.start]  # the engine was fed the stored prefix
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="render.py: render_suffix compares render(anchor + tail) with render(anchor), and Qwen3 renders "
-    "the anchor reply differently once a message follows it (no empty <think> block), so every turn is "
-    "re-rendered on a new branch; see tito/README.md (Model families) for the change that fixes it",
-)
 @pytest.mark.parametrize("dialect", sorted(DIALECTS))
 async def test_a_template_that_drops_earlier_reasoning_still_stitches(dialect: str) -> None:
     family = next(f for f in FAMILIES if f.name == "qwen3")
@@ -293,6 +283,11 @@ async def test_a_template_that_drops_earlier_reasoning_still_stitches(dialect: s
         await DIALECTS[dialect](s, h.session_id)
         trajs = s.proxy.export(h.session_id)
     assert_one_stitched_branch(trajs, engine)
+    first, second = engine.calls[:2]  # the second prompt: the first one, its sampled ids, the tail
+    fed = len(first.input_ids) + len(first.generation.output_ids)
+    assert list(second.input_ids[:fed]) == [*first.input_ids, *first.generation.output_ids]
+    tail = "\n<|im_start|>user\n<tool_response>\na.txt\nb.txt\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(list(second.input_ids[fed:])) == tail  # the reasoning the template drops is kept
 
 
 async def test_chat_streams_reasoning_as_reasoning_content_deltas() -> None:

@@ -3,11 +3,15 @@
 Concept: a full render is `apply_chat_template(messages, tools)`; a *suffix*
 render costs only the tail: render(anchor + tail) minus render(anchor), where the
 anchor is a fixed three-message conversation (system, user, assistant). The diff
-is used only when render(anchor) is a true string prefix of render(anchor + tail);
-otherwise `render_suffix` returns None and the caller re-renders everything on a
-new branch. After a stored assistant turn the template's closing text (for chatml
-`<|im_end|>\n`) follows; when the sampled ids already end with the stop token,
-only the rest of that closing (`\n`) is new.
+is used when render(anchor) is a true string prefix of render(anchor + tail). A
+template that renders the anchor reply differently once a message follows it
+(Qwen3 drops the reply's empty `<think>` block) is cut after the reply and its
+closing instead, provided the system and user messages render unchanged (nothing
+of the tail was placed before the reply); otherwise `render_suffix` returns None
+and the caller re-renders everything on a new branch. After a stored assistant
+turn the template's closing text (for chatml `<|im_end|>\n`) follows; when the
+sampled ids already end with the stop token, only the rest of that closing (`\n`)
+is new.
 
 Tools: templates that mention `tools` get them natively. Others (plain chatml,
 e.g. SmolLM2) get the text-action fallback: the schemas go into the system prompt
@@ -49,6 +53,10 @@ class TemplateRefused(ValueError):
 
 def tools_prompt(tools: tuple[dict[str, Any], ...]) -> str:
     return _TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+
+
+def _texts(m: Message) -> str:
+    return "\n".join((m.content, m.name or "", *(c.name + c.arguments for c in m.tool_calls)))
 
 
 class Renderer:
@@ -159,8 +167,21 @@ class Renderer:
         self, tail: tuple[Message, ...], tools: tuple[dict[str, Any], ...], tkey: str
     ) -> str | None:
         """Text the template adds for `tail` (and the generation prompt) after an assistant turn."""
-        base = self._anchor_parts(tools, tkey)[0]
+        base, close = self._anchor_parts(tools, tkey)
         full = self._apply(self._dicts(_ANCHOR + tail), tools, gen=True)
-        if not full.startswith(base):
+        if full.startswith(base):
+            return full[len(base) :]
+        # The template renders the anchor reply differently once a message follows it (Qwen3 drops
+        # its empty <think> block): cut after the reply and its closing instead; what the template
+        # prints before the reply is replaced by the stored ids anyway. Sound only when the system and
+        # user messages render as in `base`, so no part of the tail was placed before the reply (a
+        # template that hoists a later system message to the top), and the reply is found by its text
+        # (no tail message contains the anchor text): else None, a full render.
+        reply = base.rindex(_ANCHOR_TEXT)
+        head = base[: base.rindex(_ANCHOR_TEXT, 0, reply) + len(_ANCHOR_TEXT)]  # through the user's text
+        if not full.startswith(head) or any(_ANCHOR_TEXT in _texts(m) for m in tail):
             return None
-        return full[len(base) :]
+        end = full.find(_ANCHOR_TEXT, len(head)) + len(_ANCHOR_TEXT)
+        if end < len(_ANCHOR_TEXT) or not full.startswith(close, end):
+            return None
+        return full[end + len(close) :]
