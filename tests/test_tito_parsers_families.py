@@ -8,7 +8,7 @@ stored exactly with mask 1, the engine must have been fed the stored prefix, and
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from anthropic import AsyncAnthropic
 from miles_env.tito import audit
 from tokenizers import AddedToken
 
+from miles_env.engines.base import EngineInfo
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.models import load_tokenizer
 from tests.test_tito_support import TOOLS, Served, check_fidelity, served
@@ -45,12 +46,29 @@ class Family:
     bye: str  # turn 3
     thoughts: tuple[str | None, str | None] = (None, None)  # the reasoning of turns 1 and 2
     reasoning: str = "think"  # the reasoning parser `detect` must pick
+    eos: tuple[str, ...] = ()  # other tokens that end a turn, reported by the engine as eos ids
 
     def tokenizer(self) -> Any:
         tok = load_tokenizer()
         tok.add_tokens([AddedToken(t, special=True) for t in self.specials], special_tokens=True)
         tok.chat_template = (TEMPLATES / f"{self.name}.jinja").read_text()
         return tok
+
+    def engine(self, tok: Any, replies: list[str]) -> ScriptedEngine:
+        return FamilyEngine(tok, replies, stop_token=self.stop, eos=tok.convert_tokens_to_ids(list(self.eos)))
+
+
+class FamilyEngine(ScriptedEngine):
+    """A ScriptedEngine that also stops on the family's other end-of-turn tokens, which a real engine
+    reports as eos ids (the model's generation_config), so a reply may end on any of them."""
+
+    def __init__(self, *args: Any, eos: list[int], **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.eos = tuple(eos)
+
+    async def info(self) -> EngineInfo:
+        info = await super().info()
+        return replace(info, eos_token_ids=(*info.eos_token_ids, *self.eos))
 
 
 QWEN_TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
@@ -104,12 +122,13 @@ FAMILIES = [
             "</arg_value>",
             *QWEN_TAGS,
         ),
-        "<|endoftext|>",  # GLM ends turns on <|user|> / <|observation|>: see tito/README.md (Model families)
+        "<|user|>",  # GLM ends a turn on the token that opens the next message: <|user|> or <|observation|>
         "\n<think>I should list the files.</think>\n<tool_call>bash\n<arg_key> command</arg_key>  "
-        "<arg_value>ls -la</arg_value>\n</tool_call>",
+        "<arg_value>ls -la</arg_value>\n</tool_call><|observation|>",
         f"\n<think>Two names.</think>\n{ANSWER}",
         "\n<think></think>\nBye.",
         ("I should list the files.", "Two names."),
+        eos=("<|endoftext|>", "<|observation|>"),
     ),
     Family(
         "llama3",
@@ -251,7 +270,7 @@ DIALECTS = {"chat": chat, "responses": responses, "anthropic": anthropic}
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
 async def test_three_turn_session_is_token_exact(family: Family, dialect: str, tmp_path: Path) -> None:
     tok = family.tokenizer()
-    engine = ScriptedEngine(tok, [family.call, family.answer, family.bye], stop_token=family.stop)
+    engine = family.engine(tok, [family.call, family.answer, family.bye])
     async with served(tok, engine, store_dir=tmp_path, stop_token=family.stop) as s:
         assert (s.proxy.parsers.tool, s.proxy.parsers.reasoning) == (family.parser, family.reasoning)
         h = s.proxy.create_session()
@@ -277,7 +296,7 @@ def assert_one_stitched_branch(trajs: list[Any], engine: ScriptedEngine) -> None
 async def test_a_template_that_drops_earlier_reasoning_still_stitches(dialect: str) -> None:
     family = next(f for f in FAMILIES if f.name == "qwen3")
     tok = family.tokenizer()
-    engine = ScriptedEngine(tok, [family.call, family.answer, family.bye], stop_token=family.stop)
+    engine = family.engine(tok, [family.call, family.answer, family.bye])
     async with served(tok, engine, stop_token=family.stop) as s:
         h = s.proxy.create_session()
         await DIALECTS[dialect](s, h.session_id)
@@ -290,10 +309,35 @@ async def test_a_template_that_drops_earlier_reasoning_still_stitches(dialect: s
     assert tok.decode(list(second.input_ids[fed:])) == tail  # the reasoning the template drops is kept
 
 
+@pytest.mark.parametrize("dialect", sorted(DIALECTS))
+async def test_a_sampled_stop_token_that_opens_the_next_message_is_not_repeated(dialect: str) -> None:
+    """GLM-4.5 ends its turns on <|observation|> / <|user|>, which the template also prints to open the
+    tool result / user message that follows: the tail appended to the stored ids starts after it."""
+    family = next(f for f in FAMILIES if f.name == "glm45")
+    tok = family.tokenizer()
+    engine = family.engine(tok, [family.call, family.answer, family.bye])
+    async with served(tok, engine, stop_token=family.stop) as s:
+        h = s.proxy.create_session()
+        await DIALECTS[dialect](s, h.session_id)
+        trajs = s.proxy.export(h.session_id)
+    assert_one_stitched_branch(trajs, engine)
+    check_fidelity(trajs, engine, h.session_id)
+    ends, tails = [], []
+    for before, after in zip(engine.calls[:-1], engine.calls[1:], strict=True):
+        out = before.generation.output_ids
+        ends.append(tok.decode(out[-1:]))
+        tails.append(tok.decode(list(after.input_ids[len(before.input_ids) + len(out) :])))
+    assert ends == ["<|observation|>", "<|user|>"]
+    assert tails == [
+        "\n<tool_response>\na.txt\nb.txt\n</tool_response><|assistant|>",
+        "\nthanks<|assistant|>",
+    ]
+
+
 async def test_chat_streams_reasoning_as_reasoning_content_deltas() -> None:
     family = next(f for f in FAMILIES if f.name == "glm45")
     tok = family.tokenizer()
-    engine = ScriptedEngine(tok, [family.answer], stop_token=family.stop)
+    engine = family.engine(tok, [family.answer])
     async with served(tok, engine, stop_token=family.stop) as s:
         c = s.client(s.proxy.create_session().session_id)
         msgs = [{"role": "user", "content": "list files"}]
@@ -312,7 +356,7 @@ async def test_a_malformed_native_call_is_data(name: str, tmp_path: Path) -> Non
     family = next(f for f in FAMILIES if f.name == name)
     broken = family.call.replace("ls -la", 'ls -la"', 1).replace("<arg_value>", "<arg_valu>", 1)
     tok = family.tokenizer()
-    engine = ScriptedEngine(tok, [broken], stop_token=family.stop)
+    engine = family.engine(tok, [broken])
     async with served(tok, engine, store_dir=tmp_path, stop_token=family.stop) as s:
         h = s.proxy.create_session()
         msgs = [{"role": "user", "content": "list files"}]

@@ -15,7 +15,7 @@ prompt is refused in microseconds instead of tokenized for seconds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,8 +98,12 @@ def request_keys(s: Session, req: ChatRequest, seen: Seen | None = None) -> list
     return out
 
 
-def _ended(r: Renderer, b: Branch, n_ids: int) -> bool:
-    return n_ids > 0 and b.loss_mask[n_ids - 1] == 1 and b.token_ids[n_ids - 1] == r.stop_id
+def _stop(r: Renderer, b: Branch, n_ids: int, stops: Collection[int]) -> str | None:
+    """The text of the stop token that ends the turn at `n_ids`, if it was sampled (not cut by length)."""
+    if n_ids == 0 or b.loss_mask[n_ids - 1] != 1:
+        return None
+    last = b.token_ids[n_ids - 1]
+    return r.decode([last]) if last == r.stop_id or last in stops else None
 
 
 class Offload(Exception):
@@ -138,8 +142,10 @@ def make_plan(
     *,
     keys: list[str] | None = None,
     inline_chars: int | None = None,
+    stops: Collection[int] = (),
 ) -> Plan:
-    """The plan of `req` on `s`. With `inline_chars`, raises Offload before rendering more text than that."""
+    """The plan of `req` on `s`. With `inline_chars`, raises Offload before rendering more text than that.
+    `stops`: the ids the engine stops on besides the renderer's stop token (its eos ids)."""
     keys = request_keys(s, req) if keys is None else keys
     tkey = tools_key(req.tools)
 
@@ -155,8 +161,8 @@ def make_plan(
         suffix = r.render_suffix(req.messages[n:], req.tools, tkey)
         if suffix is None:
             break  # the template does not render this tail as a pure suffix: re-render on a new branch
-        close = r.assistant_close(req.tools, tkey, _ended(r, b, len(b.token_ids)))
-        delta = _encode(r, close + suffix, len(b.token_ids), limit)
+        text = r.after_turn(suffix, req.tools, tkey, _stop(r, b, len(b.token_ids), stops))
+        delta = _encode(r, text, len(b.token_ids), limit)
         return Plan(b.index, False, b.token_ids + delta, delta, keys[n:], tkey)
     fork = fork_point(s, keys, tkey)
     if fork is not None:
@@ -164,7 +170,8 @@ def make_plan(
         check(req.messages[n_keys:])
         suffix = r.render_suffix(req.messages[n_keys:], req.tools, tkey)
         if suffix is not None:
-            delta = _encode(r, r.assistant_close(req.tools, tkey, _ended(r, b, n_ids)) + suffix, n_ids, limit)
+            text = r.after_turn(suffix, req.tools, tkey, _stop(r, b, n_ids, stops))
+            delta = _encode(r, text, n_ids, limit)
             prompt = b.token_ids[:n_ids] + delta
             return Plan(len(s.branches), True, prompt, delta, keys[n_keys:], tkey, b.index, n_keys, n_ids)
     check(req.messages)

@@ -224,25 +224,35 @@ class TitoProxy:
         with self._refusals(s, mark):
             return await anyio.to_thread.run_sync(fn)
 
-    async def _plan(self, s: Session, req: ChatRequest, limit: int | None, *, mark: bool = True) -> Plan:
+    async def _plan(
+        self, s: Session, req: ChatRequest, info: EngineInfo, limit: int | None, *, mark: bool = True
+    ) -> Plan:
         """Plan in-line when the request is small enough that a thread hop would cost more than the
         work (measured from its texts' sizes before hashing, and from the tail's before rendering);
         otherwise, or as soon as planning finds more to render, in a worker thread."""
         _require_messages(req)
-        keys = None
+        keys, stops = None, self._stop_ids(info)
         if text_size(req.messages) <= _INLINE_KEY_CHARS and within(req.tools, _INLINE_KEY_CHARS):
             keys = request_keys(s, req, self._seen.get(s.id))
             self._seen[s.id] = Seen(req.messages, keys, session_key(s))
             try:
                 with self._refusals(s, mark):
                     return make_plan(
-                        s, req, self.renderer, limit, keys=keys, inline_chars=_INLINE_RENDER_CHARS
+                        s,
+                        req,
+                        self.renderer,
+                        limit,
+                        keys=keys,
+                        inline_chars=_INLINE_RENDER_CHARS,
+                        stops=stops,
                     )
             except Offload:
                 pass
         else:
             self._seen.pop(s.id, None)  # a large request is hashed in full, and not kept
-        return await self._off_loop(s, lambda: make_plan(s, req, self.renderer, limit, keys=keys), mark=mark)
+        return await self._off_loop(
+            s, lambda: make_plan(s, req, self.renderer, limit, keys=keys, stops=stops), mark=mark
+        )
 
     def _max_new(
         self, s: Session, req: ChatRequest, prompt_len: int, limit: int | None
@@ -258,8 +268,12 @@ class TitoProxy:
             caps.append((s.budget.max_tokens - s.sampled_tokens, "max_tokens"))
         return min(caps, key=lambda c: c[0])
 
+    def _stop_ids(self, info: EngineInfo) -> tuple[int, ...]:
+        """The ids a turn ends on: the configured stop token and the engine's eos ids (GLM's several)."""
+        return tuple(dict.fromkeys((self.renderer.stop_id, *info.eos_token_ids)))
+
     def _sampling(self, req: ChatRequest, max_new: int, info: EngineInfo) -> SamplingParams:
-        stops = tuple(dict.fromkeys((self.renderer.stop_id, *info.eos_token_ids)))
+        stops = self._stop_ids(info)
         return SamplingParams(
             max_new_tokens=max_new,
             temperature=req.temperature,
@@ -298,8 +312,8 @@ class TitoProxy:
         (context_length_exceeded) rather than tokenized; the session is not marked."""
         s = self._session(session_id)
         async with s.lock:
-            limit = self._limit(s, await self._described())
-            return len((await self._plan(s, req, limit, mark=False)).prompt)
+            info = await self._described()
+            return len((await self._plan(s, req, info, self._limit(s, info), mark=False)).prompt)
 
     async def chat(self, session_id: str, req: ChatRequest) -> ChatResult:
         return await self.serve(session_id, req, _same)
@@ -319,7 +333,7 @@ class TitoProxy:
             limit = self._limit(s, info)
             if req.aux:
                 return await self._aux(s, req, info, limit, respond)
-            plan = await self._plan(s, req, limit)
+            plan = await self._plan(s, req, info, limit)
             max_new, capped_by = self._max_new(s, req, len(plan.prompt), limit)
             sampling = self._sampling(req, max_new, info)
             # Shielded: a client that disconnects must not lose a turn the engine has sampled.

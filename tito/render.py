@@ -9,9 +9,10 @@ template that renders the anchor reply differently once a message follows it
 closing instead, provided the system and user messages render unchanged (nothing
 of the tail was placed before the reply); otherwise `render_suffix` returns None
 and the caller re-renders everything on a new branch. After a stored assistant
-turn the template's closing text (for chatml `<|im_end|>\n`) follows; when the
-sampled ids already end with the stop token, only the rest of that closing (`\n`)
-is new.
+turn the template's closing text (for chatml `<|im_end|>\n`) and the suffix follow;
+when the sampled ids already end with a stop token that text starts with, only the
+rest is new (`\n` for chatml; GLM samples `<|observation|>`, which opens the tool
+message that follows).
 
 Tools: templates that mention `tools` get them natively. Others (plain chatml,
 e.g. SmolLM2) get the text-action fallback: the schemas go into the system prompt
@@ -71,7 +72,6 @@ class Renderer:
         if not isinstance(stop_id, int) or stop_id < 0 or stop_id == getattr(tokenizer, "unk_token_id", None):
             stop_id = tokenizer.eos_token_id
         self.stop_id: int = int(stop_id)
-        self.stop_text: str = tokenizer.decode([self.stop_id])
         self._anchor: dict[str, tuple[str, str]] = {}  # tools key -> (render(anchor), assistant close)
         self.size_bound = size_bound(self._fast)  # None: no proof, prompts are tokenized in full (bound.py)
 
@@ -156,12 +156,16 @@ class Renderer:
             cached = self._anchor[tkey] = (base, close)
         return cached
 
-    def assistant_close(self, tools: tuple[dict[str, Any], ...], tkey: str, ended_with_stop: bool) -> str:
-        """Template text that follows a stored assistant turn's sampled ids."""
-        close = self._anchor_parts(tools, tkey)[1]
-        if ended_with_stop and close.startswith(self.stop_text):
-            return close[len(self.stop_text) :]
-        return close
+    def after_turn(self, suffix: str, tools: tuple[dict[str, Any], ...], tkey: str, stop: str | None) -> str:
+        """Template text that follows a stored assistant turn's sampled ids: its closing, then `suffix`.
+
+        `stop` is the text of the stop token the turn sampled (None when it ended otherwise): the ids
+        already hold it, so it is dropped from the front (chatml: `<|im_end|>` of the closing; GLM: the
+        `<|user|>` / `<|observation|>` that also opens the next message)."""
+        text = self._anchor_parts(tools, tkey)[1] + suffix
+        if stop and text.startswith(stop):
+            return text[len(stop) :]
+        return text
 
     def render_suffix(
         self, tail: tuple[Message, ...], tools: tuple[dict[str, Any], ...], tkey: str
