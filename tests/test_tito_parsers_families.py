@@ -334,6 +334,30 @@ async def test_a_sampled_stop_token_that_opens_the_next_message_is_not_repeated(
     ]
 
 
+async def test_an_auxiliary_reply_keeps_its_reasoning() -> None:
+    family = next(f for f in FAMILIES if f.name == "qwen3")
+    tok = family.tokenizer()
+    engine = family.engine(tok, ['<think>\nA short title.\n</think>\n\n{"title": "List files"}'])
+    async with served(tok, engine, stop_token=family.stop) as s:
+        h = s.proxy.create_session()
+        ep = s.proxy.endpoint(h.session_id, s.url)
+        a = AsyncAnthropic(base_url=ep.base_url.removesuffix("/v1"), api_key=ep.api_key, max_retries=0)
+        fmt = {"type": "json_schema", "schema": {"type": "object"}}
+        msgs: list[Any] = [{"role": "user", "content": "title this"}]
+        try:
+            raw = await a.messages.with_raw_response.create(
+                model="policy", max_tokens=64, messages=msgs, extra_body={"output_config": {"format": fmt}}
+            )
+            r = await raw.parse()
+        finally:
+            await a.close()
+        info = s.proxy.get_session(h.session_id)
+    assert raw.headers["x-tito-aux"] == "1" and (info.n_aux, info.n_turns) == (1, 0)
+    assert [b.type for b in r.content] == ["thinking", "text"]
+    assert r.content[0].thinking == "\nA short title.\n"  # type: ignore[union-attr]
+    assert r.content[1].text == '{"title": "List files"}'  # type: ignore[union-attr]
+
+
 async def test_chat_streams_reasoning_as_reasoning_content_deltas() -> None:
     family = next(f for f in FAMILIES if f.name == "glm45")
     tok = family.tokenizer()

@@ -356,7 +356,7 @@ class TitoProxy:
         sampling = self._sampling(req, max_new, info)
         gen = await self._engine(s, ids, sampling, limit, None)
         r = self._parse(gen, sampling, req)
-        reply = respond(replace(r, prompt_tokens=len(ids), branch=-1, meta={"aux": True}))
+        reply = respond(replace(r, prompt_tokens=len(ids), branch=-1, meta={**r.meta, "aux": True}))
         # flagged in the journal (counted in SessionInfo.n_aux), never part of a trajectory
         self._record(s, {"kind": "aux", "prompt_tokens": len(ids), "completion_tokens": r.completion_tokens})
         return reply
