@@ -4,15 +4,18 @@ the tail before the reply gets None (a full render on a new branch), never a suf
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from miles_env.tito import ChatRequest, Message, TitoProxy
+from miles_env.tito.messages import ToolCall, message_key
 from miles_env.tito.render import _ANCHOR, _ANCHOR_TEXT, Renderer
 
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.models import load_tokenizer
-from tests.test_tito_support import check_fidelity
+from tests.test_tito_parsers_families import FAMILIES
+from tests.test_tito_support import TOOLS, check_fidelity
 
 pytestmark = pytest.mark.anyio
 
@@ -86,3 +89,15 @@ async def test_a_hoisted_system_message_starts_a_full_branch() -> None:
     assert [len(t.turns) for t in trajs] == [2, 1]
     assert "Be brief." in tok.decode(list(engine.calls[2].input_ids))
     check_fidelity(trajs, engine, sid)
+
+
+def test_a_full_render_hands_reasoning_to_the_template_and_identity_ignores_it() -> None:
+    r = Renderer(next(f for f in FAMILIES if f.name == "qwen3").tokenizer())
+    call = ToolCall("call_1", "bash", '{"command": "ls"}')
+    thought = Message("assistant", "", (call,), reasoning="\nI should list the files.\n")
+    history = (Message("user", "list files"), thought, Message("tool", "a.txt", tool_call_id="call_1"))
+    with_it = r.render_full(history, tuple(TOOLS))
+    assert "<|im_start|>assistant\n<think>\nI should list the files.\n</think>\n\n<tool_call>" in with_it
+    without = r.render_full((history[0], replace(thought, reasoning=None), history[2]), tuple(TOOLS))
+    assert "<think>" not in without and "<|im_start|>assistant\n<tool_call>" in without
+    assert message_key(thought) == message_key(replace(thought, reasoning=None))

@@ -67,6 +67,10 @@ class Message:
     tool_call_id: str | None = None
     name: str | None = None
     id: str | None = None  # an output item id the proxy generated (Responses), if the client sent one
+    # An assistant turn's reasoning as the client sent it back: handed to the template as
+    # `reasoning_content` in a full render (templates that keep recent reasoning print it), never part
+    # of the message's identity (a client may drop it) nor of a stitched prompt (the stored ids hold it).
+    reasoning: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,18 +94,23 @@ class Renderer:
 
     # -- messages -> template dicts ----------------------------------------------------------------
     def _assistant(self, m: Message) -> dict[str, Any]:
+        d: dict[str, Any] = {"role": "assistant", "content": m.content}
+        if m.reasoning is not None:  # the vLLM / SGLang field reasoning templates read
+            d["reasoning_content"] = m.reasoning
         if self.native_tools and m.tool_calls:
-            calls = [
+            d["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_obj()}}
                 for c in m.tool_calls
             ]
-            return {"role": "assistant", "content": m.content, "tool_calls": calls}
-        blocks = [
-            "<tool_call>\n" + json.dumps({"name": c.name, "arguments": c.arguments_obj()}, ensure_ascii=False)
-            for c in m.tool_calls
-        ]
-        text = "\n".join([m.content, *(b + "\n</tool_call>" for b in blocks)] if blocks else [m.content])
-        return {"role": "assistant", "content": text.strip() if blocks else text}
+        elif m.tool_calls:
+            blocks = (
+                "<tool_call>\n"
+                + json.dumps({"name": c.name, "arguments": c.arguments_obj()}, ensure_ascii=False)
+                + "\n</tool_call>"
+                for c in m.tool_calls
+            )
+            d["content"] = "\n".join([m.content, *blocks]).strip()
+        return d
 
     def _dicts(self, messages: tuple[Message, ...] | list[Message]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
