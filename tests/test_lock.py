@@ -63,12 +63,18 @@ def test_every_extra_is_installed_by_setup():
 
 
 def test_installed_versions_are_the_locked_ones():
+    # By name, as import finds them (first on sys.path): not every *.dist-info on sys.path, since
+    # setuptools appends its own _vendor folder (an older vendored `packaging`) once imported.
     lock = _read_lock(REPO / "requirements.lock")
     drift = []
-    for dist in importlib.metadata.distributions():
-        name = canonicalize_name(dist.metadata["Name"])
-        if name in lock and Version(dist.version).public != lock[name].public:
-            drift.append(f"{name} {dist.version} installed, {lock[name]} locked")
+    for name, pinned in lock.items():
+        try:
+            installed = Version(importlib.metadata.version(name))
+        except importlib.metadata.PackageNotFoundError:
+            drift.append(f"{name} is locked but not installed")
+            continue
+        if installed.public != pinned.public:
+            drift.append(f"{name} {installed} installed, {pinned} locked")
     assert not drift, (
         "the environment drifted from requirements.lock (re-run scripts/setup.sh):\n" + "\n".join(drift)
     )
