@@ -110,10 +110,13 @@ def _user(content: list[Block], where: str) -> list[Message]:
 
 
 def _assistant(content: list[Block], where: str) -> Message:
-    texts, calls = [], []
+    texts, calls, thoughts = [], [], []
     for j, b in enumerate(content):
         if b.type in ("thinking", "redacted_thinking"):
-            continue  # not identity, not rendered: the stored ids hold what was sampled
+            # Not identity, not in a stitched prompt (the stored ids hold what was sampled): only
+            # handed to the template when a full render is needed.
+            if b.type == "thinking" and b.thinking:
+                thoughts.append(b.thinking)
         elif b.type == "text" and b.text is not None:
             texts.append(b.text)
         elif b.type == "tool_use" and b.id and b.name:
@@ -121,7 +124,7 @@ def _assistant(content: list[Block], where: str) -> Message:
             calls.append(ToolCall(b.id, b.name, args))
         else:
             raise bad_request(f"content block type {b.type!r} is not supported here", param=f"{where}[{j}]")
-    return Message("assistant", "\n".join(texts), tuple(calls))
+    return Message("assistant", "\n".join(texts), tuple(calls), reasoning="".join(thoughts) or None)
 
 
 def core_messages(req: CountTokensRequest) -> list[Message]:

@@ -54,6 +54,7 @@ class ChatMessageIn(_In):
     name: str | None = None
     tool_calls: Items[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning, as we returned it
 
 
 class FunctionDef(_In):
@@ -103,7 +104,8 @@ def _text(content: str | list[ContentPart] | None, i: int) -> str:
 def _message(m: ChatMessageIn, i: int) -> Message:
     role = "system" if m.role == "developer" else m.role
     calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ())
-    return Message(role, _text(m.content, i), calls, m.tool_call_id, m.name)
+    reasoning = m.reasoning_content if role == "assistant" else None
+    return Message(role, _text(m.content, i), calls, m.tool_call_id, m.name, reasoning=reasoning)
 
 
 def to_core(req: ChatCompletionRequest) -> ChatRequest:

@@ -154,12 +154,13 @@ class _Assistant:
         self.text: str | None = None
         self.calls: list[ToolCall] = []
         self.id: str | None = None
+        self.reasoning: str | None = None  # a preceding reasoning item's summary text
 
     def empty(self) -> bool:
         return self.text is None and not self.calls
 
     def message(self) -> Message:
-        return Message("assistant", self.text or "", tuple(self.calls), id=self.id)
+        return Message("assistant", self.text or "", tuple(self.calls), id=self.id, reasoning=self.reasoning)
 
 
 def _messages(req: ResponsesRequest) -> list[Message]:
@@ -175,9 +176,11 @@ def _messages(req: ResponsesRequest) -> list[Message]:
         group = _Assistant()
 
     for i, it in enumerate(req.input):
-        if isinstance(it, ReasoningItem):  # not identity, not rendered: the stored ids hold what was sampled
+        if isinstance(it, ReasoningItem):  # not identity, not stitched: the stored ids hold what was sampled
             if group.text is not None or group.calls:
                 flush()
+            said = "".join(s["text"] for s in it.summary if isinstance(s.get("text"), str))
+            group.reasoning = said or None  # only for a full render (templates that print it)
         elif isinstance(it, MessageItem) and it.role == "assistant":
             if group.text is not None or group.calls:
                 flush()
