@@ -3,7 +3,7 @@
 `load_adapter_environment("harbor:/path/to/tasks")` routes a name whose prefix is
 a known adapter (harbor, hud, nemo-gym, openenv, verifiers) to that adapter.
 Framework packages live in their own venvs (see `venv.py`) and are driven by a
-worker over stdio (see `base.py`); Harbor task directories are also read natively.
+worker over stdio (see `worker_client.py`); Harbor task directories are also read natively.
 """
 
 from __future__ import annotations

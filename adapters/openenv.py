@@ -17,9 +17,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from miles_env.adapters.base import WorkerClient
 from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward
 from miles_env.adapters.isolation import Isolation, adapter_sandbox_spec, episode_worker
+from miles_env.adapters.worker_client import WorkerClient
 
 from miles_env.environment import Environment, Transcript
 from miles_env.harness import Endpoint, HarnessResult

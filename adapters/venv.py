@@ -286,7 +286,7 @@ def installed() -> list[VenvInfo]:
 
 def worker_rows(adapter: str, env_name: str, script: str, *args: str) -> list[dict[str, Any]]:
     """One `tasks` call to a one-shot worker in `adapter`'s venv (its listing of an environment)."""
-    from miles_env.adapters.base import call_once, python_argv
+    from miles_env.adapters.worker_client import call_once, python_argv
 
     python = venv_python(adapter)
     if not python.exists():

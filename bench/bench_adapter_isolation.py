@@ -22,9 +22,9 @@ from pathlib import Path
 
 import anyio
 import miles_env.adapters as pkg
-from miles_env.adapters.base import WorkerClient, python_argv
 from miles_env.adapters.isolation import adapter_sandbox_spec, ro_paths
 from miles_env.adapters.venv import get_spec, venv_python
+from miles_env.adapters.worker_client import WorkerClient, python_argv
 from miles_env.sandboxes.local import LocalSandboxProvider
 from miles_env.sandboxes.local.spawn import spawn
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import anyio
 import miles_env.adapters as pkg
-from miles_env.adapters.base import WORKERS_DIR, WorkerClient, python_argv
 from miles_env.adapters.venv import get_spec, install, venv_python
+from miles_env.adapters.worker_client import WORKERS_DIR, WorkerClient, python_argv
 
 EX = Path(pkg.__file__).parent / "examples"
 COMMON = f"""

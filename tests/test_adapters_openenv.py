@@ -75,9 +75,9 @@ def test_broken_worker_fails_its_episode_and_the_run_goes_on(tmp_path: Path) -> 
     """run_many over [broken worker, real worker]: the first episode fails with the error, the second passes."""
     import sys
 
-    from miles_env.adapters.base import WORKERS_DIR, WorkerClient
     from miles_env.adapters.harness import _POOL
     from miles_env.adapters.venv import install
+    from miles_env.adapters.worker_client import WORKERS_DIR, WorkerClient
 
     from miles_env.engines.scripted import ScriptedEngine
     from miles_env.models import load_tokenizer

@@ -6,10 +6,9 @@ import sys
 from pathlib import Path
 
 import anyio
-import miles_env.adapters.base as base
 import pytest
-from miles_env.adapters.base import WorkerClient, WorkerError, call_once
 from miles_env.adapters.harness import _POOL, FrameworkHarness
+from miles_env.adapters.worker_client import WORKERS_DIR, WorkerClient, WorkerError, call_once
 
 from miles_env.types import Status, Task
 
@@ -42,7 +41,7 @@ _rpc.serve(dict(echo=echo, crash=crash, hang=hang, stoppable=stoppable, garbage=
 @pytest.fixture
 def faulty(tmp_path: Path) -> list[str]:
     path = tmp_path / "faulty_worker.py"
-    path.write_text(FAULTY.format(workers=str(base.WORKERS_DIR)))
+    path.write_text(FAULTY.format(workers=str(WORKERS_DIR)))
     return [sys.executable, "-u", str(path)]
 
 

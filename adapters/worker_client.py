@@ -1,4 +1,4 @@
-"""The worker protocol: a framework's code runs in its own venv, driven over stdio JSON lines.
+"""The worker RPC client: a framework's code runs in its own venv, driven over stdio JSON lines.
 
 Concept: `WorkerClient` starts `<venv python> adapters/workers/<script>` and talks
 to it with one JSON object per line. Host -> worker: `{"id", "method", "params"}`;
