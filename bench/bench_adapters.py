@@ -111,8 +111,7 @@ async def harbor(n: int, tmp: Path) -> dict[str, float]:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from miles_env.adapters.harbor import HarborTasksEnvironment
-    from miles_env.adapters.harbor_trial import run_harbor_trial
+    from miles_env.adapters.harbor import HarborTasksEnvironment, run_harbor_trial
     from miles_env.sandboxes import get_provider
     from test_adapters_harbor import make_task  # the same small task the tests use
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from miles_env.adapters.harbor import HarborTasksEnvironment
+from miles_env.adapters.harbor.environment import HarborTasksEnvironment
 from miles_env.adapters.harness import FRAMEWORK_ROLE, worker_for
 
 from miles_env.errors import SandboxError

@@ -27,7 +27,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from miles_env.adapters.harbor_dockerfile import (
+from miles_env.adapters.harbor.dockerfile import (
     Step,
     final_stage,
     parse_dockerfile,
@@ -142,7 +142,7 @@ def read_task_dir(task_dir: Path, env_name: str) -> Task:
         verifier={"task_dir": str(task_dir), "timeout_s": float(ver_cfg.get("timeout_sec", 120.0))},
         solution=solution,
         metadata={
-            "adapter": "harbor",  # `--harness framework` runs Harbor's own agent (harbor_trial.run_episode)
+            "adapter": "harbor",  # `--harness framework` runs Harbor's own agent (harbor/trial.py)
             "harbor": {"metadata": cfg.get("metadata", {}), "version": cfg.get("version")},
         },
     )
@@ -246,6 +246,6 @@ async def _maybe_read(sandbox: Sandbox, path: str) -> str | None:
 
 async def run_episode(task: Task, sandbox: Sandbox, endpoint: Endpoint, **config: Any) -> HarnessResult:
     """`--harness framework`: Harbor's own agent (default terminus-2) on the TITO session."""
-    from miles_env.adapters.harbor_trial import run_episode as trial_episode
+    from miles_env.adapters.harbor.trial import run_episode as trial_episode
 
     return await trial_episode(task, sandbox, endpoint, **config)

@@ -6,7 +6,7 @@ joined, comments dropped). Two ways to make a sandbox match it:
 - docker provider: the environment sets `SandboxSpec.build` to the environment
   directory and the provider builds it for real, offline (no pull, no network),
   tagged by a hash of its content, so an unchanged task builds once
-  (sandboxes/docker.py); a failed build fails the sandbox's creation with the log.
+  (the docker provider); a failed build fails the sandbox's creation with the log.
 - any other sandbox (the local bwrap one): `run_setup` replays the steps in the
   sandbox as a setup phase: `WORKDIR` (mkdir, becomes the cwd), `ENV`/`ARG`
   (environment of later steps), `COPY`/`ADD` (files from the build context, binary
