@@ -7,7 +7,6 @@ Public surface: the core types and contracts. Plug-ins live in
 
 from miles_env.environment import Environment, Transcript
 from miles_env.errors import (
-    BudgetExceeded,
     ConfigError,
     EngineError,
     HarnessError,
@@ -35,7 +34,6 @@ from miles_env.types import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "BudgetExceeded",
     "ConfigError",
     "Endpoint",
     "EngineError",

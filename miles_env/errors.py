@@ -19,7 +19,6 @@ __all__ = [
     "EngineError",
     "EngineRefused",
     "HarnessError",
-    "BudgetExceeded",
 ]
 
 
@@ -81,10 +80,6 @@ class EngineRefused(EngineError):
 
 class HarnessError(MilesEnvError):
     """An agent harness failed in a way that ends the episode."""
-
-
-class BudgetExceeded(MilesEnvError):
-    """A session budget (turns, tokens, context, wall time) was hit."""
 
 
 class SandboxThrottled(SandboxError):

@@ -7,7 +7,7 @@ import importlib
 import miles_env
 
 EXPECTED = {
-    "BudgetExceeded", "ConfigError", "Endpoint", "EngineError", "Environment", "Episode", "ExecResult",
+    "ConfigError", "Endpoint", "EngineError", "Environment", "Episode", "ExecResult",
     "Harness", "HarnessError", "HarnessResult", "MilesEnvError", "NetworkPolicy", "RegistryError",
     "Resources", "Reward", "Sandbox", "SandboxError", "SandboxProvider", "SandboxSpec",
     "SandboxUnavailable", "Status", "Task", "TaskError", "Trajectory", "Transcript", "Turn", "__version__",
