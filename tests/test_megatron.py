@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from miles_env.trainer.config import TrainerConfig
-from miles_env.trainer.megatron_convert import hf_to_megatron, megatron_to_hf, model_shape, shard, unshard
+from miles_env.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, model_shape, shard, unshard
 
 from miles_env.types import Episode, Reward, Status, Trajectory, Turn
 
@@ -95,7 +95,7 @@ def test_round_trip_exact_smollm2() -> None:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_logits_match_hf_tiny(tmp_path: Path, kind: str) -> None:
-    from miles_env.trainer.megatron_backend import MegatronTrainer
+    from miles_env.trainer.megatron.backend import MegatronTrainer
     from transformers import AutoModelForCausalLM
 
     path = tiny_model(tmp_path / kind, kind)
@@ -108,7 +108,7 @@ def test_logits_match_hf_tiny(tmp_path: Path, kind: str) -> None:
 
 
 def _step_both(path: Path, cfg: TrainerConfig) -> tuple[dict, dict, dict, dict]:  # type: ignore[type-arg]
-    from miles_env.trainer.megatron_backend import MegatronTrainer
+    from miles_env.trainer.megatron.backend import MegatronTrainer
     from miles_env.trainer.torch_backend import TorchTrainer
 
     batch = groups(vocab=int(__import__("json").loads((path / "config.json").read_text())["vocab_size"]))
@@ -141,7 +141,7 @@ def test_one_step_same_as_torch_tiny(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.model
 def test_logits_match_hf_smollm2() -> None:
-    from miles_env.trainer.megatron_backend import MegatronTrainer
+    from miles_env.trainer.megatron.backend import MegatronTrainer
     from transformers import AutoModelForCausalLM
 
     from miles_env.models import resolve_model
@@ -164,7 +164,7 @@ def test_one_step_same_as_torch_smollm2() -> None:
 
 
 def test_checkpoint_resume_and_export(tmp_path: Path) -> None:
-    from miles_env.trainer.megatron_backend import MegatronTrainer
+    from miles_env.trainer.megatron.backend import MegatronTrainer
     from transformers import AutoModelForCausalLM
 
     path = tiny_model(tmp_path / "m")

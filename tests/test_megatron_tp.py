@@ -15,7 +15,7 @@ import pytest
 
 
 def _worker(out: Path, model_dir: Path) -> None:
-    from miles_env.trainer.megatron_backend import MegatronTrainer, MegatronTrainerConfig
+    from miles_env.trainer.megatron.backend import MegatronTrainer, MegatronTrainerConfig
 
     sys.path.insert(0, str(Path(__file__).parent))
     from test_megatron import groups  # type: ignore[import-not-found]

@@ -160,7 +160,7 @@ def test_checkpoint_roundtrip_and_export(tiny: Path, tmp_path: Path) -> None:
 
 def test_train_from_queue_checkpoints_acks_and_filters_stale(tiny: Path, tmp_path: Path) -> None:
     import anyio
-    from miles_env.trainer.loop import train_from_queue
+    from miles_env.trainer.loop import LoopConfig, StepHooks, StepResult, train_from_queue
 
     from miles_env.queue import SqliteReplayQueue
 
@@ -176,17 +176,18 @@ def test_train_from_queue_checkpoints_acks_and_filters_stale(tiny: Path, tmp_pat
         put_group(f"g{g}", 0)
     seen: list[tuple[int, float]] = []
 
-    async def on_step(step: int, metrics: dict[str, float]) -> None:
-        seen.append((step, metrics["loss_tokens"]))
+    class Hooks(StepHooks):
+        async def report(self, result: StepResult) -> None:
+            seen.append((result.step, result.metrics["loss_tokens"]))
+
+    class AtVersion10(StepHooks):
+        def current_version(self, step: int) -> int:
+            return 10
 
     trainer = TorchTrainer(tiny, TrainerConfig(lr=1e-3))
     ckpt = tmp_path / "ckpt"
-    assert (
-        anyio.run(
-            lambda: train_from_queue(q, trainer, steps=2, groups_per_step=2, ckpt_dir=ckpt, on_step=on_step)
-        )
-        == 2
-    )
+    cfg = LoopConfig(steps=2, groups_per_step=2, ckpt_dir=ckpt)
+    assert anyio.run(lambda: train_from_queue(q.aio, trainer, cfg, Hooks())) == 2
     assert seen == [(1, 42.0), (2, 42.0)]
     assert q.stats().acked_groups == 4
     extra = TorchTrainer(tiny).load_checkpoint(ckpt)
@@ -195,12 +196,8 @@ def test_train_from_queue_checkpoints_acks_and_filters_stale(tiny: Path, tmp_pat
 
     put_group("old", 0)
     put_group("new", 9)
-    final = anyio.run(
-        lambda: train_from_queue(
-            q, trainer, steps=3, groups_per_step=1, ckpt_dir=ckpt, max_staleness=2, current_version=lambda: 10
-        )
-    )
-    assert final == 3
+    cfg = LoopConfig(steps=3, groups_per_step=1, ckpt_dir=ckpt, max_staleness=2)
+    assert anyio.run(lambda: train_from_queue(q.aio, trainer, cfg, AtVersion10())) == 3
     s = q.stats()
     assert s.stale_groups == 1 and s.stale_dropped_episodes == 2 and s.acked_groups == 5
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000002", "step_00000003"]

@@ -25,7 +25,7 @@ CHILD = textwrap.dedent(
     import anyio
     from miles_env.queue import SqliteReplayQueue
     from miles_env.trainer.config import TrainerConfig
-    from miles_env.trainer.loop import train_from_queue
+    from miles_env.trainer.loop import LoopConfig, train_from_queue
     from miles_env.trainer.torch_backend import TorchTrainer
 
     run, model, phase, kill_at = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
@@ -58,7 +58,8 @@ CHILD = textwrap.dedent(
         ack(leases)
 
     trainer.load_checkpoint, trainer.train_step, queue.ack = load_checkpoint, train_step, ack_fn
-    anyio.run(lambda: train_from_queue(queue, trainer, steps=4, groups_per_step=2, ckpt_dir=run / "ckpt", ckpt_every=2))
+    config = LoopConfig(steps=4, groups_per_step=2, ckpt_dir=run / "ckpt", ckpt_every=2)
+    anyio.run(lambda: train_from_queue(queue.aio, trainer, config))
     """
 )
 

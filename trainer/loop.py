@@ -1,101 +1,232 @@
-"""Drain the replay queue into the trainer: take -> train_step -> checkpoint -> ack.
+"""The one training loop: take -> train_step -> checkpoint -> ack, for `miles-env train` and any driver.
 
-Invariant (exactly-once training across crashes): a group is acked only after a
-checkpoint that contains its update is durable, and every checkpoint records the
-episode ids trained since the previous one. On start the loop restores the
-newest checkpoint and calls `queue.recover(those ids)`: groups the checkpoint
-already learned from are acked, every other lease goes back to pending (the
-restored model never saw them, so they must be trained again). Groups trained
-between checkpoints (ckpt_every > 1) keep their leases, renewed each step.
+Invariant (exactly-once training across crashes): a group is acked only after a checkpoint
+that contains its update is durable. Each checkpoint's extra holds `trained_episode_ids`, the
+ids trained since the previous checkpoint (exactly the groups its acks cover). `resume()`
+restores the newest checkpoint and calls `queue.recover(those ids)`: what the checkpoint learned
+from is acked, every other lease goes back to pending (the restored model never saw it). Leases
+held between checkpoints (checkpoint_every > 1) are renewed at every take (where expiry is
+applied) and acked after the checkpoint that holds them. A checkpoint written before this key
+(the job's cumulative `trained_ids`) still resumes.
 
-The trainer step runs in a worker thread so rollouts on the same event loop
-keep going. Weight sync to the engine is the caller's business: `on_step`
-(sync or async) receives (step, metrics) after each step.
+Lifecycle of a step: [sync: hooks.produce(groups_per_step)] -> take groups_per_step fresh-enough
+groups (staleness filter at hooks.current_version) -> train_step in a worker thread (rollouts on
+the event loop keep going) -> checkpoint + ack every checkpoint_every steps and at the last one
+-> hooks.after_step (weight sync; its metrics join the step's) -> hooks.report ->
+hooks.evaluate every eval_every steps, the last excepted (the caller evaluates after the loop).
+With `producers > 0` (fully_async) that many tasks call hooks.produce(1) for the whole run,
+throttled by the queue's back-pressure, and are cancelled when the loop ends.
+
+`StepHooks` is the job's seam and does nothing by default, so draining a filled queue is
+`await TrainLoop(queue, trainer, LoopConfig(...)).run()`.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import anyio.to_thread
 
-from miles_env.queue import AsyncReplayQueue, Lease, SqliteReplayQueue
+from miles_env.queue import AsyncReplayQueue, Lease
 from miles_env.types import Episode
 
-__all__ = ["train_from_queue", "TrainerBackend"]
+if TYPE_CHECKING:
+    import torch
 
-OnStep = Callable[[int, dict[str, float]], Awaitable[None] | None]
+__all__ = [
+    "TrainerBackend",
+    "LoopConfig",
+    "StepHooks",
+    "StepResult",
+    "Resumed",
+    "TrainLoop",
+    "train_from_queue",
+]
+
+TRAINED_IDS = "trained_episode_ids"  # the checkpoint key; `trained_ids` is its older (cumulative) name
 
 
 class TrainerBackend(Protocol):
+    """What the loop and the job ask of a trainer (TorchTrainer, MegatronTrainer, ranks.Leader).
+    `step` is the number of optimizer steps taken, which is also the weight version."""
+
     step: int
 
-    def train_step(self, groups: list[list[Episode]]) -> dict[str, float]: ...
+    def train_step(self, groups: Sequence[Sequence[Episode]]) -> dict[str, float]: ...
 
     def save_checkpoint(self, ckpt_dir: str | Path, extra: dict[str, Any] | None = None) -> Path: ...
 
     def load_checkpoint(self, ckpt_dir: str | Path) -> dict[str, Any] | None: ...
 
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
 
-async def _collect(
-    queue: AsyncReplayQueue, n: int, version: int, max_staleness: int | None, lease_s: float, poll_s: float
-) -> list[Lease]:
-    leases: list[Lease] = []
-    while len(leases) < n:
-        got = await queue.take(
-            n - len(leases), current_version=version, max_staleness=max_staleness, lease_s=lease_s
-        )
-        leases.extend(got)
-        if len(leases) < n:
-            if leases:
-                await queue.renew(leases, lease_s)
-            await anyio.sleep(poll_s)
-    return leases
+    def export_weights(self, path: str | Path) -> Path: ...
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LoopConfig:
+    steps: int  # train until trainer.step == steps
+    groups_per_step: int
+    ckpt_dir: Path
+    ckpt_every: int = 1
+    max_staleness: int | None = None  # None: no staleness filter
+    producers: int = 0  # 0: hooks.produce(groups_per_step) before each step (sync); n: n concurrent producers
+    eval_every: int = 0  # 0: never inside the loop
+    lease_s: float = 3600.0  # renewed every step; a restart recovers leases, not this timer
+    poll_s: float = 0.05  # while waiting for complete groups
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    step: int
+    groups: tuple[tuple[Episode, ...], ...]
+    metrics: dict[str, float]  # train_step's, the loop's timings (train_s, checkpoint_s, ...), after_step's
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    step: int  # the restored checkpoint's step
+    acked: int  # groups the checkpoint trained on, acked now
+    released: int  # leases returned to pending
+
+
+class StepHooks:
+    """The job's seams into the loop; every default does nothing. Subclass and override."""
+
+    async def produce(self, n_groups: int) -> None:
+        """Roll out `n_groups` groups into the queue (default: someone else fills it)."""
+
+    def current_version(self, step: int) -> int:
+        """The weight version the engine serves while the trainer is at `step` (staleness filter)."""
+        return step
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """JSON-able state saved in every checkpoint's extra (the job's rng, its task cursor)."""
+        return {}
+
+    def restore(self, extra: Mapping[str, Any]) -> None:
+        """Take back `checkpoint_state()` from the extra of the checkpoint resumed from."""
+
+    async def after_step(self, step: int) -> dict[str, float]:
+        """Right after the step (and its checkpoint): weight sync. Returns metrics for the step."""
+        return {}
+
+    async def report(self, result: StepResult) -> None:
+        """Log the finished step."""
+
+    async def evaluate(self, step: int) -> None:
+        """Every `eval_every` steps."""
+
+
+class TrainLoop:
+    def __init__(
+        self,
+        queue: AsyncReplayQueue,
+        trainer: TrainerBackend,
+        config: LoopConfig,
+        hooks: StepHooks | None = None,
+    ) -> None:
+        self.queue, self.trainer, self.config = queue, trainer, config
+        self.hooks = hooks or StepHooks()
+        self.held: list[Lease] = []  # trained, not yet in a checkpoint
+        self.resumed: Resumed | None = None
+        self._started = False
+
+    async def resume(self) -> Resumed | None:
+        """Restore the newest checkpoint (if any) and settle the queue with it; idempotent."""
+        if self._started:
+            return self.resumed
+        self._started = True
+        extra = await anyio.to_thread.run_sync(self.trainer.load_checkpoint, self.config.ckpt_dir)
+        ids: list[str] = [] if extra is None else list(extra.get(TRAINED_IDS, extra.get("trained_ids", [])))
+        acked, released = await self.queue.recover(ids)  # also frees leases of a run that never checkpointed
+        if extra is None:
+            return None
+        self.hooks.restore(extra)
+        self.resumed = Resumed(self.trainer.step, acked, released)
+        return self.resumed
+
+    async def run(self) -> int:
+        """Train until `trainer.step == steps` (resuming first); return the final step."""
+        await self.resume()
+        cfg = self.config
+        async with anyio.create_task_group() as tg:
+            for _ in range(cfg.producers):
+                tg.start_soon(self._produce_forever)
+            while self.trainer.step < cfg.steps:
+                result = await self.step()
+                await self.hooks.report(result)
+                if cfg.eval_every and result.step % cfg.eval_every == 0 and result.step < cfg.steps:
+                    await self.hooks.evaluate(result.step)
+            tg.cancel_scope.cancel()
+        return self.trainer.step
+
+    async def _produce_forever(self) -> None:
+        while True:  # back-pressure: queue.put waits while too many complete groups are pending
+            await self.hooks.produce(1)
+
+    async def step(self) -> StepResult:
+        cfg = self.config
+        metrics: dict[str, float] = {}
+        t0 = time.perf_counter()
+        if cfg.producers == 0:
+            await self.hooks.produce(cfg.groups_per_step)
+            metrics["rollout_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        leases = await self._collect(cfg.groups_per_step)
+        metrics["rollout_wait_s"] = time.perf_counter() - t1
+        groups = tuple(lease.episodes for lease in leases)
+        t2 = time.perf_counter()
+        metrics.update(await anyio.to_thread.run_sync(self.trainer.train_step, groups))
+        metrics["train_s"] = time.perf_counter() - t2
+        self.held.extend(leases)
+        if self.trainer.step % cfg.ckpt_every == 0 or self.trainer.step >= cfg.steps:
+            metrics["checkpoint_s"] = await self._checkpoint()
+        metrics.update(await self.hooks.after_step(self.trainer.step))
+        n_episodes = sum(len(g) for g in groups)
+        metrics["episodes_per_min"] = n_episodes / max(1e-9, (time.perf_counter() - t0) / 60)
+        return StepResult(self.trainer.step, groups, metrics)
+
+    async def _checkpoint(self) -> float:
+        """Save the state that trained `held`, then ack `held` (only once that is durable)."""
+        t0 = time.perf_counter()
+        extra = {
+            **self.hooks.checkpoint_state(),
+            TRAINED_IDS: [eid for lease in self.held for eid in lease.episode_ids],
+            "lease_ids": [lease.lease_id for lease in self.held],
+        }
+        await anyio.to_thread.run_sync(self.trainer.save_checkpoint, self.config.ckpt_dir, extra)
+        await self.queue.ack(self.held)
+        self.held = []
+        return time.perf_counter() - t0
+
+    async def _collect(self, n: int) -> list[Lease]:
+        """Lease `n` complete, fresh-enough groups, waiting for them. The held leases (and those
+        taken so far) are renewed before every take, which is where expiry happens, so however long
+        production, eval or the wait took, a trained group never expires back into the queue."""
+        cfg = self.config
+        version = self.hooks.current_version(self.trainer.step)
+        leases: list[Lease] = []
+        while True:
+            if self.held or leases:
+                await self.queue.renew([*self.held, *leases], cfg.lease_s)
+            leases += await self.queue.take(
+                n - len(leases), current_version=version, max_staleness=cfg.max_staleness, lease_s=cfg.lease_s
+            )
+            if len(leases) >= n:
+                return leases
+            await anyio.sleep(cfg.poll_s)
 
 
 async def train_from_queue(
-    queue: SqliteReplayQueue | AsyncReplayQueue,
-    trainer: TrainerBackend,
-    *,
-    steps: int,
-    groups_per_step: int,
-    ckpt_dir: str | Path,
-    ckpt_every: int = 1,
-    on_step: OnStep | None = None,
-    max_staleness: int | None = None,
-    current_version: Callable[[], int] | None = None,
-    lease_s: float = 3600.0,
-    poll_s: float = 0.05,
+    queue: AsyncReplayQueue, trainer: TrainerBackend, config: LoopConfig, hooks: StepHooks | None = None
 ) -> int:
-    """Train until `trainer.step == steps` (resuming from ckpt_dir); return the final step.
-    `current_version` gives the weight version for the staleness filter (default: trainer.step)."""
-    q = queue.aio if isinstance(queue, SqliteReplayQueue) else queue
-    version = current_version or (lambda: trainer.step)
-    extra = await anyio.to_thread.run_sync(trainer.load_checkpoint, ckpt_dir)
-    await q.recover((extra or {}).get("trained_episode_ids", []))
-    held: list[Lease] = []
-    while trainer.step < steps:
-        leases = await _collect(q, groups_per_step, version(), max_staleness, lease_s, poll_s)
-        groups = [list(lease.episodes) for lease in leases]
-        metrics = await anyio.to_thread.run_sync(trainer.train_step, groups)
-        held.extend(leases)
-        if trainer.step % ckpt_every == 0 or trainer.step >= steps:
-            ids = [eid for lease in held for eid in lease.episode_ids]
-            await anyio.to_thread.run_sync(
-                trainer.save_checkpoint,
-                ckpt_dir,
-                {"trained_episode_ids": ids, "lease_ids": [x.lease_id for x in held]},
-            )
-            await q.ack(held)
-            held = []
-        else:
-            await q.renew(held, lease_s)
-        if on_step is not None:
-            result = on_step(trainer.step, metrics)
-            if inspect.isawaitable(result):
-                await result
-    return trainer.step
+    """Resume from `config.ckpt_dir` and train until `trainer.step == config.steps`; the final step."""
+    return await TrainLoop(queue, trainer, config, hooks).run()

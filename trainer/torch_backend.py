@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from miles_env.trainer.checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
@@ -117,6 +117,8 @@ class _Metrics:
 
 
 class TorchTrainer:
+    config_type: ClassVar[type[TrainerConfig]] = TrainerConfig  # what trainer/build.py validates options with
+
     def __init__(self, model_path: str | os.PathLike[str], config: TrainerConfig | None = None) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModelForCausalLM

@@ -16,14 +16,17 @@ checks all of this against every engine.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["SamplingParams", "Generation", "EngineInfo", "Engine"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["SamplingParams", "Generation", "EngineInfo", "Engine", "InProcessWeights"]
 
 
 class SamplingParams(BaseModel):
@@ -72,3 +75,18 @@ class Engine(Protocol):
     async def info(self) -> EngineInfo: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class InProcessWeights(Protocol):
+    """Optional capability of an engine in the trainer's process (hf): it takes the trainer's
+    tensors as they are, or a `WeightDelta` of them, with no file in between. A remote engine
+    (vllm, sglang) lacks it and is synced through `update_weights_from_disk`."""
+
+    model: torch.nn.Module  # its dtype is the one a delta is computed in
+
+    async def update_weights(self, state_dict: Mapping[str, Any], weight_version: int | None = None) -> int: ...
+
+    async def apply_weight_delta(self, delta: Any) -> int: ...
+
+    async def apply_weight_delta_from_disk(self, path: str | Path) -> int: ...

@@ -9,7 +9,7 @@ HF -> megatron -> HF is bit-exact.
 Tensor parallel: `shard(name, full, rank, size)` cuts a full megatron tensor into this rank's
 piece and `unshard` glues the pieces back (column-parallel on dim 0, row-parallel on dim 1,
 fc1 per half so each rank keeps [gate_r; up_r]). Pipeline parallel: `layer_offset` maps a
-stage's local layer numbers to global ones (megatron_parallel builds each stage with it).
+stage's local layer numbers to global ones (parallel.py builds each stage with it).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Concept: `MegatronTrainer` builds a megatron-core GPTModel (local layer spec, no
 TransformerEngine) from an HF Llama/Qwen config, loads the HF weights through
-`megatron_convert`, and reuses TorchTrainer's step verbatim (flatten groups, pack
+`megatron.convert`, and reuses TorchTrainer's step verbatim (flatten groups, pack
 microbatches, the same pure losses from `losses.py`, one AdamW step). Only the
 forward, the gradient clipping (norm reduced over tensor-parallel ranks) and the
 weight export differ, so the two backends are interchangeable.
@@ -14,10 +14,10 @@ use the same code as the torch backend.
 
 Parallelism: world = tp * pp * dp (megatron's parallel_state layout). tp = tensor parallel; pp =
 pipeline stages run by megatron-core's 1F1B schedule; dp = data parallel, microbatches split over
-dp ranks, grads summed (see `megatron_parallel`): by a plain all-reduce and a full torch AdamW per
+dp ranks, grads summed (see `megatron.parallel`): by a plain all-reduce and a full torch AdamW per
 replica, or with `distributed_optimizer: true` by megatron's DDP + DistributedOptimizer (grads
 reduce-scattered, Adam state sharded over dp, gathered to dp rank 0 in checkpoints). On CPU a gloo process group and
-the shims of `megatron_cpu_shims`; TP=2, PP=2, DP=2 and PP=2 x DP=2 (both optimizers) are tested
+the shims of `megatron.cpu_shims`; TP=2, PP=2, DP=2 and PP=2 x DP=2 (both optimizers) are tested
 against 1 under torchrun on CPU. On GPUs, nccl: TP=1 checked once on an H200, the rest untested.
 With pp = dp = 1 and no distributed optimizer the step is TorchTrainer's own.
 
@@ -31,15 +31,15 @@ import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from miles_env.trainer.checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
 from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.losses import token_logprobs
-from miles_env.trainer.megatron_convert import model_shape, transformer_config
-from miles_env.trainer.megatron_cpu_shims import apply_cpu_shims, init_distributed
-from miles_env.trainer.megatron_parallel import (
+from miles_env.trainer.megatron.convert import model_shape, transformer_config
+from miles_env.trainer.megatron.cpu_shims import apply_cpu_shims, init_distributed
+from miles_env.trainer.megatron.parallel import (
     build_stage_model,
     distributed_optimizer,
     gather_hf_state,
@@ -71,6 +71,7 @@ class MegatronTrainerConfig(TrainerConfig):
 
 class MegatronTrainer(TorchTrainer):
     config: MegatronTrainerConfig
+    config_type: ClassVar[type[TrainerConfig]] = MegatronTrainerConfig
 
     def __init__(self, model_path: str | os.PathLike[str], config: TrainerConfig | None = None) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
