@@ -21,6 +21,7 @@ from functools import partial
 from typing import Any
 
 import anyio
+from pydantic import TypeAdapter
 
 from miles_env.engines import EngineConfig, build_engine
 from miles_env.engines.base import SamplingParams
@@ -115,7 +116,7 @@ async def measure(kind: str, args: argparse.Namespace) -> dict[str, float]:
     if kind == "vllm":
         opts |= {"log_dir": "/tmp/miles-env-bench-vllm", "nice": 0}
     t0 = time.perf_counter()
-    engine = await build_engine(EngineConfig(**opts))
+    engine = await build_engine(TypeAdapter(EngineConfig).validate_python(opts))
     out = {"start_s": time.perf_counter() - t0, "load_before": os.getloadavg()[0]}
     try:
         await direct(engine, tok, 8, 1, 8)  # warm-up

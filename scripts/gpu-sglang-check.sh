@@ -2,7 +2,7 @@
 # One-shot end-to-end check of the `sglang` engine against a REAL SGLang server on a GPU machine.
 # It does not run on CPU-only machines (SGLang installs from PyPI there but cannot serve).
 #
-# Steps: install sglang into its own venv (CACHE/engines/sglang, found by EngineConfig launch),
+# Steps: install sglang into its own venv (CACHE/engines/sglang, found by SGLangEngineConfig launch),
 # launch it as a managed subprocess on the SmolLM2 checkpoint (our GGUF-converted one, shadowed
 # without its stale quantization_config), then drive it through the TITO proxy with the official
 # openai client: a 2-turn session, a weight reload from disk with a version bump, a 3rd turn, and
@@ -31,7 +31,7 @@ from pathlib import Path
 import anyio
 import openai
 
-from miles_env.engines import EngineConfig, build_engine
+from miles_env.engines import SGLangEngineConfig, build_engine
 from miles_env.engines._launch import servable_model_dir
 from miles_env.http import serve_app
 from miles_env.models import load_tokenizer, resolve_model
@@ -43,7 +43,7 @@ out = Path(sys.argv[1]).resolve()
 async def main() -> dict:
     t0 = time.perf_counter()
     engine = await build_engine(
-        EngineConfig(kind="sglang", launch=True, dtype="bfloat16", log_dir=str(out / "engine"),
+        SGLangEngineConfig(launch=True, dtype="bfloat16", log_dir=str(out / "engine"),
                      server_args=["--mem-fraction-static", "0.5"])
     )
     started = time.perf_counter() - t0

@@ -30,7 +30,7 @@ import httpx
 import pytest
 from anyio.from_thread import BlockingPortal
 
-from miles_env.engines import EngineConfig, build_engine
+from miles_env.engines import HFEngineConfig, SGLangEngineConfig, VLLMEngineConfig, build_engine
 from miles_env.engines._model_dir import model_eos_ids
 from miles_env.engines.base import Engine, EngineInfo, Generation, SamplingParams
 from miles_env.engines.scripted import ScriptedEngine
@@ -84,7 +84,7 @@ async def test_sglang_client_reads_eos_ids_from_the_model_dir(scripted_server) -
     url, _ = scripted_server
     async with httpx.AsyncClient() as http:
         assert "eos_token_ids" not in (await http.get(f"{url}/get_server_info")).json()  # as real SGLang
-    engine = await build_engine(EngineConfig(kind="sglang", url=url))
+    engine = await build_engine(SGLangEngineConfig(url=url))
     try:
         eos = (await engine.info()).eos_token_ids
     finally:
@@ -308,17 +308,17 @@ def subject(request: pytest.FixtureRequest, portal: BlockingPortal) -> Iterator[
     --max-model-len 64 (launched from scripts/install-vllm.sh's venv, under nice)."""
     kind = request.param
     if kind == "vllm":
-        cfg = EngineConfig(kind="vllm", dtype="float32", seed=0, nice=15, max_context=CONTEXT, max_restarts=0)
+        cfg = VLLMEngineConfig(dtype="float32", seed=0, nice=15, max_context=CONTEXT, max_restarts=0)
         engine = portal.call(build_engine, cfg)
         yield Subject(kind, engine, portal)
         portal.call(engine.close)
         return
-    hf = portal.call(build_engine, EngineConfig(kind="hf", max_context=CONTEXT, seed=0, max_batch_size=2))
+    hf = portal.call(build_engine, HFEngineConfig(max_context=CONTEXT, seed=0, max_batch_size=2))
     if kind == "hf":
         yield Subject(kind, hf, portal)
     else:
         with portal.wrap_async_context_manager(running_server(hf)) as url:
-            client = portal.call(build_engine, EngineConfig(kind="sglang", url=url))
+            client = portal.call(build_engine, SGLangEngineConfig(url=url))
             yield Subject(kind, client, portal)
             portal.call(client.close)
     portal.call(hf.close)

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles_env.engines import EngineConfig, build_engine
+from miles_env.engines import ScriptedEngineConfig, SGLangEngineConfig, build_engine
 from miles_env.engines.base import SamplingParams
 from miles_env.engines.hf import HFEngine, HFEngineConfig
 from miles_env.engines.sglang import HashRing, SGLangEngine
@@ -74,7 +74,7 @@ async def test_client_maps_connection_errors_to_engine_error() -> None:
     finally:
         await client.close()
     with pytest.raises(ConfigError, match="url"):
-        await build_engine(EngineConfig(kind="sglang"))
+        await build_engine(SGLangEngineConfig())
 
 
 @pytest.mark.anyio
@@ -188,7 +188,7 @@ async def test_update_weights_from_disk_through_the_api(engine: HFEngine, tmp_pa
 @pytest.mark.slow
 @pytest.mark.anyio
 async def test_build_engine_kinds() -> None:
-    hf = await build_engine(EngineConfig(kind="hf", max_batch_size=2, max_context=256))
+    hf = await build_engine(HFEngineConfig(max_batch_size=2, max_context=256))
     try:
         info = await hf.info()
         assert isinstance(hf, HFEngine) and info.name == "hf" and info.max_context == 256
@@ -197,10 +197,10 @@ async def test_build_engine_kinds() -> None:
         await hf.close()
     with pytest.raises(EngineError, match="closed"):
         await hf.generate([1, 2, 3], GREEDY)
-    client = await build_engine(EngineConfig(kind="sglang", urls=["http://a:1", "http://b:2"]))
+    client = await build_engine(SGLangEngineConfig(urls=["http://a:1", "http://b:2"]))
     assert isinstance(client, SGLangEngine) and client.urls == ["http://a:1", "http://b:2"]
     await client.close()
-    scripted = await build_engine(EngineConfig(kind="scripted"))
+    scripted = await build_engine(ScriptedEngineConfig())
     assert (await scripted.info()).name == "scripted"
     await scripted.close()
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import anyio
 import pytest
+from pydantic import ValidationError
 
-from miles_env.engines import EngineConfig, build_engine
+from miles_env.engines import SGLangEngineConfig, VLLMEngineConfig, build_engine
 from miles_env.engines.base import SamplingParams
 from miles_env.engines.vllm import VLLMEngine, _Gate, vllm_model_dir
 from miles_env.errors import ConfigError, EngineError
@@ -45,11 +46,11 @@ def anyio_backend() -> str:
 @pytest.mark.anyio
 async def test_config_errors_name_the_field_and_the_install_script(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="install-vllm.sh"):
-        await build_engine(EngineConfig(kind="vllm", python=str(tmp_path / "nope" / "python")))
+        await build_engine(VLLMEngineConfig(python=str(tmp_path / "nope" / "python")))
     with pytest.raises(ConfigError, match="engine.url"):
-        await build_engine(EngineConfig(kind="vllm", url="http://127.0.0.1:1", launch=True))
-    with pytest.raises(ConfigError, match="engine.urls"):
-        await build_engine(EngineConfig(kind="vllm", urls=["http://a", "http://b"]))
+        await build_engine(VLLMEngineConfig(url="http://127.0.0.1:1", launch=True))
+    with pytest.raises(ValidationError, match="urls"):  # one server: vllm has no `urls` field
+        VLLMEngineConfig(urls=["http://a", "http://b"])  # type: ignore[call-arg]
 
 
 @pytest.mark.anyio
@@ -57,7 +58,7 @@ async def test_attached_engine_maps_a_dead_url_to_engine_error() -> None:
     from miles_env.http import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
-    engine = await build_engine(EngineConfig(kind="vllm", url=url, timeout_s=5))
+    engine = await build_engine(VLLMEngineConfig(url=url, timeout_s=5))
     try:
         with pytest.raises(EngineError, match=url):
             await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
@@ -108,7 +109,7 @@ def portal():
 
 @pytest.fixture(scope="module")
 def vllm_engine(portal):
-    cfg = EngineConfig(kind="vllm", dtype="float32", seed=0, nice=15, max_restarts=2)
+    cfg = VLLMEngineConfig(dtype="float32", seed=0, nice=15, max_restarts=2)
     engine = portal.call(build_engine, cfg)
     yield engine
     portal.call(engine.close)
@@ -324,9 +325,7 @@ def test_train_two_steps_on_vllm_syncs_weights(tmp_path: Path, hf_model) -> None
     trained = AutoModelForCausalLM.from_pretrained(str(run_dir / "weights"), dtype=torch.float32).eval()
 
     async def go() -> list[int]:
-        engine = await build_engine(
-            EngineConfig(kind="vllm", dtype="float32", nice=15, log_dir=str(tmp_path))
-        )
+        engine = await build_engine(VLLMEngineConfig(dtype="float32", nice=15, log_dir=str(tmp_path)))
         try:
             await engine.update_weights_from_disk(run_dir / "weights", 2)
             g = await engine.generate(PROMPT, SamplingParams(max_new_tokens=16, temperature=0.0))
@@ -374,7 +373,7 @@ def fake_sglang(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.mark.anyio
 async def test_sglang_launch_starts_serves_and_stops_a_managed_server(fake_sglang: Path) -> None:
-    cfg = EngineConfig(kind="sglang", launch=True, python=sys.executable, log_dir=str(fake_sglang), seed=1)
+    cfg = SGLangEngineConfig(launch=True, python=sys.executable, log_dir=str(fake_sglang), seed=1)
     engine = await build_engine(cfg)
     server = engine.servers[0]  # type: ignore[attr-defined]
     try:
@@ -394,6 +393,6 @@ async def test_a_server_that_dies_while_starting_fails_fast_with_its_log(
     fake_sglang: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FAKE_SGLANG_EXIT", "3")
-    cfg = EngineConfig(kind="sglang", launch=True, python=sys.executable, log_dir=str(fake_sglang))
+    cfg = SGLangEngineConfig(launch=True, python=sys.executable, log_dir=str(fake_sglang))
     with pytest.raises(EngineError, match=r"(?s)exited with status 3 while starting.*failing on purpose"):
         await build_engine(cfg)

@@ -109,10 +109,8 @@ async def run_one(
     **harness_cfg: Any,
 ) -> Episode:
     env = load_environment("terminal-basics")
-    sandbox_config = {"root_dir": str(sandbox_root)} if sandbox_root else {}
-    cfg = StackConfig(
-        engine={"kind": "scripted"}, tito=tito or {}, store_dir=store, sandbox_config=sandbox_config
-    )
+    sandbox = {"provider": "local", "root_dir": str(sandbox_root)} if sandbox_root else {}
+    cfg = StackConfig(engine={"kind": "scripted"}, tito=tito or {}, store_dir=store, sandbox=sandbox)
     async with open_stack(cfg, engine=engine) as st:
         return await run_episode(
             st.rollout_context(env, get_harness(harness, **harness_cfg)), task or two_step_task()
@@ -181,10 +179,10 @@ async def test_claude_code_scripted_two_tool_calls(pin: CliPackage, tok: Any, tm
 @pytest.mark.model
 async def test_claude_code_real_smollm2_keeps_the_pipeline(tmp_path: Path) -> None:
     require_cli(CLAUDE_CODE)
-    from miles_env.engines import EngineConfig, build_engine
+    from miles_env.engines import HFEngineConfig, build_engine
     from tests.test_tito_sessions import _Recording
 
-    engine = _Recording(await build_engine(EngineConfig(kind="hf", max_batch_size=1)))
+    engine = _Recording(await build_engine(HFEngineConfig(max_batch_size=1)))
     # Only the Bash tool, so the prompt (~3.2k tokens) fits SmolLM2's 8k context; 96 sampled tokens at most.
     tito = {"budget": {"max_tokens": 96}}
     try:

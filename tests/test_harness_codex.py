@@ -71,10 +71,10 @@ async def test_codex_scripted_two_tool_calls(pin: CliPackage, tok: Any, tmp_path
 @pytest.mark.model
 async def test_codex_real_smollm2_keeps_the_pipeline(tmp_path: Path) -> None:
     require_cli(CODEX)
-    from miles_env.engines import EngineConfig, build_engine
+    from miles_env.engines import HFEngineConfig, build_engine
     from tests.test_tito_sessions import _Recording
 
-    engine = _Recording(await build_engine(EngineConfig(kind="hf", max_batch_size=1)))
+    engine = _Recording(await build_engine(HFEngineConfig(max_batch_size=1)))
     tito = {"budget": {"max_tokens": 96}}
     # Codex's prompt is ~6.5k tokens without its multi-agent tools (~9k with them): it fits SmolLM2's 8k
     try:

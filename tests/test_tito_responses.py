@@ -275,10 +275,10 @@ async def test_real_hf_engine_responses_and_messages_are_token_exact(tok) -> Non
     two turns each; every sampled id is the engine's, each stitched onto one branch."""
     from anthropic import AsyncAnthropic
 
-    from miles_env.engines import EngineConfig, build_engine
+    from miles_env.engines import HFEngineConfig, build_engine
     from tests.test_tito_sessions import _Recording
 
-    engine = _Recording(await build_engine(EngineConfig(kind="hf", max_batch_size=2)))
+    engine = _Recording(await build_engine(HFEngineConfig(max_batch_size=2)))
     try:
         async with served(tok, engine) as s:  # type: ignore[arg-type]
             h1, h2 = s.proxy.create_session(), s.proxy.create_session()

@@ -190,9 +190,9 @@ class _Recording:
 @pytest.mark.slow
 @pytest.mark.model
 async def test_real_hf_engine_session_is_token_exact(tok) -> None:
-    from miles_env.engines import EngineConfig, build_engine
+    from miles_env.engines import HFEngineConfig, build_engine
 
-    inner = await build_engine(EngineConfig(kind="hf", max_batch_size=2))
+    inner = await build_engine(HFEngineConfig(max_batch_size=2))
     engine = _Recording(inner)
     try:
         async with served(tok, engine) as s:  # type: ignore[arg-type]

@@ -36,35 +36,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field
 
 from miles_env.engines._batch import Batch, Row
 from miles_env.engines._kv import SessionEntry, SessionStore
 from miles_env.engines._weights import apply_update, load_safetensors
 from miles_env.engines.base import EngineInfo, Generation, SamplingParams
+from miles_env.engines.configs import HFEngineConfig
 from miles_env.errors import ConfigError, EngineError, EngineRefused
 
 __all__ = ["HFEngineConfig", "HFEngine", "load_safetensors"]
 
 _CONTEXT_CAP = 8192
 _SHARE_MIN_TOKENS = 32  # a prompt prefilled with at least this many uncached tokens is shared
-
-
-class HFEngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = "smollm2"  # a name known to miles_env.models or a local HF checkpoint dir
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = the checkpoint's dtype
-    device: str = "auto"  # auto = cuda when available, else cpu
-    max_batch_size: int = Field(default=16, ge=1)
-    max_context: int | None = Field(default=None, ge=2)  # default: model's max positions, capped at 8192
-    kv_cache_tokens: int = Field(default=32768, ge=0)  # budget of the per-session KV prefix store
-    kv_cache_sessions: int = Field(default=256, ge=0)
-    prefill_chunk_tokens: int = Field(default=512, ge=16)  # prompt tokens per step while others decode
-    # torch intra-op threads of the worker. None: half the CPU cores (at least 1): on a shared CPU an
-    # oversubscribed OpenMP pool is several times slower per step than one thread; 0: torch's setting.
-    threads: int | None = Field(default=None, ge=0)
-    seed: int | None = None  # seed of the generator used by requests without their own seed
 
 
 @dataclass(slots=True, eq=False)

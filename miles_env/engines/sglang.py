@@ -39,8 +39,8 @@ from miles_env.engines.base import EngineInfo, Generation, SamplingParams
 from miles_env.errors import ConfigError, EngineError
 
 if TYPE_CHECKING:
-    from miles_env.engines import EngineConfig
     from miles_env.engines._launch import ManagedServer
+    from miles_env.engines.configs import SGLangEngineConfig
 
 __all__ = ["SGLangEngine", "HashRing", "SESSION_HEADER", "launch_sglang", "sglang_python"]
 
@@ -231,7 +231,7 @@ def sglang_python() -> Path:
     return venv if venv.exists() else Path(sys.executable)
 
 
-async def launch_sglang(cfg: EngineConfig) -> SGLangEngine:
+async def launch_sglang(cfg: SGLangEngineConfig) -> SGLangEngine:
     """Start one real SGLang server (`python -m sglang.launch_server`) and return a client of it."""
     import tempfile
 
