@@ -38,7 +38,7 @@ def test_observation_reports_limits_and_truncates() -> None:
 def test_registry_of_harnesses() -> None:
     h = get_harness("builtin", max_turns=2)
     assert isinstance(h, BuiltinHarness) and h.config.max_turns == 2
-    with pytest.raises(ConfigError, match="known harnesses: builtin"):
+    with pytest.raises(ConfigError, match="known: builtin"):
         get_harness("nope")
     with pytest.raises(ValueError, match="max_turns"):
         get_harness("builtin", max_turns=0)

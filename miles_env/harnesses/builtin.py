@@ -12,19 +12,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from miles_env.harness import Endpoint, HarnessResult
+from miles_env.harnesses.configs import BuiltinConfig
 from miles_env.sandbox import Sandbox
 from miles_env.types import ExecResult, Status, Task
 
 __all__ = ["BuiltinConfig", "BuiltinHarness", "parse_command", "format_observation"]
-
-SYSTEM_PROMPT = (
-    "You are a Linux shell assistant. You complete tasks by running shell commands in the "
-    "current directory. Answer with one shell command in a code block. "
-    "When the task is complete, answer DONE."
-)
 
 # One worked example, given as prior turns: small models copy its format.
 FEW_SHOT: tuple[dict[str, str], ...] = (
@@ -35,20 +28,6 @@ FEW_SHOT: tuple[dict[str, str], ...] = (
 )
 
 _FENCE = re.compile(r"```[a-zA-Z0-9_+-]*[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
-
-
-class BuiltinConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_turns: int = Field(4, ge=1)
-    max_tokens: int = Field(64, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    command_timeout_s: float = Field(10.0, gt=0)
-    observation_chars: int = Field(600, ge=16)
-    system_prompt: str = SYSTEM_PROMPT
-    few_shot: bool = True
-    request_timeout_s: float = Field(300.0, gt=0)
 
 
 def parse_command(text: str) -> str | None:

@@ -18,8 +18,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from miles_env.harness import Endpoint, HarnessResult
 from miles_env.harnesses._cli import (
     HOME,
@@ -31,36 +29,13 @@ from miles_env.harnesses._cli import (
     run_cli,
     tested_pin,
 )
+from miles_env.harnesses.configs import ClaudeCodeConfig
 from miles_env.sandbox import Sandbox
 from miles_env.types import Status, Task
 
 __all__ = ["ClaudeCodeConfig", "ClaudeCodeHarness"]
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-class ClaudeCodeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    budget_s: float = Field(default=300.0, gt=0, description="wall-clock budget of one CLI run")
-    version: str | None = Field(
-        default=None, description="a tested Claude Code version (_cli.TESTED); None = the default"
-    )
-    max_turns: int | None = Field(default=None, ge=1, description="Claude Code --max-turns")
-    tools: str | None = Field(
-        default=None, description="Claude Code --tools (built-in tools offered, e.g. 'Bash'); None = all"
-    )
-    output_tokens: int | None = Field(
-        default=None,
-        ge=1,
-        description="CLAUDE_CODE_MAX_OUTPUT_TOKENS: also the share of the context Claude Code keeps free "
-        "for a reply (up to 20k): set it for a small max_context, or it compacts early or refuses to send",
-    )
-    binary: str | None = Field(
-        default=None, description="inner path of the executable (fault injection); None = pinned"
-    )
-    extra_args: tuple[str, ...] = ()
-    extra_env: dict[str, str] = Field(default_factory=dict)
 
 
 class ClaudeCodeHarness:

@@ -21,10 +21,9 @@ import json
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from miles_env.harness import Endpoint, HarnessResult
 from miles_env.harnesses._cli import HOME, cli_result, cli_status, ensure_cli, mount_cli, run_cli, tested_pin
+from miles_env.harnesses.configs import MULTI_AGENT_MIN_CONTEXT, CodexConfig
 from miles_env.sandbox import Sandbox
 from miles_env.types import Task
 
@@ -33,41 +32,6 @@ __all__ = ["CodexConfig", "CodexHarness", "codex_config_toml"]
 CODEX_HOME = f"{HOME}/.codex"
 KEY_VAR = "TITO_API_KEY"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-# Below this context an 8k model (SmolLM2) has no room for Codex's ~9k-token first prompt with them.
-MULTI_AGENT_MIN_CONTEXT = 16384
-
-
-class CodexConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    budget_s: float = Field(default=300.0, gt=0, description="wall-clock budget of one CLI run")
-    version: str | None = Field(
-        default=None, description="a tested Codex version (_cli.TESTED); None = the default"
-    )
-    binary: str | None = Field(
-        default=None, description="inner path of the executable (fault injection); None = pinned"
-    )
-    extra_args: tuple[str, ...] = ()
-    extra_env: dict[str, str] = Field(default_factory=dict)
-    extra_config: str = Field(
-        default="", description="TOML added to config.toml before its tables (top-level keys allowed)"
-    )
-    retries: int = Field(
-        default=4, ge=0, le=10, description="Codex request_max_retries and stream_max_retries (5xx, drops)"
-    )
-    auto_compact: float = Field(
-        default=0.8,
-        gt=0,
-        le=1,
-        description="model_auto_compact_token_limit as a fraction of the session's max_context",
-    )
-    multi_agent: bool | None = Field(
-        default=None,
-        description="offer Codex's multi-agent tools (spawn_agent and its family, ~2.6k prompt tokens); "
-        f"None: on unless the session's max_context is under {MULTI_AGENT_MIN_CONTEXT}",
-    )
 
 
 def multi_agent_for(setting: bool | None, max_context: int | None) -> bool:

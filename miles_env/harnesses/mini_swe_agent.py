@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field
 
 from miles_env.errors import HarnessError, SandboxError
 from miles_env.harness import Endpoint, HarnessResult
@@ -44,6 +43,7 @@ from miles_env.harnesses._cli import (
     mount_cli,
     run_cli,
 )
+from miles_env.harnesses.configs import MiniSweAgentConfig
 from miles_env.sandbox import Sandbox
 from miles_env.types import Status, Task
 
@@ -56,24 +56,6 @@ LOCK = Path(__file__).parent / "locks" / "mini-swe-agent.txt"
 TRAJECTORY = f"{HOME}/trajectory.json"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _VISIBLE = ("/usr/", "/bin/", "/opt/")  # host dirs the local sandbox mirrors read-only
-
-
-class MiniSweAgentConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    budget_s: float = Field(default=300.0, gt=0, description="wall-clock budget of one run")
-    step_limit: int = Field(default=50, ge=0, description="mini-swe-agent agent.step_limit (0 = none)")
-    command_timeout_s: int = Field(default=60, gt=0, description="per command (environment.timeout)")
-    python: str = Field(
-        default="/usr/bin/python3", description="base interpreter of the venv built on first use"
-    )
-    binary: str | None = Field(
-        default=None, description="inner path of the interpreter (fault injection); None = the venv's"
-    )
-    extra_config: tuple[str, ...] = Field(
-        default=(), description="more `-c key=value` specs, e.g. model.model_kwargs.temperature=0"
-    )
-    extra_env: dict[str, str] = Field(default_factory=dict)
 
 
 def _run_step(argv: list[str], what: str) -> str:

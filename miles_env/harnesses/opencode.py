@@ -22,10 +22,9 @@ import json
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from miles_env.harness import Endpoint, HarnessResult
 from miles_env.harnesses._cli import HOME, cli_result, cli_status, ensure_cli, mount_cli, run_cli, tested_pin
+from miles_env.harnesses.configs import OpencodeConfig
 from miles_env.sandbox import Sandbox
 from miles_env.types import Status, Task
 
@@ -35,25 +34,6 @@ CONFIG_PATH = f"{HOME}/opencode.json"
 KEY_VAR = "TITO_API_KEY"
 PROVIDER = "tito"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-class OpencodeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    budget_s: float = Field(default=300.0, gt=0, description="wall-clock budget of one CLI run")
-    version: str | None = Field(default=None, description="a tested opencode-ai version; None = the default")
-    context_tokens: int | None = Field(default=None, gt=0, description="model limit.context told to opencode")
-    output_tokens: int | None = Field(
-        default=None, gt=0, description="model limit.output (opencode's max_tokens); None = opencode's 32000"
-    )
-    binary: str | None = Field(
-        default=None, description="inner path of the executable (fault injection); None = pinned"
-    )
-    extra_args: tuple[str, ...] = ()
-    extra_env: dict[str, str] = Field(default_factory=dict)
-    extra_config: dict[str, Any] = Field(
-        default_factory=dict, description="top-level keys merged into opencode.json"
-    )
 
 
 def opencode_config(
