@@ -2,7 +2,16 @@
 
 A YAML (or TOML) file is validated by pydantic with unknown keys refused; CLI
 overrides are dotted `key=value` pairs whose values are parsed as YAML
-(`--set trainer.steps=4 --set mode=fully_async`). Errors name the field path.
+(`--set trainer.steps=4 --set mode=fully_async`), applied before validation.
+Each component owns its config: `engine` is the union of the engine kinds'
+configs keyed on `kind` (engines/configs.py), `harness` the harnesses' keyed on
+`name` (harnesses/configs.py), `sandbox` a provider's own config keyed on
+`provider` (checked against that provider's config class, imported by name
+from the sandboxes' PROVIDER_CONFIGS), `tito` the proxy's TitoConfig. So every
+bad key fails at load time, one line each, with its path and the tag that
+chose the model: `engine.kv_cache_tokns: Extra inputs are not permitted (kind hf)`.
+Layering: the core imports a plug-in family's config module (pydantic only),
+never a plug-in.
 """
 
 from __future__ import annotations
@@ -10,22 +19,42 @@ from __future__ import annotations
 import enum
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from miles_env.engines.configs import EngineConfig, HFEngineConfig
 from miles_env.errors import ConfigError
+from miles_env.harnesses.configs import BuiltinConfig, HarnessConfig
+from miles_env.tito.config import TitoConfig
 
 __all__ = [
     "Mode",
     "RolloutConfig",
     "EvalConfig",
     "TrainSectionConfig",
+    "SandboxConfig",
     "RunConfig",
     "load_config",
+    "validate_config",
     "apply_overrides",
+    "error_lines",
 ]
+
+# a section holding one of several models -> the key that picks it
+_TAGS = {"engine": "kind", "harness": "name", "sandbox": "provider"}
+
+
+def _invalid(title: str, errors: list[tuple[tuple[str | int, ...], str, str, Any]]) -> ValidationError:
+    """A ValidationError of (loc, type, message, input) lines, raised from a validator: pydantic
+    prefixes each loc with the field being validated."""
+    details = [
+        InitErrorDetails(type=PydanticCustomError(kind, msg), loc=loc, input=value)
+        for loc, kind, msg, value in errors
+    ]
+    return ValidationError.from_exception_data(title, details)
 
 
 class _Strict(BaseModel):
@@ -70,19 +99,71 @@ class TrainSectionConfig(BaseModel):
         return dict(self.model_extra or {})
 
 
+class SandboxConfig(BaseModel):
+    """`provider` and that provider's own config fields, flat as in YAML (`{provider: local, warm: 2}`).
+
+    The fields are checked against the provider's config class, looked up by name in
+    `miles_env.sandboxes.PROVIDER_CONFIGS` and imported then (only the named provider's config
+    module, never its SDK); `config` is that validated model, `options` its fields as given."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    provider: str = "local"
+    _config: BaseModel | None = PrivateAttr(None)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    @property
+    def config(self) -> BaseModel:
+        assert self._config is not None  # set by the validator below
+        return self._config
+
+    @model_validator(mode="after")
+    def _provider_config(self) -> Self:
+        from miles_env.sandboxes import PROVIDER_CONFIGS
+
+        if self.provider not in PROVIDER_CONFIGS.names():
+            known = ", ".join(PROVIDER_CONFIGS.names())
+            msg = f"{self.provider!r} is unknown; known: {known}"
+            raise _invalid("SandboxConfig", [(("provider",), "unknown_provider", msg, self.provider)])
+        config_cls = PROVIDER_CONFIGS.load(self.provider)
+        try:
+            self._config = config_cls.model_validate(self.options)
+        except ValidationError as e:
+            lines = [
+                ((self.provider, *err["loc"]), err["type"], err["msg"], err["input"]) for err in e.errors()
+            ]
+            raise _invalid("SandboxConfig", lines) from None
+        return self
+
+
 class RunConfig(_Strict):
     run_dir: Path = Path("runs/default")
     seed: int = 0
     mode: Mode = Mode.SYNC
     env: str = "terminal-basics"
-    harness: dict[str, Any] = Field(default_factory=lambda: {"name": "builtin"})
-    engine: dict[str, Any] = Field(default_factory=lambda: {"kind": "hf", "model": "smollm2"})
-    tito: dict[str, Any] = Field(default_factory=dict)
-    sandbox: dict[str, Any] = Field(default_factory=lambda: {"provider": "local"})
+    harness: HarnessConfig = Field(default_factory=BuiltinConfig)
+    engine: EngineConfig = Field(default_factory=HFEngineConfig)
+    tito: TitoConfig = Field(default_factory=TitoConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainSectionConfig = Field(default_factory=TrainSectionConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     weight_sync: str = Field("in_process", pattern="^(in_process|disk|delta|delta_disk)$")
+
+    @model_validator(mode="after")
+    def _eval_temperature(self) -> Self:
+        """eval.temperature replaces the harness's own: only a harness that samples itself has one."""
+        fields = type(self.harness).model_fields
+        open_ended = self.harness.model_config.get("extra") == "allow"  # framework: the adapter's options
+        if self.eval.temperature is not None and "temperature" not in fields and not open_ended:
+            msg = f"harness {self.harness.name!r} has no temperature to replace"
+            raise _invalid(
+                "RunConfig", [(("eval", "temperature"), "no_temperature", msg, self.eval.temperature)]
+            )
+        return self
 
 
 def _parse_file(path: Path) -> dict[str, Any]:
@@ -120,12 +201,37 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_config(path: Path | None, overrides: list[str] | None = None) -> RunConfig:
-    data = _parse_file(path) if path is not None else {}
-    data = apply_overrides(data, overrides or [])
+def error_lines(error: ValidationError) -> list[str]:
+    """One line per error, `path: message`; in a section of several models the tag that chose the
+    model follows (`engine.kv_cache_tokns: Extra inputs are not permitted (kind hf)`), and an
+    unknown tag lists the known ones (`engine.kind: 'hff' is unknown; known: hf, sglang, ...`)."""
+    lines = []
+    for err in error.errors():
+        loc = [str(p) for p in err["loc"]]
+        msg = err["msg"]
+        tag = _TAGS.get(loc[0]) if loc else None
+        if tag is not None and err["type"] == "union_tag_invalid":
+            ctx = err.get("ctx") or {}
+            known = str(ctx.get("expected_tags", "")).replace("'", "")
+            loc, msg = [loc[0], tag], f"{ctx.get('tag')!r} is unknown; known: {known}"
+        elif tag is not None and len(loc) > 1 and loc[1] != tag:
+            loc, msg = [loc[0], *loc[2:]], f"{msg} ({tag} {loc[1]})"
+        lines.append(f"{'.'.join(loc) or 'value'}: {msg}")
+    return lines
+
+
+def validate_config(data: dict[str, Any], source: str | None = None) -> RunConfig:
+    """The RunConfig of `data` (a parsed file with its overrides applied); ConfigError naming each bad key."""
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
-        where = f" in {path}" if path else ""
-        raise ConfigError(f"invalid config{where}:\n" + "\n".join(lines)) from e
+        where = f" in {source}" if source else ""
+        raise ConfigError(
+            f"invalid config{where}:\n" + "\n".join(f"  {line}" for line in error_lines(e))
+        ) from e
+
+
+def load_config(path: Path | None, overrides: list[str] | None = None) -> RunConfig:
+    data = _parse_file(path) if path is not None else {}
+    data = apply_overrides(data, overrides or [])
+    return validate_config(data, str(path) if path else None)

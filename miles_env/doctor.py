@@ -253,19 +253,19 @@ CHECKS: dict[str, Callable[[], Check]] = {
 def needs(config: RunConfig) -> set[str]:
     """The checks a run with `config` cannot do without."""
     required = {"python", "torch", "default model"}
-    provider = str(config.sandbox.get("provider", "local"))
+    provider = config.sandbox.provider
     if provider in ("local", "pool"):
         required |= {"bubblewrap", "pids cgroup"}
     elif provider == "docker":
         required.add("docker")
     elif provider in CREDENTIALS:
         required.add(f"{provider} credentials")
-    harness = str(config.harness.get("name", "builtin"))
+    harness = config.harness.name
     if harness in ("claude-code", "codex", "opencode"):
         required |= {"node/npm", harness}
     elif harness == "mini-swe-agent":  # a venv in the cache, no node
         required.add(harness)
-    if config.engine.get("kind") == "vllm":
+    if config.engine.kind == "vllm":
         required.add("vllm venv")
     if config.trainer.backend == "megatron":
         required.add("megatron-core")

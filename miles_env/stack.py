@@ -16,22 +16,26 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from miles_env.config import SandboxConfig
+from miles_env.engines.configs import EngineConfig, HFEngineConfig
 from miles_env.environment import Environment
 from miles_env.harness import Harness
 from miles_env.http import serve_app
 from miles_env.rollout import RolloutContext
 from miles_env.sandbox import SandboxProvider
+from miles_env.tito.config import TitoConfig
 
 __all__ = ["StackConfig", "Stack", "open_stack"]
 
 
 class StackConfig(BaseModel):
+    """The run config's sections a stack is made of (a RunConfig's own models, or plain dicts)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    engine: dict[str, Any] = Field(default_factory=dict)  # miles_env.engines.EngineConfig fields
-    tito: dict[str, Any] = Field(default_factory=dict)  # miles_env.tito.TitoConfig fields
-    sandbox: str = "local"
-    sandbox_config: dict[str, Any] = Field(default_factory=dict)
+    engine: EngineConfig = Field(default_factory=HFEngineConfig)
+    tito: TitoConfig = Field(default_factory=TitoConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     store_dir: Path | None = None  # where the proxy persists sessions
 
 
@@ -52,19 +56,18 @@ class Stack:
 @asynccontextmanager
 async def open_stack(cfg: StackConfig, *, engine: Any | None = None) -> AsyncIterator[Stack]:
     """Build the stack; pass `engine` to reuse one that already exists (the trainer's, in process)."""
-    from miles_env.engines import EngineConfig, build_engine
+    from miles_env.engines import build_engine
     from miles_env.models import load_tokenizer
     from miles_env.sandboxes import get_provider
-    from miles_env.tito import TitoConfig, TitoProxy, create_app
+    from miles_env.tito import TitoProxy, create_app
 
-    engine_cfg = EngineConfig(**cfg.engine)
-    provider = get_provider(cfg.sandbox, **cfg.sandbox_config)  # fail fast on a missing bwrap
+    provider = get_provider(cfg.sandbox.provider, **cfg.sandbox.options)  # fail fast on a missing bwrap
     own_engine = engine is None
     if engine is None:
-        engine = await build_engine(engine_cfg)
+        engine = await build_engine(cfg.engine)
     try:
-        tokenizer = load_tokenizer(engine_cfg.model)
-        proxy = TitoProxy(engine, tokenizer, TitoConfig(**cfg.tito), store_dir=cfg.store_dir)
+        tokenizer = load_tokenizer(cfg.engine.model)
+        proxy = TitoProxy(engine, tokenizer, cfg.tito, store_dir=cfg.store_dir)
         async with serve_app(create_app(proxy)) as url:
             yield Stack(engine, proxy, url, provider, tokenizer)
     finally:

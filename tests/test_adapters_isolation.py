@@ -111,7 +111,7 @@ def _probe_episode(tmp_path: Path, isolation: str) -> tuple[Any, dict[str, float
 
     async def main() -> Any:
         engine = ScriptedEngine(load_tokenizer("smollm2"), ["hello"])
-        cfg = StackConfig(sandbox_config={"root_dir": str(root)})
+        cfg = StackConfig(sandbox={"provider": "local", "root_dir": str(root)})
         async with open_stack(cfg, engine=engine) as stack:
             ctx = stack.rollout_context(env, get_harness("framework", isolation=isolation))
             ep = await run_episode(ctx, task)

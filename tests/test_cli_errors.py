@@ -62,6 +62,31 @@ def test_bad_config_file_is_one_line(tmp_path: Path) -> None:
     assert_one_line(run_cli("train", str(tmp_path / "absent.yaml")), "absent.yaml")
 
 
+def test_a_bad_key_in_a_component_section_is_named_at_load(tmp_path: Path) -> None:
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("engine:\n  kind: hf\n  kv_cache_tokns: 1\n")
+    assert_one_line(
+        run_cli("train", str(cfg)), "engine.kv_cache_tokns: Extra inputs are not permitted (kind hf)"
+    )
+    res = run_cli("train", str(cfg), "--set", "engine.kind=sglang", "--set", "sandbox.provider=lxc")
+    assert_one_line(
+        res, "engine.kv_cache_tokns", "(kind sglang)", "sandbox.provider: 'lxc' is unknown; known:"
+    )
+    res = run_cli("eval", "--env", "terminal-basics", "--harness", "codex", "--max-turns", "2")
+    assert_one_line(res, "harness.max_turns: Extra inputs are not permitted (name codex)")
+    opts = (
+        "--port",
+        "0",
+        "--store",
+        str(tmp_path / "s"),
+        "--engine",
+        "scripted",
+        "--engine-opt",
+        "kv_cache_gb=2",
+    )
+    assert_one_line(run_cli("proxy", "serve", *opts), "engine.kv_cache_gb: Extra inputs are not permitted")
+
+
 def test_usage_error_is_one_line() -> None:
     assert_one_line(run_cli("queue", "stats"), "Missing argument", "--help")
 

@@ -79,9 +79,9 @@ def one_line(exc: BaseException) -> str | None:
     elif isinstance(exc, ModuleNotFoundError) and exc.name and exc.name.split(".")[0] not in _OURS:
         text = _missing_package(exc.name.split(".")[0])
     elif isinstance(exc, pydantic.ValidationError):
-        text = f"invalid {exc.title}: " + "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'value'}: {err['msg']}" for err in exc.errors()
-        )
+        from miles_env.config import error_lines  # the run config's sections read as in a config file
+
+        text = f"invalid {exc.title}: " + "; ".join(error_lines(exc))
     elif isinstance(exc, OSError):
         where = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
         text = f"{where}: {exc.strerror or exc}" if where else str(exc) or type(exc).__name__

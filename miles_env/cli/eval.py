@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import anyio
 import typer
@@ -17,6 +17,9 @@ from miles_env.errors import MilesEnvError
 from miles_env.http import loop_options
 from miles_env.jsonio import dumps, write_json
 from miles_env.types import Episode
+
+if TYPE_CHECKING:
+    from miles_env.config import RunConfig
 
 __all__ = ["eval_command", "summarize"]
 
@@ -39,20 +42,11 @@ def summarize(episodes: list[Episode]) -> dict[str, Any]:
 
 
 async def _run(
-    env_name: str,
-    harness_name: str,
-    split: str,
-    n: int | None,
-    rollouts: int,
-    concurrency: int,
-    engine_cfg: dict[str, Any],
-    harness_cfg: dict[str, Any],
-    sandbox: str,
-    out: Path,
+    env_name: str, split: str, n: int | None, rollouts: int, concurrency: int, cfg: RunConfig, out: Path
 ) -> dict[str, Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from miles_env.harnesses import get_harness
+    from miles_env.harnesses import build_harness
     from miles_env.registry import load_environment
     from miles_env.rollout import run_many
     from miles_env.stack import StackConfig, open_stack
@@ -61,11 +55,11 @@ async def _run(
     tasks = env.tasks(split)[: n if n else None]
     if not tasks:
         raise MilesEnvError(f"environment {env_name!r} has no tasks in split {split!r}")
-    harness = get_harness(harness_name, **harness_cfg)
+    harness = build_harness(cfg.harness)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "episodes.jsonl"
     episodes: list[Episode] = []
-    stack_cfg = StackConfig(engine=engine_cfg, sandbox=sandbox, store_dir=out / "sessions")
+    stack_cfg = StackConfig(engine=cfg.engine, sandbox=cfg.sandbox, store_dir=out / "sessions")
     async with open_stack(stack_cfg) as stack:
         with (
             Progress(
@@ -134,6 +128,8 @@ def eval_command(
     ] = None,
 ) -> None:
     """Run episodes with a harness through the TITO proxy and report the pass rate."""
+    from miles_env.config import validate_config
+
     engine_cfg: dict[str, Any] = {"kind": engine, "model": model, **parse_opts(engine_opt, "--engine-opt")}
     if url:
         engine_cfg["url"] = url
@@ -144,7 +140,13 @@ def eval_command(
         harness_cfg["max_turns"] = max_turns
     if temperature is not None:
         harness_cfg["temperature"] = temperature
-    args = (env, harness, split, n, rollouts, concurrency, engine_cfg, harness_cfg, sandbox, out)
+    sections = {
+        "engine": engine_cfg,
+        "harness": {"name": harness, **harness_cfg},
+        "sandbox": {"provider": sandbox},
+    }
+    cfg = validate_config(sections, "the --engine/--harness/--sandbox options")  # every bad option, now
+    args = (env, split, n, rollouts, concurrency, cfg, out)
     summary = anyio.run(_run, *args, backend_options=loop_options())  # the in-process proxy on uvloop
     if as_json:
         typer.echo(dumps(summary))

@@ -12,40 +12,30 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated
 
 import anyio
 import typer
+
+if TYPE_CHECKING:
+    from miles_env.engines.configs import EngineConfig
 
 __all__ = ["app"]
 
 app = typer.Typer(no_args_is_help=True, help="The TITO (token-in-token-out) proxy.")
 
-EngineKind = Literal["hf", "vllm", "sglang", "scripted"]
 
-
-async def _serve(
-    engine_kind: str,
-    model: str,
-    url: str | None,
-    host: str,
-    port: int,
-    store: Path,
-    admin_token: str,
-    opts: dict[str, Any],
-) -> None:
+async def _serve(engine_cfg: EngineConfig, host: str, port: int, store: Path, admin_token: str) -> None:
     import uvicorn
 
-    from miles_env.engines import EngineConfig, build_engine
+    from miles_env.engines import build_engine
     from miles_env.http import server_options
     from miles_env.models import load_tokenizer
     from miles_env.tito import TitoConfig, TitoProxy, create_app
 
-    engine = await build_engine(
-        EngineConfig.model_validate({"kind": engine_kind, "model": model, "url": url, **opts})
-    )
+    engine = await build_engine(engine_cfg)
     try:
-        tokenizer = await anyio.to_thread.run_sync(load_tokenizer, model)
+        tokenizer = await anyio.to_thread.run_sync(load_tokenizer, engine_cfg.model)
         proxy = TitoProxy(engine, tokenizer, TitoConfig(admin_token=admin_token), store_dir=store)
         config = uvicorn.Config(
             create_app(proxy),
@@ -56,7 +46,7 @@ async def _serve(
             lifespan="off",
             **server_options(),
         )
-        typer.echo(f"TITO proxy on http://{host}:{port} ({engine_kind} engine, store {store})")
+        typer.echo(f"TITO proxy on http://{host}:{port} ({engine_cfg.kind} engine, store {store})")
         await uvicorn.Server(config).serve()
     finally:
         await engine.close()
@@ -79,15 +69,23 @@ def serve(
 ) -> None:
     """Serve the proxy until interrupted."""
     from miles_env.cli.eval import parse_opts
+    from miles_env.config import validate_config
+    from miles_env.engines import ENGINES
     from miles_env.http import loop_options
     from miles_env.models import resolve_model
 
-    if engine not in ("hf", "vllm", "sglang", "scripted"):
-        raise typer.BadParameter(f"--engine {engine!r}: choose hf, vllm, sglang or scripted")
+    if engine not in ENGINES.names():
+        raise typer.BadParameter(f"--engine {engine!r}: choose {', '.join(ENGINES.names())}")
     token = admin_token or os.environ.get("MILES_ENV_ADMIN_TOKEN")
     if not token:
         token = secrets.token_urlsafe(24)
         typer.echo(f"admin token: {token}")
-    opts = parse_opts(engine_opt, "--engine-opt")
+    fields = {
+        "kind": engine,
+        "model": model,
+        **({"url": url} if url else {}),
+        **parse_opts(engine_opt, "--engine-opt"),
+    }
+    engine_cfg = validate_config({"engine": fields}, "the --engine options").engine  # a bad option fails here
     resolve_model(model)  # a wrong --model fails here, before an engine is built or launched
-    anyio.run(_serve, engine, model, url, host, port, store, token, opts, backend_options=loop_options())
+    anyio.run(_serve, engine_cfg, host, port, store, token, backend_options=loop_options())
