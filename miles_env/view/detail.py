@@ -1,0 +1,179 @@
+"""One episode in full, one GRPO group side by side: what the episode and group pages show.
+
+An episode is read from where its row says (index.py): the replay queue (decoded with
+episode_codec, the same bytes the trainer took), a JSONL line (eval), or the store alone (a proxy
+session: no transcript, no reward). Its samples are the exported trajectories; the token payload of
+one sample is its ids, loss mask and logprobs as stored, with display pieces from the tokenizer
+(tokens.py), the turn boundaries and weight versions, and the audit's drift positions.
+
+Group advantages are the trainer's formula (trainer/losses.py `group_advantages`), recomputed in
+plain Python from the rewards: grpo (r - mean) / (std + 1e-6), std unbiased; dr_grpo r - mean.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from miles_env.episode_codec import decode_episode
+from miles_env.errors import MilesEnvError
+from miles_env.view.commands import commands_from_transcript
+from miles_env.view.index import EpisodeIndex, Row
+from miles_env.view.layout import Layout, connect_ro
+from miles_env.view.sessions import session_drift, session_samples
+from miles_env.view.tokens import Pieces
+
+__all__ = ["NotFound", "Details", "advantages"]
+
+
+class NotFound(MilesEnvError):
+    """No episode or group by that id in this directory."""
+
+
+def advantages(rewards: list[float], kind: str = "grpo", eps: float = 1e-6) -> list[float]:
+    if not rewards:
+        return []
+    mean = sum(rewards) / len(rewards)
+    centred = [r - mean for r in rewards]
+    if kind == "dr_grpo":
+        return centred
+    std = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
+    return [c / (std + eps) for c in centred]
+
+
+def _sample_summary(s: dict[str, Any]) -> dict[str, Any]:
+    mask = s["loss_mask"]
+    return {
+        "branch": s.get("branch", 0),
+        "tokens": len(mask),
+        "masked": int(sum(mask)),
+        "turns": len(s.get("turns", [])),
+        "versions": sorted({int(t.get("weight_version", 0)) for t in s.get("turns", [])}),
+    }
+
+
+class Details:
+    def __init__(self, layout: Layout, index: EpisodeIndex, pieces: Pieces) -> None:
+        self.layout, self.index, self.pieces = layout, index, pieces
+        self._cache: dict[str, dict[str, Any]] = {}  # episode id -> full episode (as JSON data)
+
+    def _row(self, episode_id: str) -> Row:
+        row = self.index.by_id.get(episode_id)
+        if row is None:
+            self.index.refresh()
+            row = self.index.by_id.get(episode_id)
+        if row is None:
+            raise NotFound(f"episode {episode_id!r}: not in {self.layout.root}")
+        return row
+
+    def load(self, episode_id: str) -> dict[str, Any]:
+        """The episode as JSON data with `samples` (token arrays as lists)."""
+        if (hit := self._cache.get(episode_id)) is not None:
+            return hit
+        row = self._row(episode_id)
+        if row.source == "queue":
+            conn = connect_ro(self.layout.queue)
+            try:
+                meta, blob = conn.execute(
+                    "SELECT meta, arrays FROM episodes WHERE id=?", (row.id,)
+                ).fetchone()
+            finally:
+                conn.close()
+            ep = decode_episode(meta, blob)
+            data = ep.model_dump(mode="python")
+        elif row.source == "jsonl":
+            with self.layout.eval_episodes.open("rb") as fh:
+                fh.seek(row.offset)
+                data = json.loads(fh.readline())
+            if data.get("samples") is None:
+                data["samples"] = session_samples(self.layout.store, row.session)
+        else:
+            data = {"id": row.id, "task_id": row.task, "status": row.status, "group_id": row.group,
+                    "metadata": {"session_id": row.session}, "samples": session_samples(self.layout.store, row.session)}  # fmt: skip
+        if len(self._cache) > 64:
+            self._cache.pop(next(iter(self._cache)))
+        self._cache[episode_id] = data
+        return data
+
+    def episode(self, episode_id: str) -> dict[str, Any]:
+        row = self._row(episode_id)
+        data = self.load(episode_id)
+        meta = data.get("metadata") or {}
+        transcript = meta.get("transcript") or []
+        return {
+            "row": row.public(),
+            "reward": data.get("reward"),
+            "error": data.get("error"),
+            "timings": data.get("timings") or {},
+            "harness": data.get("harness"),
+            "harness_meta": meta.get("harness") or {},
+            "transcript": transcript,
+            "commands": _commands(transcript, meta.get("harness") or {}),
+            "samples": [_sample_summary(s) for s in data.get("samples", [])],
+        }
+
+    def tokens(self, episode_id: str, k: int) -> dict[str, Any]:
+        data = self.load(episode_id)
+        samples = data.get("samples", [])
+        if not 0 <= k < len(samples):
+            raise NotFound(f"episode {episode_id!r}: no sample {k} (it has {len(samples)})")
+        s = samples[k]
+        sid = str((data.get("metadata") or {}).get("session_id", ""))
+        drift = [d for d in self._drift(sid, samples) if d["branch"] in (None, s.get("branch", 0))]
+        return {
+            "ids": list(s["token_ids"]),
+            "mask": list(s["loss_mask"]),
+            "logprobs": [
+                None if lp != lp or lp in (float("inf"), float("-inf")) else lp for lp in s["logprobs"]
+            ],
+            "pieces": self.pieces.pieces(s["token_ids"]),
+            "tokenizer_error": self.pieces.error,
+            "turns": s.get("turns", []),
+            "branch": s.get("branch", 0),
+            "drift": drift,
+        }
+
+    def _drift(self, session_id: str, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        store: Path = self.layout.store
+        if not session_id or not (store / f"{session_id}.jsonl").is_file():
+            return []
+        return session_drift(store, session_id, samples)
+
+    def group(self, group_id: str) -> dict[str, Any]:
+        rows = self.index.group(group_id)
+        if not rows:
+            raise NotFound(f"group {group_id!r}: not in {self.layout.root}")
+        kind = str((self.layout.config().get("trainer") or {}).get("advantage", "grpo"))
+        advs = advantages([r.reward or 0.0 for r in rows], kind)
+        out = []
+        for row, adv in zip(rows, advs, strict=True):
+            ep = self.episode(row.id)
+            last = next(
+                (
+                    m
+                    for m in reversed(ep["transcript"])
+                    if isinstance(m, dict) and m.get("role") == "assistant"
+                ),
+                None,
+            )
+            out.append({**row.public(), "advantage": adv, "commands": ep["commands"][:20],
+                        "final": _plain(last.get("content")) if last else None})  # fmt: skip
+        return {"group": group_id, "advantage_kind": kind, "episodes": out}
+
+
+def _commands(transcript: list[Any], harness_meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """The commands read from the transcript; when the harness counted the commands it ran (the
+    builtin harness's few-shot example holds one it never ran), only that many, the last ones."""
+    cmds = commands_from_transcript(transcript)
+    ran = harness_meta.get("commands")
+    if isinstance(ran, int) and not isinstance(ran, bool) and 0 <= ran < len(cmds):
+        cmds = cmds[len(cmds) - ran :]
+    return cmds
+
+
+def _plain(content: Any) -> str:
+    if isinstance(content, list):
+        return "\n".join(str(c.get("text", "")) for c in content if isinstance(c, dict))
+    return "" if content is None else str(content)
