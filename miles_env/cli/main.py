@@ -31,6 +31,7 @@ _COMMANDS = [
     ("miles_env.cli.eval", "eval_command", "eval"),
     ("miles_env.cli.train", "train_command", "train"),
     ("miles_env.cli.doctor", "doctor_command", "doctor"),
+    ("miles_env.cli.view", "view_command", "view"),
 ]
 
 
