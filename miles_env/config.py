@@ -28,6 +28,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from miles_env.engines.configs import EngineConfig, HFEngineConfig
 from miles_env.errors import ConfigError
 from miles_env.harnesses.configs import BuiltinConfig, HarnessConfig
+from miles_env.runlog import LoggingConfig
 from miles_env.tito.config import TitoConfig
 
 __all__ = [
@@ -152,6 +153,7 @@ class RunConfig(_Strict):
     trainer: TrainSectionConfig = Field(default_factory=TrainSectionConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     weight_sync: str = Field("in_process", pattern="^(in_process|disk|delta|delta_disk)$")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)  # tensorboard, wandb
 
     @model_validator(mode="after")
     def _eval_temperature(self) -> Self:
