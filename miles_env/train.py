@@ -308,7 +308,7 @@ async def run_training(cfg: RunConfig, console: Console) -> dict[str, Any]:
         return await _follow(cfg, rank)
     _write_resolved(cfg)
     plan = _plan(cfg)
-    log = RunLog(cfg.run_dir)
+    log = RunLog(cfg.run_dir, config=cfg.logging)
     trainer = await anyio.to_thread.run_sync(_build_trainer, cfg, plan.model_path)
     if world > 1:
         trainer = Leader(trainer)
