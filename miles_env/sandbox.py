@@ -4,6 +4,11 @@ A sandbox is an isolated place where one episode's commands run. Lifecycle:
 `provider.create(spec)` -> use -> `close()`. `close()` is idempotent and is
 guaranteed by `async with`, also on cancellation. Providers live in
 `miles_env.sandboxes.<name>`; core never imports them.
+
+Optional provider capabilities are Protocols checked with isinstance, never
+probed by attribute name: `Reapable` (removes what crashed runs left behind, by
+ownership labels) and `AsyncClosable` (holds resources beyond its sandboxes, e.g.
+the local provider's idle zygotes, released by `aclose()`).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from typing import Protocol, runtime_checkable
 
 from miles_env.types import ExecResult, SandboxSpec
 
-__all__ = ["Sandbox", "SandboxProvider", "Command"]
+__all__ = ["Sandbox", "SandboxProvider", "Command", "Reapable", "AsyncClosable"]
 
 # A shell string (run with `sh -c`) or an argv list (run as is).
 Command = str | Sequence[str]
@@ -54,3 +59,19 @@ class SandboxProvider(Protocol):
     name: str
 
     async def create(self, spec: SandboxSpec) -> Sandbox: ...
+
+
+@runtime_checkable
+class Reapable(Protocol):
+    """A provider that can find and remove the sandboxes crashed runs left behind."""
+
+    async def reap(self, ttl_s: float | None = None) -> list[str]:
+        """Remove stale sandboxes (dead owner, or older than `ttl_s`); return their ids."""
+        ...
+
+
+@runtime_checkable
+class AsyncClosable(Protocol):
+    """A provider holding resources of its own (not its sandboxes'), released by `aclose()`."""
+
+    async def aclose(self) -> None: ...

@@ -25,7 +25,7 @@ import posixpath
 import re
 import shlex
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 from pydantic import BaseModel, ConfigDict, Field
@@ -34,14 +34,14 @@ from miles_env.errors import ConfigError, SandboxError, SandboxThrottled, Sandbo
 from miles_env.sandbox import Command
 from miles_env.types import ExecResult, SandboxSpec
 
-from .execargs import exec_args
-from .local.process import RawResult
-from .local.sandbox import classify
+from .execargs import command_argv, exec_args
 from .ownership import Ownership, is_stale, owner_labels
+from .results import RawResult, classify
 
 __all__ = [
     "CloudConfig",
     "CloudAdapter",
+    "NativeExpose",
     "CloudSandboxProvider",
     "CloudSandbox",
     "map_sdk_error",
@@ -80,6 +80,13 @@ class CloudAdapter(Protocol):
     def sandbox_id(self, handle: Any) -> str: ...
 
 
+@runtime_checkable
+class NativeExpose(Protocol):
+    """An adapter whose backend publishes a sandbox port itself (optional; else config.expose_url)."""
+
+    async def expose(self, handle: Any, url: str) -> str | None: ...
+
+
 def map_sdk_error(e: BaseException, what: str) -> SandboxError:
     """SDK exception -> our error, by the exception's class names and message (SDK-agnostic)."""
     if isinstance(e, SandboxError):
@@ -104,9 +111,7 @@ def frame_script(
     cmd: Command, *, env: Mapping[str, str], cwd: str, stdin: bytes | None, timeout: float, spec: SandboxSpec
 ) -> str:
     r = spec.resources
-    argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
-    if not argv:
-        raise SandboxError("exec: cmd is an empty argv list")
+    argv = command_argv(cmd)
     assigns = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
     stdin_b64 = base64.b64encode(stdin or b"").decode()
     flood = r.output_bytes * 4 + 65536
@@ -240,9 +245,8 @@ class CloudSandbox:
         return base64.b64decode(out[2:].strip())
 
     async def expose(self, url: str) -> str:
-        native = getattr(self._adapter, "expose", None)
-        if native is not None:
-            found: str | None = await native(self.handle, url)
+        if isinstance(self._adapter, NativeExpose):
+            found = await self._adapter.expose(self.handle, url)
             if found:
                 return found
         base = self._provider.config.expose_url

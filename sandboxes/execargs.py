@@ -3,7 +3,7 @@
 One place for the contract's defaults: the timeout falls back to the spec's
 `resources.timeout_s` and must be positive; the environment is PATH/HOME/LANG,
 then the spec's env, then the call's; a relative cwd is under the workdir;
-stdin text is UTF-8.
+stdin text is UTF-8; a shell string runs as `/bin/sh -c` and an argv list as is.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from miles_env.errors import SandboxError
+from miles_env.sandbox import Command
 from miles_env.types import SandboxSpec
 
-__all__ = ["DEFAULT_PATH", "ExecArgs", "exec_args", "exec_env", "exec_cwd"]
+__all__ = ["DEFAULT_PATH", "ExecArgs", "command_argv", "exec_args", "exec_env", "exec_cwd"]
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -26,6 +27,16 @@ class ExecArgs:
     env: dict[str, str]
     cwd: str
     stdin: bytes | None
+
+
+def command_argv(cmd: Command) -> list[str]:
+    """The argv that runs `cmd`: a shell string under `/bin/sh -c`, an argv list as is (never empty)."""
+    if isinstance(cmd, str):
+        return ["/bin/sh", "-c", cmd]
+    argv = [str(a) for a in cmd]
+    if not argv:
+        raise SandboxError("exec: cmd is an empty argv list")
+    return argv
 
 
 def exec_env(spec: SandboxSpec, workdir: str, env: Mapping[str, str] | None) -> dict[str, str]:

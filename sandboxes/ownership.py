@@ -17,9 +17,10 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["Ownership", "owner_labels", "is_stale", "pid_start_time", "PREFIX"]
+__all__ = ["Ownership", "owner_labels", "is_stale", "pid_start_time", "PREFIX", "DEFAULT_TTL_S"]
 
 PREFIX = "miles-env."
+DEFAULT_TTL_S = 6 * 3600.0  # how long a sandbox may live when its maker names no TTL
 
 
 def pid_start_time(pid: int) -> str | None:

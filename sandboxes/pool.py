@@ -13,27 +13,22 @@ no sandbox behind (providers clean up their own partial creations; the pool
 closes a sandbox it can no longer hand out); warm sandboxes older than ttl_s
 are closed instead of handed out; leaving the pool closes every warm sandbox.
 
-Reaper: `reap(name, ttl_s)` removes sandboxes left behind by crashed runs:
-providers with a `reap()` method do it by their ownership labels (see
-ownership.py); for "local", workspaces whose owner.json names a dead owner (or,
-without one, whose age passed the TTL) are removed with their pids cgroups, and
-then (as root) every sandbox tmpfs whose workspace is gone is detached, so a
-crashed run's RAM comes back now rather than when the next local provider starts.
+Reaper: `reap(name, ttl_s)` removes sandboxes left behind by crashed runs through
+the provider's `reap()` (the Reapable capability, miles_env/sandbox.py): by their
+ownership labels (ownership.py); for "local", by the owner.json the pool writes
+into each workspace it hands out (local/reaper.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import signal
 import time
 from collections import defaultdict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 import anyio.lowlevel
@@ -41,14 +36,12 @@ from anyio.abc import TaskGroup
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles_env.errors import SandboxError, SandboxThrottled
-from miles_env.sandbox import Command, Sandbox, SandboxProvider
+from miles_env.sandbox import Command, Reapable, Sandbox, SandboxProvider
 from miles_env.types import ExecResult, SandboxSpec
 
-from .ownership import Ownership, is_stale, owner_labels
+from .ownership import DEFAULT_TTL_S, Ownership, owner_labels
 
-__all__ = ["RetryPolicy", "SandboxPool", "PooledSandbox", "PoolStats", "reap", "reap_local"]
-
-DEFAULT_TTL_S = 6 * 3600.0
+__all__ = ["RetryPolicy", "SandboxPool", "PooledSandbox", "PoolStats", "reap", "reap_provider"]
 
 
 class RetryPolicy(BaseModel):
@@ -269,72 +262,26 @@ class SandboxPool:
 # -- the reaper --------------------------------------------------------------------------------
 
 
+@runtime_checkable
+class _HostWorkspace(Protocol):
+    """A sandbox with a bookkeeping directory on this host (the local provider's)."""
+
+    host_dir: Path
+
+
 def _mark_local_owner(sandbox: Sandbox, owner: Ownership) -> None:
     """Local workspaces get the ownership labels as <host_dir>/owner.json (outside every bind)."""
-    host_dir = getattr(sandbox, "host_dir", None)
+    if not isinstance(sandbox, _HostWorkspace):
+        return
+    host_dir = sandbox.host_dir
     if isinstance(host_dir, Path) and host_dir.is_dir():
         (host_dir / "owner.json").write_text(json.dumps(owner_labels(owner)))
 
 
-def _kill_by_cmdline(marker: str) -> None:
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if marker.encode() in f.read():
-                        os.kill(int(entry), signal.SIGKILL)
-            except OSError:
-                pass
-
-
-def reap_local(root: Path, ttl_s: float | None = None, mount_dir: Path | None = None) -> list[str]:
-    """Remove stale local workspaces under `root` and their pids cgroups.
-
-    `mount_dir` is the provider's (as root, where each sandbox's tmpfs is mounted; None without
-    root): the mounts there whose workspace no longer exists are detached and their points removed.
-    """
-    from .local.cgroup import PidsCgroup, _pids_base, remove_orphan_zygote_cgroups
-    from .local.storage import remove_orphan_mounts
-
-    removed: list[str] = []
-    if root.is_dir():
-        for d in root.iterdir():
-            if not d.is_dir():
-                continue
-            try:
-                labels = json.loads((d / "owner.json").read_text())
-                stale = is_stale(labels, ttl_s)
-            except (OSError, ValueError):
-                stale = time.time() - d.stat().st_mtime > (ttl_s if ttl_s is not None else DEFAULT_TTL_S)
-            if stale:
-                _kill_by_cmdline(str(d))
-                shutil.rmtree(d, ignore_errors=True)
-                removed.append(d.name)
-    # Only the cgroups of workspaces removed here: others may belong to live sandboxes of other roots.
-    base = _pids_base()
-    for sid in removed:
-        path = os.path.join(base, f"miles-env-{sid}") if base else None
-        if path and os.path.isdir(path):
-            cg = PidsCgroup(path)
-            cg.kill_all(1.0)
-            cg.remove()
-    remove_orphan_zygote_cgroups()
-    if mount_dir is not None and mount_dir.is_dir():
-        remove_orphan_mounts(mount_dir)  # also those of workspaces an earlier sweep removed
-    return sorted(removed)
-
-
 async def reap_provider(provider: SandboxProvider, ttl_s: float | None = None) -> list[str]:
-    reaper = getattr(provider, "reap", None)
-    if reaper is not None:
-        result: list[str] = await reaper(ttl_s)
-        return result
-    root = getattr(provider, "root", None)
-    if isinstance(root, Path):
-        mount_dir = getattr(provider, "mount_dir", None)
-        mount_dir = mount_dir if isinstance(mount_dir, Path) else None
-        return await anyio.to_thread.run_sync(reap_local, root, ttl_s, mount_dir)
-    raise SandboxError(f"provider {provider.name!r} cannot find its orphans (no reap())")
+    if not isinstance(provider, Reapable):
+        raise SandboxError(f"provider {provider.name!r} cannot find its orphans (no reap())")
+    return await provider.reap(ttl_s)
 
 
 async def reap(name: str, ttl_s: float | None = None, **config: Any) -> list[str]:

@@ -60,7 +60,7 @@ def provider(docker_engine, tmp_path):
     # Nothing of this test may remain on the engine.
     left = p.client.api.containers(all=True, filters={"label": f"miles-env.run-id={p.owner.run_id}"})
     for c in left:
-        p._remove_sync(c["Id"])
+        p.remove_sync(c["Id"])
     assert left == [], "containers leaked"
 
 
@@ -210,7 +210,7 @@ async def test_container_stopped_from_outside_is_a_sandbox_error(provider):
 
 async def test_container_that_disappears_is_a_sandbox_error(provider):
     sb = await provider.create(SandboxSpec())
-    provider._remove_sync(sb.id)
+    provider.remove_sync(sb.id)
     with pytest.raises(SandboxError, match="disappeared|not found|No such"):
         await sb.exec("echo hi")
     with pytest.raises(SandboxError):

@@ -255,10 +255,10 @@ def test_reaper_unmounts_the_tmpfs_a_killed_run_left(root):
 
 
 async def test_reaper_removes_orphan_zygote_cgroups_only(local, root):
-    from miles_env.sandboxes.local.cgroup import PidsCgroup, _pids_base
-    from miles_env.sandboxes.pool import reap_local
+    from miles_env.sandboxes.local.cgroup import PidsCgroup, pids_base
+    from miles_env.sandboxes.local.reaper import reap_local
 
-    if _pids_base() is None:
+    if pids_base() is None:
         pytest.skip("no writable pids cgroup here")
     orphan = PidsCgroup.create("miles-env-zorphantest", 8)
     assert orphan is not None

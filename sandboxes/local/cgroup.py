@@ -18,10 +18,10 @@ import signal
 import time
 from dataclasses import dataclass
 
-__all__ = ["PidsCgroup", "remove_orphan_zygote_cgroups"]
+__all__ = ["PidsCgroup", "pids_base", "remove_orphan_zygote_cgroups"]
 
 
-def _pids_base() -> str | None:
+def pids_base() -> str | None:
     """The directory of our own cgroup in the pids hierarchy, if any."""
     try:
         with open("/proc/self/cgroup") as f:
@@ -55,7 +55,7 @@ class PidsCgroup:
 
     @classmethod
     def create(cls, name: str, max_pids: int) -> PidsCgroup | None:
-        base = _pids_base()
+        base = pids_base()
         if base is None:
             return None
         path = os.path.join(base, name)
@@ -128,7 +128,7 @@ def remove_orphan_zygote_cgroups(min_age_s: float = 60.0) -> None:
     A live zygote is always inside its cgroup, so rmdir (which refuses a populated cgroup) cannot
     hit one; the age guard skips a cgroup made a moment ago whose zygote has not joined yet.
     """
-    base = _pids_base()
+    base = pids_base()
     if base is None or not os.path.isdir(base):
         return
     for name in os.listdir(base):

@@ -24,7 +24,9 @@ from typing import Protocol
 
 import anyio
 
-__all__ = ["Child", "PopenChild", "RawResult", "collect", "run_capped"]
+from ..results import RawResult
+
+__all__ = ["Child", "PopenChild", "collect", "run_capped"]
 
 _CHUNK = 65536
 
@@ -90,17 +92,6 @@ class _Capture:
     @property
     def truncated(self) -> bool:
         return self.seen > self.cap
-
-
-@dataclass(frozen=True, slots=True)
-class RawResult:
-    returncode: int
-    stdout: bytes
-    stderr: bytes
-    timed_out: bool
-    output_killed: bool
-    truncated: bool
-    duration_s: float
 
 
 async def _drain(fd: int, cap: _Capture, limit: int, on_over: anyio.Event) -> None:

@@ -16,7 +16,8 @@ files stay out of reach (bwrap run by root would keep uid 0 and its capabilities
 
 Reuse: a closed sandbox hands back its zygote and cgroup once nothing else is left
 in the cgroup; up to `config.warm` of them stay idle for the next create. They are
-removed by `aclose()`, or at garbage collection / interpreter exit.
+removed by `aclose()`, or at garbage collection / interpreter exit. `reap()` removes
+what crashed runs left under the same root (reaper.py).
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ import sys
 import weakref
 from pathlib import Path
 
+import anyio
+
 from miles_env.errors import ConfigError, SandboxError, SandboxUnavailable
 from miles_env.types import NetworkPolicy, Resources, SandboxSpec
 
 from .cgroup import PidsCgroup, remove_orphan_zygote_cgroups
 from .config import LocalSandboxConfig, find_bwrap, host_root_binds
 from .forkserver import Zygote, start_zygote
+from .reaper import reap_local
 from .sandbox import LocalSandbox
 from .storage import Storage, bwrap_for_others, prepare_mount_dir, remove_orphan_mounts
 
@@ -235,3 +239,7 @@ class LocalSandboxProvider:
     async def aclose(self) -> None:
         """Stop the idle zygotes and remove their cgroups (open sandboxes are their owners' to close)."""
         _dispose(self._idle)
+
+    async def reap(self, ttl_s: float | None = None) -> list[str]:
+        """Remove the stale workspaces under this provider's root, their cgroups and mounts."""
+        return await anyio.to_thread.run_sync(reap_local, self.root, ttl_s, self.mount_dir)

@@ -20,7 +20,6 @@ idempotent and runs on `async with` exit, on cancellation and on Ctrl-C.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
 from collections.abc import Callable, Mapping
@@ -32,60 +31,18 @@ from miles_env.errors import SandboxError
 from miles_env.sandbox import Command
 from miles_env.types import ExecResult, Resources, SandboxSpec
 
-from ..execargs import exec_args, exec_cwd, exec_env
+from ..execargs import command_argv, exec_args, exec_cwd, exec_env
+from ..results import RawResult, classify
 from .cgroup import PidsCgroup
 from .forkserver import RequestTooLarge, Zygote
 from .paths import safe_read, safe_write, split_inner_path
-from .process import RawResult, collect, run_capped
+from .process import collect, run_capped
 from .storage import Storage
 
 if TYPE_CHECKING:
     from .bridge import Bridge
 
-__all__ = ["LocalSandbox", "classify"]
-
-_MEMORY_HINTS = re.compile(
-    rb"MemoryError|Cannot allocate memory|std::bad_alloc|out of memory|memory exhausted"
-    rb"|failed to reserve",
-    re.IGNORECASE,
-)
-_FORK_HINTS = re.compile(rb"Cannot fork|fork: (retry|Resource temporarily unavailable)|can't fork")
-_DISK_HINTS = re.compile(rb"No space left on device|Disk quota exceeded|File too large")
-
-
-def classify(raw: RawResult, procs_refused: bool) -> tuple[int, str | None]:
-    """Turn bwrap's status into (exit_code, killed_by_limit).
-
-    bwrap reports a command killed by signal N as 128+N; we report -N (and -9
-    for our own kills), so callers see signals the way subprocess does.
-    """
-    code = raw.returncode
-    if 128 < code < 160:
-        code = -(code - 128)
-    if raw.timed_out:
-        return code, None
-    if raw.output_killed:
-        return code, "output"
-    if code == -signal.SIGXCPU:
-        return code, "cpu"
-    if code == -signal.SIGXFSZ:
-        return code, "disk"
-    if code != 0 and (procs_refused or _FORK_HINTS.search(raw.stderr)):
-        return code, "procs"
-    if code != 0 and _DISK_HINTS.search(raw.stderr):  # the quota (a full tmpfs), not one file's size
-        return code, "disk"
-    if code != 0 and _MEMORY_HINTS.search(raw.stderr):
-        return code, "memory"
-    return code, None
-
-
-def _argv_of(cmd: Command) -> list[str]:
-    if isinstance(cmd, str):
-        return ["/bin/sh", "-c", cmd]
-    argv = [str(a) for a in cmd]
-    if not argv:
-        raise SandboxError("exec: cmd is an empty argv list")
-    return argv
+__all__ = ["LocalSandbox"]
 
 
 class LocalSandbox:
@@ -140,7 +97,7 @@ class LocalSandbox:
 
     def _bwrap_argv(self, cmd: Command, cwd: str | None, env: Mapping[str, str] | None) -> list[str]:
         """bwrap, its options, `--`, the command."""
-        return [self._bwrap_prefix[0], *self._options(cwd, env), "--", *_argv_of(cmd)]
+        return [self._bwrap_prefix[0], *self._options(cwd, env), "--", *command_argv(cmd)]
 
     def _argv(self, cmd: Command, cwd: str | None, env: Mapping[str, str] | None) -> list[str]:
         """The argv of a process we start ourselves: the limits wrapper (joins the cgroup), nsenter

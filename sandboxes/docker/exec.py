@@ -20,7 +20,7 @@ from typing import Any
 
 from miles_env.errors import SandboxError
 
-from .local.process import RawResult
+from ..results import RawResult
 
 __all__ = ["ExecOutcome", "run_exec", "kill_token_argv", "start_detached"]
 

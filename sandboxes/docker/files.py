@@ -37,7 +37,7 @@ import requests.exceptions
 
 from miles_env.errors import SandboxError
 
-from ._docker_exec import ExecOutcome
+from .exec import ExecOutcome
 
 __all__ = ["ContainerFiles", "ErrorExplainer", "ExecRunner", "strip_top", "workdir_seed"]
 

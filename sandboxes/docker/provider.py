@@ -1,0 +1,250 @@
+"""DockerSandboxProvider: one container per sandbox on any Docker-API engine.
+
+Concept: a sandbox is a container made from `spec.image` (or a local rootfs
+imported once as an image, or `spec.build` built offline once per content hash),
+kept alive by `sleep infinity` under docker-init, with a read-only root, a named
+volume at spec.workdir, a tmpfs /tmp, no network (`network_mode=none`), and
+memory, CPU and pids limits.
+
+Privilege: never privileged; every capability dropped (none is added back: the
+exec wrapper, the kill-by-token sweep and file I/O as the container's root need
+none, while CHOWN, DAC_OVERRIDE, FOWNER, MKNOD, SETUID... would let a command make
+device nodes or take over files it does not own); no-new-privileges, so a setuid
+file gains nothing. The workspace volume is a tmpfs of the local driver (`size` =
+disk_mb, capped inodes, nosuid,nodev: a setuid-root file made there never acts as
+one on the host), /tmp and /dev/shm are tmpfs of at most disk_mb and 64 MB each.
+The container's root is still host uid 0 unless the engine remaps users
+(dockerd --userns-remap); that is the engine's configuration, not ours.
+
+Ownership: every container and volume carries labels (managed, run id, owner
+host, pid and pid start time, created-at, TTL, host run dir), so `reap()` can
+remove what a crashed run left behind.
+
+Lifecycle: create -> (sandbox.py) exec/files/expose -> close (container and volume
+removed, run dir deleted); create cleans up after itself when it fails or is
+cancelled. The SDK is synchronous: every call runs in a worker thread (engine.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import secrets
+import shutil
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import docker
+import docker.errors
+
+from miles_env.errors import ConfigError, SandboxError, SandboxUnavailable
+from miles_env.types import NetworkPolicy, SandboxSpec
+
+from ..expose import FORWARDER, INNER_RUN
+from ..ownership import Ownership, is_stale, owner_labels
+from .config import DockerSandboxConfig
+from .engine import call
+from .files import workdir_seed
+from .sandbox import DockerSandbox
+
+__all__ = ["DockerSandboxProvider"]
+
+
+class DockerSandboxProvider:
+    """SandboxProvider "docker"."""
+
+    name = "docker"
+
+    def __init__(self, config: DockerSandboxConfig | None = None) -> None:
+        self.config = config or DockerSandboxConfig()
+        try:
+            self.client = docker.DockerClient(
+                base_url=self.config.base_url
+                or os.environ.get("DOCKER_HOST")
+                or "unix:///var/run/docker.sock",
+                timeout=int(self.config.api_timeout_s),
+            )
+        except docker.errors.DockerException as e:
+            raise SandboxUnavailable(f"docker: cannot configure a client: {e}") from e
+        self.owner = Ownership.here(self.config.run_id, self.config.ttl_s)
+        self._seeds: dict[tuple[str, str], bytes] = {}  # (image id, workdir) -> workdir_seed()
+        self.run_root = Path(self.config.run_root or Path(tempfile.gettempdir()) / "miles-env-docker")
+
+    async def ping(self) -> None:
+        try:
+            await call("docker ping", self.client.ping)
+        except SandboxError as e:
+            raise SandboxUnavailable(f"no Docker engine answers: {e}") from e
+
+    def _validate(self, spec: SandboxSpec) -> None:
+        if not spec.workdir.startswith("/") or spec.workdir.rstrip("/") in (
+            "",
+            "/tmp",
+            "/proc",
+            "/dev",
+            "/run",
+        ):
+            raise ConfigError(
+                f"SandboxSpec.workdir={spec.workdir!r}: must be an absolute, dedicated directory"
+            )
+        if spec.rootfs is not None and not os.path.isdir(spec.rootfs):
+            raise ConfigError(f"SandboxSpec.rootfs={spec.rootfs!r}: not a directory on the host")
+
+    def _image_sync(self, spec: SandboxSpec) -> str:
+        if spec.rootfs is None:
+            if spec.image is None and spec.build is not None:
+                return self._build_sync(Path(spec.build))
+            return spec.image or self.config.image
+        # A local rootfs becomes an image once (tag = hash of its real path).
+        real = os.path.realpath(spec.rootfs)
+        tag = "miles-env/rootfs:" + hashlib.sha1(real.encode()).hexdigest()[:12]
+        try:
+            self.client.images.get(tag)
+        except docker.errors.ImageNotFound:
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w") as tar:
+                tar.add(real, arcname=".")
+            self.client.api.import_image_from_data(
+                buf.getvalue(), repository=tag.split(":")[0], tag=tag.split(":")[1]
+            )
+        return tag
+
+    def _build_sync(self, context: Path) -> str:
+        """`docker build` of `context`, offline (no pull, no network), once per content hash."""
+        h = hashlib.sha256()
+        for p in sorted(context.rglob("*")):
+            if p.is_file():
+                h.update(str(p.relative_to(context)).encode() + b"\0" + p.read_bytes() + b"\0")
+        tag = f"miles-env/build:{h.hexdigest()[:16]}"
+        try:
+            self.client.images.get(tag)
+            return tag
+        except docker.errors.ImageNotFound:
+            pass
+        try:
+            self.client.images.build(
+                path=str(context), tag=tag, pull=False, network_mode="none", rm=True, forcerm=True
+            )
+        except docker.errors.BuildError as e:
+            log = "".join(str(x.get("stream", x.get("error", ""))) for x in e.build_log)[-1500:]
+            raise SandboxError(f"docker build of {context / 'Dockerfile'} failed: {e}\n{log}") from e
+        except docker.errors.APIError as e:
+            raise SandboxError(f"docker build of {context / 'Dockerfile'} failed: {e}") from e
+        return tag
+
+    def _create_sync(self, spec: SandboxSpec, name: str, run_dir: Path, labels: dict[str, str]) -> Any:
+        res = spec.resources
+        image = self._image_sync(spec)
+        # A tmpfs of the local driver: the quota and nosuid,nodev hold on the host side too.
+        inodes = max(1024, res.disk_mb * 128)
+        opts = f"size={res.disk_mb}m,nr_inodes={inodes},nosuid,nodev,mode=0755"
+        self.client.volumes.create(
+            name=name,
+            labels=labels,
+            driver="local",
+            driver_opts={"type": "tmpfs", "device": "tmpfs", "o": opts},
+        )
+        tmp_mb = min(self.config.tmp_mb, res.disk_mb)
+        container = self.client.containers.create(
+            image,
+            command=["sleep", "infinity"],
+            name=name,
+            labels=labels,
+            hostname="sandbox",
+            init=True,
+            network_mode="none" if spec.network is NetworkPolicy.NONE else "host",
+            read_only=True,
+            mem_limit=f"{res.memory_mb}m",
+            memswap_limit=f"{res.memory_mb}m",
+            nano_cpus=int(self.config.cpus * 1e9),
+            pids_limit=res.max_procs,
+            tmpfs={"/tmp": f"rw,nosuid,nodev,size={tmp_mb}m,nr_inodes={inodes},mode=1777"},
+            shm_size=f"{min(64, res.disk_mb)}m",
+            volumes={
+                name: {"bind": spec.workdir, "mode": "rw"},
+                str(run_dir): {"bind": INNER_RUN, "mode": "ro"},
+            },
+            working_dir=spec.workdir,
+            privileged=False,
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+        )
+        key = (container.attrs["Image"], spec.workdir)
+        if key not in self._seeds:  # read once per image: see files.py
+            self._seeds[key] = workdir_seed(self.client.api, key[0], spec.workdir, res.disk_mb, labels)
+        seed = self._seeds[key]
+        container.start()
+        if seed:
+            self.client.api.put_archive(container.id, spec.workdir, seed)
+        return container
+
+    def remove_sync(self, name: str) -> None:
+        """Remove container and volume `name`; absent ones are fine (blocking: a worker thread's)."""
+        try:
+            self.client.api.remove_container(name, force=True, v=True)
+        except docker.errors.NotFound:
+            pass
+        try:
+            self.client.api.remove_volume(name, force=True)
+        except docker.errors.NotFound:
+            pass
+
+    async def create(self, spec: SandboxSpec) -> DockerSandbox:
+        if not isinstance(spec, SandboxSpec):
+            raise ConfigError(f"create(spec): expected a SandboxSpec, got {type(spec).__name__}")
+        self._validate(spec)
+        sid = secrets.token_hex(6)
+        name = f"miles-env-{sid}"
+        run_dir = self.run_root / sid
+        labels = owner_labels(self.owner, run_dir=str(run_dir))
+        try:
+            run_dir.mkdir(mode=0o755, parents=True)
+            shutil.copyfile(FORWARDER, run_dir / "forwarder.py")
+            container = await call(f"docker create {name}", self._create_sync, spec, name, run_dir, labels)
+            sandbox = DockerSandbox(self, container.id, name, spec, run_dir)
+            for path, text in spec.files.items():
+                await sandbox.write_file(path, text)
+            # A cancellation that arrived while a worker thread ran is delivered at the
+            # next checkpoint: take it here, where the cleanup below still applies.
+            await anyio.lowlevel.checkpoint_if_cancelled()
+        except BaseException as e:
+            # Runs also on cancellation: the worker thread has finished by now, so
+            # whatever it made is visible to the removal.
+            with anyio.CancelScope(shield=True):
+                try:
+                    await anyio.to_thread.run_sync(self.remove_sync, name)
+                except Exception:  # noqa: BLE001 - the reaper removes it later by its labels
+                    pass
+                shutil.rmtree(run_dir, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise SandboxError(f"docker create: host run dir {run_dir}: {e}") from e
+            raise
+        return sandbox
+
+    async def reap(self, ttl_s: float | None = None) -> list[str]:
+        """Remove containers and volumes of ours whose owner died or whose TTL passed."""
+
+        def sweep() -> list[str]:
+            removed: list[str] = []
+            flt = {"label": "miles-env.managed=1"}
+            for c in self.client.api.containers(all=True, filters=flt):
+                name = c["Names"][0].lstrip("/")
+                if is_stale(c.get("Labels") or {}, ttl_s):
+                    self.remove_sync(name)
+                    shutil.rmtree(
+                        (c.get("Labels") or {}).get("miles-env.run-dir", "/nonexistent"), ignore_errors=True
+                    )
+                    removed.append(name)
+            live = {c["Names"][0].lstrip("/") for c in self.client.api.containers(all=True, filters=flt)}
+            for v in self.client.api.volumes(filters=flt).get("Volumes") or []:
+                if v["Name"] not in live and is_stale(v.get("Labels") or {}, ttl_s):
+                    self.remove_sync(v["Name"])
+                    removed.append(v["Name"])
+            return sorted(set(removed))
+
+        return await call("docker reap", sweep)
