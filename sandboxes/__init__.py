@@ -2,41 +2,58 @@
 
 `get_provider("local", bwrap=...)` -> LocalSandboxProvider(LocalSandboxConfig(bwrap=...)).
 Providers: local (bubblewrap), docker (any Docker-API engine), e2b, daytona, modal,
-agentenv (cloud SDKs, imported only when that provider is built). A provider may
-also offer `async reap(ttl_s) -> list[str]` (orphan removal, see ownership.py);
-`SandboxPool` (pool.py) wraps any provider.
+agentenv (cloud SDKs, imported only when that provider is built). Two tables name
+them: PROVIDERS (the provider classes) and PROVIDER_CONFIGS (their config classes,
+whose modules import without any SDK, so a run config can validate a provider's
+config on a host that lacks it). A provider may also be Reapable or AsyncClosable
+(miles_env/sandbox.py); `SandboxPool` (pool.py) wraps any provider.
+
+Layout: a provider is a module or subpackage here (local/, docker/, e2b.py, ...);
+what more than one of them needs lives beside them (execargs.py, results.py,
+expose.py, ownership.py, cloud.py), never inside a sibling.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from miles_env.errors import ConfigError
+from miles_env.plugins import PluginTable
 from miles_env.sandbox import SandboxProvider
 
-__all__ = ["get_provider", "KNOWN_PROVIDERS"]
+__all__ = ["PROVIDERS", "PROVIDER_CONFIGS", "get_provider"]
 
-# name -> (module, provider class, config class)
-KNOWN_PROVIDERS: dict[str, tuple[str, str, str]] = {
-    "local": ("miles_env.sandboxes.local", "LocalSandboxProvider", "LocalSandboxConfig"),
-    "docker": ("miles_env.sandboxes.docker", "DockerSandboxProvider", "DockerSandboxConfig"),
-    "e2b": ("miles_env.sandboxes.e2b", "E2BSandboxProvider", "E2BSandboxConfig"),
-    "daytona": ("miles_env.sandboxes.daytona", "DaytonaSandboxProvider", "DaytonaSandboxConfig"),
-    "modal": ("miles_env.sandboxes.modal", "ModalSandboxProvider", "ModalSandboxConfig"),
-    "agentenv": ("miles_env.sandboxes.agentenv", "AgentEnvSandboxProvider", "AgentEnvSandboxConfig"),
-}
+PROVIDERS = PluginTable(
+    "sandbox provider",
+    {
+        "local": "miles_env.sandboxes.local.provider:LocalSandboxProvider",
+        "docker": "miles_env.sandboxes.docker.provider:DockerSandboxProvider",
+        "e2b": "miles_env.sandboxes.e2b:E2BSandboxProvider",
+        "daytona": "miles_env.sandboxes.daytona:DaytonaSandboxProvider",
+        "modal": "miles_env.sandboxes.modal:ModalSandboxProvider",
+        "agentenv": "miles_env.sandboxes.agentenv:AgentEnvSandboxProvider",
+    },
+)
+
+PROVIDER_CONFIGS = PluginTable(
+    "sandbox provider",
+    {
+        "local": "miles_env.sandboxes.local.config:LocalSandboxConfig",
+        "docker": "miles_env.sandboxes.docker.config:DockerSandboxConfig",
+        "e2b": "miles_env.sandboxes.e2b:E2BSandboxConfig",
+        "daytona": "miles_env.sandboxes.daytona:DaytonaSandboxConfig",
+        "modal": "miles_env.sandboxes.modal:ModalSandboxConfig",
+        "agentenv": "miles_env.sandboxes.agentenv:AgentEnvSandboxConfig",
+    },
+)
 
 
 def get_provider(name: str = "local", **config: Any) -> SandboxProvider:
     """Build the provider `name`; keyword arguments become its config's fields."""
-    if name not in KNOWN_PROVIDERS:
-        raise ConfigError(f"sandbox provider {name!r} is unknown; known: {sorted(KNOWN_PROVIDERS)}")
-    module_name, cls_name, config_name = KNOWN_PROVIDERS[name]
-    module = importlib.import_module(module_name)
+    config_cls = PROVIDER_CONFIGS.load(name)  # an unknown name: ConfigError listing the known ones
     try:
-        cfg = getattr(module, config_name)(**config)
+        cfg = config_cls(**config)
     except ValueError as e:  # pydantic.ValidationError is a ValueError
         raise ConfigError(f"sandbox provider {name!r}: invalid config: {e}") from e
-    provider: SandboxProvider = getattr(module, cls_name)(cfg)
+    provider: SandboxProvider = PROVIDERS.load(name)(cfg)
     return provider
