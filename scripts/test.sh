@@ -15,6 +15,7 @@ if ! command -v tmux >/dev/null 2>&1; then
     [ "$(id -u)" = 0 ] || { echo "[test] tmux is missing and only root can apt-get install it" >&2; exit 2; }
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux) >/dev/null
 fi
+bash scripts/install-chromium.sh >/dev/null  # Debian's chromium for the viewer's browser tests
 bash scripts/install-vllm.sh
 $PY -m ruff check .
 $PY -m ruff format --check .
