@@ -31,12 +31,15 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from miles_env.jsonio import dumps
+
+if TYPE_CHECKING:
+    from miles_env.engines.base import Engine
 
 __all__ = [
     "DeltaEntry",
@@ -47,6 +50,7 @@ __all__ = [
     "save_delta",
     "load_delta",
     "tensor_crc",
+    "DeltaReceiver",
     "WeightSyncer",
 ]
 
@@ -312,6 +316,20 @@ def load_delta(path: str | os.PathLike[str]) -> WeightDelta:
     )
 
 
+@runtime_checkable
+class DeltaReceiver(Protocol):
+    """The engine side of this module's format (the hf engine): takes tensors in process and applies
+    deltas, in process or from a `save_delta` file. Any other engine gets full syncs through disk."""
+
+    async def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor], weight_version: int | None = None
+    ) -> int: ...
+
+    async def apply_weight_delta(self, delta: WeightDelta) -> int: ...
+
+    async def apply_weight_delta_from_disk(self, path: str | Path) -> int: ...
+
+
 @dataclass
 class WeightSyncer:
     """Trainer-side sync policy. mode: full | delta; transport: in_process | disk."""
@@ -339,7 +357,7 @@ class WeightSyncer:
         the first sync can already be a delta. If that is wrong, the engine refuses and we repair."""
         self.snapshot, self.version = self._cast(state), version
 
-    async def sync(self, engine: Any, state: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+    async def sync(self, engine: Engine, state: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         """Move `state` to `engine` as `version`; returns metrics (sync_bytes, sync_full_bytes, sync_s,
         sync_delta 1/0, sync_repaired 1/0)."""
         import anyio
@@ -349,14 +367,14 @@ class WeightSyncer:
         full_bytes = sum(t.numel() * t.element_size() for t in new.values())
         repaired = 0.0
         moved = float(full_bytes)
-        can_delta = self.mode == "delta" and hasattr(engine, "apply_weight_delta")
-        used_delta = can_delta and self.snapshot is not None and self.version is not None
-        if used_delta:
-            assert self.snapshot is not None and self.version is not None
+        receiver = engine if self.mode == "delta" and isinstance(engine, DeltaReceiver) else None
+        used_delta = False
+        if receiver is not None and self.snapshot is not None and self.version is not None:
+            used_delta = True
             delta = await anyio.to_thread.run_sync(encode_delta, self.snapshot, new, self.version, version)
             moved = float(delta.nbytes)
             try:
-                await self._send_delta(engine, delta)
+                await self._send_delta(receiver, delta)
             except Exception:  # refused (or lost): the engine kept its weights; repair with a full sync
                 repaired, moved = 1.0, moved + full_bytes
                 await self._send_full(engine, new, version)
@@ -368,8 +386,8 @@ class WeightSyncer:
         self.history.append(m)
         return m
 
-    async def _send_full(self, engine: Any, new: dict[str, torch.Tensor], version: int) -> None:
-        if self.transport == "in_process":
+    async def _send_full(self, engine: Engine, new: dict[str, torch.Tensor], version: int) -> None:
+        if self.transport == "in_process" and isinstance(engine, DeltaReceiver):
             await engine.update_weights(new, weight_version=version)
             return
         from safetensors.torch import save_file
@@ -379,7 +397,7 @@ class WeightSyncer:
         save_file(new, str(path))
         await engine.update_weights_from_disk(path, weight_version=version)
 
-    async def _send_delta(self, engine: Any, delta: WeightDelta) -> None:
+    async def _send_delta(self, engine: DeltaReceiver, delta: WeightDelta) -> None:
         if self.transport == "in_process":
             await engine.apply_weight_delta(delta)
         else:
