@@ -17,7 +17,8 @@ import anyio.to_thread
 from miles_env.types import Episode
 
 if TYPE_CHECKING:
-    from miles_env.queue import Lease, QueueStats, SqliteReplayQueue
+    from miles_env.queue import Lease, QueueStats
+    from miles_env.queue_contract import ReplayQueue
 
 __all__ = ["AsyncReplayQueue", "POLL_S"]
 
@@ -25,10 +26,10 @@ POLL_S = 0.05
 
 
 class AsyncReplayQueue:
-    """anyio face of SqliteReplayQueue: each call runs the sync method in a worker thread; waiting
-    for capacity polls with anyio.sleep so a blocked producer holds no thread."""
+    """anyio face of a ReplayQueue (SQLite or Redis): each call runs the sync method in a worker
+    thread; waiting for capacity polls with anyio.sleep so a blocked producer holds no thread."""
 
-    def __init__(self, queue: SqliteReplayQueue) -> None:
+    def __init__(self, queue: ReplayQueue) -> None:
         self.sync = queue
 
     async def wait_for_capacity(self) -> None:
