@@ -1,10 +1,15 @@
 """Replay queue throughput: put + take + ack of 4k-token episodes, in episodes/s.
 
-Compares the packed encoding (int32 ids, uint8 mask, float64 logprobs in a BLOB)
+Default: compares the packed encoding (int32 ids, uint8 mask, float64 logprobs in a BLOB)
 against the same queue storing plain pydantic JSON (the naive baseline), and a
 zlib-compressed packed variant, all in this run.
 
+`--backends`: the same workload on each queue backend (bench_queue_backends.py): SQLite
+(synchronous NORMAL and FULL) against Redis (a redis-server started here, AOF with appendfsync
+everysec and always), rounds alternating between them, ratios against SQLite NORMAL.
+
     python bench/bench_queue.py [--episodes 512] [--tokens 4096] [--group-size 8]
+    python bench/bench_queue.py --backends [--rounds 3] [--producers 1]
 """
 
 from __future__ import annotations
@@ -100,8 +105,16 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--backends", action="store_true", help="compare SQLite and Redis (packed codec)")
+    ap.add_argument("--rounds", type=int, default=3, help="--backends: alternating rounds (median)")
+    ap.add_argument("--producers", type=int, default=1, help="--backends: threads putting at once")
     args = ap.parse_args()
     episodes = make_episodes(args.episodes, args.tokens, args.group_size)
+    if args.backends:
+        from bench_queue_backends import compare
+
+        compare(episodes, args.group_size, rounds=args.rounds, producers=args.producers)
+        return
     results = {name: run(name, episodes, args.group_size) for name in CODECS}
     mq.encode_episode, mq.decode_episode = PACKED
     base = results["json (naive)"]["total"]

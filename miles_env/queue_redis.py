@@ -8,9 +8,12 @@ embedded default; tests/queue_contract.py runs one suite against both.
 Invariant: every state change is one Lua script (queue_redis_scripts.py), which Redis runs
 alone and its append-only file (AOF) logs whole, so a crash of Redis or of a client keeps each
 change whole or absent, as queue.py's transactions do. The queue refuses a server without AOF
-(`require_aof`): a restart would lose everything. With `appendfsync always` a reply means the
-change is on disk; with `everysec` it is in the kernel (a kill of redis-server loses nothing,
-a power cut up to about a second). tests/test_queue_redis.py kill -9s redis-server mid-run.
+(`require_aof`): a restart would lose everything. Run it with `appendfsync always`: Redis then
+writes and fsyncs before it replies, so a put or ack that returned survives a crash of Redis and a
+power cut alike. With `everysec` (warned about at open) a reply means only "in the kernel, soon":
+Redis even postpones the write itself for up to 2 s while an fsync stalls, so a crash then, or a
+power cut, loses the last seconds. tests/test_queue_redis.py kill -9s redis-server mid-run under
+both; bench/bench_queue.py --backends measures what `always` costs.
 
 Why hashes, sorted sets and scripts rather than Streams: a stream's consumer group tracks
 deliveries, but a lease here is the state of a GRPO group with its own duration, renewed across
@@ -140,11 +143,25 @@ class RedisReplayQueue:
         return self._call(lambda: script(keys=[self._p + ":meta"], args=[self._p, *args]))
 
     def _check_aof(self) -> None:
+        import redis
+
         info = self._call(lambda: self._redis.info("persistence"))
         if int(info.get("aof_enabled", 0)) != 1:
             raise QueueError(
                 f"replay queue {self.where}: the server runs without its append-only file, so a restart "
                 "would lose the queue; start it with --appendonly yes (or set require_aof: false)"
+            )
+        try:  # managed services may refuse CONFIG: then the operator's word is all there is
+            fsync = self._redis.config_get("appendfsync").get("appendfsync")
+        except redis.ResponseError:
+            return
+        if fsync not in (None, "always", b"always"):
+            log.warning(
+                "replay queue %s: appendfsync %s: Redis answers before its AOF reaches the disk, so a power "
+                "cut (or a crash while the disk stalls) can lose the last seconds of puts; `always` is the "
+                "setting under which a reply means stored",
+                self.where,
+                fsync.decode() if isinstance(fsync, bytes) else fsync,
             )
 
     def _init_group_size(self, group_size: int | None) -> int:

@@ -7,6 +7,7 @@ themselves on a free port in a temp dir with AOF on (tests/redis_server.py), nev
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 import uuid
@@ -180,6 +181,23 @@ def test_a_server_without_aof_is_refused(server: RedisServer) -> None:
             or not admin.info("persistence")["aof_enabled"]
         ):
             time.sleep(0.02)
+        admin.close()
+
+
+def test_a_server_that_fsyncs_lazily_is_warned_about(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    admin = redis.Redis.from_url(server.url)
+    try:
+        with caplog.at_level(logging.WARNING, logger="miles_env.queue_redis"):
+            RedisBackend(server.url).open(group_size=1)  # the fixture's server: appendfsync always
+            assert caplog.records == []
+            admin.config_set("appendfsync", "everysec")
+            RedisBackend(server.url).open(group_size=1)
+        (record,) = caplog.records
+        assert "appendfsync everysec" in record.getMessage() and "always" in record.getMessage()
+    finally:
+        admin.config_set("appendfsync", "always")
         admin.close()
 
 
