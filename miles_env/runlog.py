@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Literal
 
@@ -85,7 +86,7 @@ def _start_wandb(run_dir: Path, cfg: LoggingConfig) -> Any:
     import wandb
 
     id_file = run_dir / "wandb-run-id"
-    run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
     id_file.write_text(run_id + "\n")
     return wandb.init(
         project=cfg.wandb_project,

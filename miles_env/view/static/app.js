@@ -110,6 +110,7 @@ async function loadTable() {
     th.classList.toggle("sorted", th.dataset.k === t.sort); th.classList.toggle("asc", th.dataset.k === t.sort && !t.desc);
   }
   document.body.dataset.tableReady = String(seq);
+  requestAnimationFrame(() => { document.body.dataset.tablePaint = performance.now().toFixed(1); });
 }
 
 function renderContent(c) {
@@ -162,6 +163,7 @@ async function loadTokens(id, k) {
     (d.pieces ? "" : ` <span class="err">(ids only: ${esc(d.tokenizer_error || "")})</span>`);
   $("#tokens").innerHTML = renderTokens(d);
   document.body.dataset.tokensReady = `${id}:${k}`;
+  requestAnimationFrame(() => { document.body.dataset.tokensPaint = performance.now().toFixed(1); });
 }
 
 async function renderGroup(gid) {
