@@ -343,7 +343,7 @@ async def _run(job: _Job, loop: TrainLoop) -> dict[str, Any]:
     resumed = await loop.resume()
     if resumed is not None:
         job.console.print(
-            f"resumed at step {resumed.step}: {resumed.acked} trained episode groups acked, "
+            f"resumed at step {resumed.step}: {resumed.acked} trained groups acked, "
             f"{resumed.released} returned to the queue"
         )
         await job.sync_weights(resumed.step)  # the engine must serve the weights the trainer resumed with

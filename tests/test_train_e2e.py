@@ -1,8 +1,10 @@
 """`miles-env train` end to end on a tiny random Llama with the real SmolLM2 tokenizer.
 
 Real parts throughout (hf engine, TITO proxy over HTTP, bubblewrap sandboxes, sqlite queue,
-torch trainer); only the model is tiny so the loop runs in seconds. Includes the crash test:
-SIGKILL mid-run, restart from the run directory, nothing lost and nothing trained twice.
+torch trainer); only the model is tiny so the loop runs in seconds. Includes the crash tests:
+SIGKILL mid-run (and between two checkpoints, with leases held), restart from the run directory,
+nothing lost and nothing trained twice. Every checkpoint is kept (trainer.keep_checkpoints), so the
+lineage of the final model is the concatenation of their `trained_episode_ids`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -46,7 +49,8 @@ def _args(run_dir: Path, model: Path, steps: int, *extra: str) -> list[str]:
     sets = [
         f"run_dir={run_dir}", f"engine.model={model}", f"trainer.steps={steps}", "rollout.group_size=2",
         "rollout.groups_per_step=2", "rollout.concurrency=4", "harness.max_tokens=8", "harness.max_turns=1",
-        "eval.rollouts=1", "eval.tiers=[1]", "trainer.lr=1e-3", "trainer.skip_zero_advantage=false", *extra,
+        "eval.rollouts=1", "eval.tiers=[1]", "trainer.lr=1e-3", "trainer.skip_zero_advantage=false",
+        "trainer.keep_checkpoints=100", *extra,
     ]  # fmt: skip
     out = [sys.executable, "-m", "miles_env.cli.main", "train", str(ROOT / "examples/terminal-cpu.yaml")]
     for s in sets:
@@ -60,9 +64,19 @@ def _rows(run_dir: Path, kind: str) -> list[dict]:
 
 
 def _trained_ids(run_dir: Path) -> list[str]:
-    ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
-    meta = json.loads((ckpts[-1] / "trainer.json").read_text())
-    return list(meta["extra"]["trained_ids"])
+    """The episode ids the newest checkpoint's model trained on, in order: each checkpoint holds
+    those trained since the previous one (the loop resumes from the newest, so none is stale)."""
+    ids: list[str] = []
+    for ckpt in sorted((run_dir / "checkpoints").glob("step_*")):
+        ids += json.loads((ckpt / "trainer.json").read_text())["extra"]["trained_episode_ids"]
+    return ids
+
+
+def _episode_states(run_dir: Path) -> dict[str, str]:
+    """episode id -> the state of its group, read from queue.db with plain sqlite3."""
+    with sqlite3.connect(run_dir / "queue.db") as db:
+        rows = db.execute("SELECT e.id, g.state FROM episodes e JOIN groups g ON g.group_id = e.group_id")
+        return dict(rows.fetchall())
 
 
 @pytest.mark.slow
@@ -157,3 +171,43 @@ def test_sigkill_mid_run_then_resume_loses_nothing_and_trains_nothing_twice(
     assert stats.episodes.get("acked", 0) == 16
     assert stats.episodes.get("leased", 0) == 0
     assert [r["step"] for r in _rows(run_dir, "train")][-2:] == [3, 4]
+
+
+@pytest.mark.slow
+def test_sigkill_between_checkpoints_then_resume_acks_each_trained_episode_once(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    # checkpoint_every=2: kill once step 3 is trained and reported, before step 4's checkpoint. Step 3's
+    # groups are then trained but in no checkpoint: they must still be leased (not acked), go back to
+    # the queue on restart and be trained again by the resumed model, exactly once in its lineage.
+    run_dir = tmp_path / "run"
+    args = _args(run_dir, tiny_model, 4, "trainer.checkpoint_every=2", "eval.enabled=false")
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if (run_dir / "metrics.jsonl").is_file() and 3 in [r["step"] for r in _rows(run_dir, "train")]:
+            break
+        time.sleep(0.05)
+    else:
+        proc.kill()
+        pytest.fail("the run never reached step 3")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert [p.name for p in sorted((run_dir / "checkpoints").glob("step_*"))] == ["step_00000002"]
+    states = _episode_states(run_dir)
+    in_checkpoint = set(_trained_ids(run_dir))
+    held = {eid for eid, state in states.items() if state == "leased"}
+    assert len(in_checkpoint) == 8 and len(held) == 4  # steps 1-2 checkpointed; step 3 trained, held
+    assert {eid for eid, state in states.items() if state == "acked"} == in_checkpoint
+
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "resumed at step 2" in out.stdout and "2 returned to the queue" in out.stdout, out.stdout
+    lineage = _trained_ids(run_dir)
+    assert len(lineage) == len(set(lineage)) == 16, "an episode was trained twice"  # 4 steps x 2 x 2
+    states = _episode_states(run_dir)
+    acked = {eid for eid, state in states.items() if state == "acked"}
+    assert acked == set(lineage), "acked and trained differ"  # each trained episode acked, nothing else
+    assert held <= acked, "a group trained only by the killed process was lost"
+    assert "leased" not in states.values()
+    assert [r["step"] for r in _rows(run_dir, "train")] == [1, 2, 3, 3, 4]
