@@ -22,7 +22,7 @@ from miles_env.environment import Environment
 from miles_env.harness import Harness
 from miles_env.http import serve_app
 from miles_env.rollout import RolloutContext
-from miles_env.sandbox import SandboxProvider
+from miles_env.sandbox import AsyncClosable, SandboxProvider
 from miles_env.tito.config import TitoConfig
 
 __all__ = ["StackConfig", "Stack", "open_stack"]
@@ -71,8 +71,7 @@ async def open_stack(cfg: StackConfig, *, engine: Any | None = None) -> AsyncIte
         async with serve_app(create_app(proxy)) as url:
             yield Stack(engine, proxy, url, provider, tokenizer)
     finally:
-        closer = getattr(provider, "aclose", None)  # e.g. the local provider's idle zygotes
-        if closer is not None:
-            await closer()
+        if isinstance(provider, AsyncClosable):  # e.g. the local provider's idle zygotes
+            await provider.aclose()
         if own_engine:
             await engine.close()
