@@ -93,7 +93,7 @@ def one_line(exc: BaseException) -> str | None:
 def _flatten(text: str) -> str:
     """Several lines (a YAML parser's pointer, a list of fields) joined into one."""
     lines = [line.strip() for line in text.splitlines()]
-    return "; ".join(line for line in lines if line.strip("^ "))
+    return "; ".join(line for line in lines if line.strip("^ ")).replace(":; ", ": ")  # "header:" + items
 
 
 def _missing_package(module: str) -> str:
