@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_env.tito import strictjson
+from miles_env.tito.journal import JournalError, JournalEvent, SessionHeader, TurnEvent, read_event
 from miles_env.tito.messages import digest
 from miles_env.tito.session import Session
 
@@ -76,33 +77,45 @@ def resolve_store(path: Path) -> Path:
     return path / "sessions" if (path / "sessions").is_dir() else path
 
 
-def _events(path: Path) -> list[dict[str, Any]]:
+def _events(path: Path) -> list[JournalEvent]:
     data = path.read_bytes()
     lines = data.split(b"\n")
     if lines and lines[-1] != b"":
         lines = lines[:-1]  # a torn last line was never acknowledged: not part of the record
-    return [json.loads(x) for x in lines if x]
+    return [read_event(x) for x in lines if x]
 
 
-def _replay(sid: str, events: list[dict[str, Any]], out: list[Drift]) -> _Expected:
+def _session(events: list[JournalEvent]) -> Session:
+    """The session the events describe (raises ValueError on an inconsistent journal)."""
+    if not events or not isinstance(events[0], SessionHeader):
+        raise JournalError("the first line is no session header")
+    session = Session.from_header(events[0])
+    for e in events[1:]:
+        if isinstance(e, SessionHeader):
+            raise JournalError("a second session header")
+        session.apply(e)
+    return session
+
+
+def _replay(sid: str, events: list[JournalEvent], out: list[Drift]) -> _Expected:
     exp = _Expected()
-    for e in (e for e in events if e.get("kind") == "turn"):
-        b, k = e["branch"], len(exp.records)
-        outs, lps = list(e["output_ids"]), [float(x) for x in e["logprobs"]]
-        if len(outs) != len(lps) or ("gen_digest" in e and e["gen_digest"] != digest(outs, lps)):
+    for e in (e for e in events if isinstance(e, TurnEvent)):
+        b, k = e.branch, len(exp.records)
+        outs, lps = e.output_ids, e.logprobs
+        if len(outs) != len(lps) or (e.gen_digest is not None and e.gen_digest != digest(outs, lps)):
             out.append(
                 Drift("record", sid, b, f"turn {k}: output_ids/logprobs differ from the engine's record")
             )
         exp.records.append((outs, lps))
-        if e["new_branch"]:
-            p, n = e.get("parent"), e.get("fork_tokens", 0)
+        if e.new_branch:
+            p, n = e.parent, e.fork_tokens or 0
             base = exp.ids.get(p, [])[:n] if p is not None else []
             exp.ids[b], exp.sampled[b] = list(base), exp.sampled.get(p, [])[:n] if p is not None else []
             exp.runs[b] = [r for r in exp.runs.get(p, []) if r[0] < n] if p is not None else []
         ids = exp.ids.setdefault(b, [])
         sampled = exp.sampled.setdefault(b, [])
-        ids.extend(e["prompt_ids"])
-        sampled.extend([False] * len(e["prompt_ids"]))
+        ids.extend(e.prompt_ids)
+        sampled.extend([False] * len(e.prompt_ids))
         exp.runs.setdefault(b, []).append((len(ids), k))
         ids.extend(outs)
         sampled.extend([True] * len(outs))
@@ -164,10 +177,8 @@ def _audit_session(path: Path, out: list[Drift]) -> tuple[int, int, int, bool]:
     sid = path.stem
     try:
         events = _events(path)
-        session = Session.from_header(events[0])
-        for e in events[1:]:
-            session.apply(e)
-    except (ValueError, KeyError, IndexError, TypeError) as e:
+        session = _session(events)
+    except (ValueError, IndexError) as e:
         out.append(Drift("journal", sid, None, f"{path.name}: {type(e).__name__}: {e}"))
         return 0, 0, 0, False
     exp = _replay(sid, events, out)

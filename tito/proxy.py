@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
-from miles_env.tito import strictjson
 from miles_env.tito.config import Budget, TitoConfig
 from miles_env.tito.errors import (
     bad_request,
@@ -45,6 +44,14 @@ from miles_env.tito.errors import (
     engine_refused,
     not_found,
     unauthorized,
+)
+from miles_env.tito.journal import (
+    AuxEvent,
+    ClosedEvent,
+    SessionEvent,
+    TruncatedEvent,
+    TurnEvent,
+    TurnRecord,
 )
 from miles_env.tito.messages import ChatRequest, ChatResult, Message, digest
 from miles_env.tito.parsers import build_parsers
@@ -154,9 +161,10 @@ class TitoProxy:
         if s is None:
             raise not_found(f"session {session_id!r} does not exist")
         self._seen.pop(session_id, None)
-        s.apply({"kind": "closed"})
+        closed = ClosedEvent()
+        s.apply(closed)
         if self._journal is not None:
-            self._journal.append(session_id, {"kind": "closed"})
+            self._journal.append(session_id, closed)
 
     def endpoint(self, session_id: str, base_url: str) -> Endpoint:
         s = self._session(session_id)
@@ -172,7 +180,7 @@ class TitoProxy:
         return self._info
 
     # -- the core turn --------------------------------------------------------------------------------
-    def _record(self, s: Session, event: dict[str, Any]) -> None:
+    def _record(self, s: Session, event: SessionEvent) -> None:
         """Journal `event` (strict JSON, one write), then apply it: memory never runs ahead of the disk."""
         if self._journal is not None:
             self._journal.append(s.id, event)
@@ -180,7 +188,7 @@ class TitoProxy:
 
     def _truncate(self, s: Session, reason: str) -> None:
         if s.truncated is None:
-            self._record(s, {"kind": "truncated", "reason": reason})
+            self._record(s, TruncatedEvent(reason=reason))
 
     def _check_budget(self, s: Session) -> None:
         b = s.budget
@@ -358,7 +366,7 @@ class TitoProxy:
         r = self._parse(gen, sampling, req)
         reply = respond(replace(r, prompt_tokens=len(ids), branch=-1, meta={**r.meta, "aux": True}))
         # flagged in the journal (counted in SessionInfo.n_aux), never part of a trajectory
-        self._record(s, {"kind": "aux", "prompt_tokens": len(ids), "completion_tokens": r.completion_tokens})
+        self._record(s, AuxEvent(prompt_tokens=len(ids), completion_tokens=r.completion_tokens))
         return reply
 
     async def _generate(
@@ -378,27 +386,28 @@ class TitoProxy:
         r = self._parse(gen, sampling, req)
         out, lps = list(gen.output_ids), list(gen.logprobs)
         akey = session_key(s)(Message("assistant", r.content or "", r.tool_calls))
-        event: dict[str, Any] = {
-            "kind": "turn",
-            "branch": plan.branch,
-            "new_branch": plan.new_branch,
-            "tools_key": plan.tools_key,
-            "prompt_ids": plan.delta,
-            "output_ids": out,
-            "logprobs": strictjson.numbers(lps),  # -inf as "-Infinity": strict JSON that round-trips
-            "gen_digest": digest(out, lps),  # the engine's record, checked by `tito audit`
-            "keys": [*plan.keys, akey],
-            "turn": {
-                "finish_reason": r.finish_reason,
-                "weight_version": gen.weight_version,
-                "latency_s": latency,
-                "engine": info.name,
-            },
-        }
-        if plan.parent is not None:
-            event.update(parent=plan.parent, fork_keys=plan.fork_keys, fork_tokens=plan.fork_tokens)
-        if req.reply_id is not None:
-            event["aliases"] = {req.reply_id: akey}
+        fork = plan.parent is not None
+        # built from our own values on the turn's path: not validated, and its id lists not copied
+        event = TurnEvent.model_construct(
+            branch=plan.branch,
+            new_branch=plan.new_branch,
+            tools_key=plan.tools_key,
+            prompt_ids=plan.delta,
+            output_ids=out,
+            logprobs=lps,
+            gen_digest=digest(out, lps),  # the engine's record, checked by `tito audit`
+            keys=[*plan.keys, akey],
+            turn=TurnRecord(
+                finish_reason=r.finish_reason,
+                weight_version=gen.weight_version,
+                latency_s=latency,
+                engine=info.name,
+            ),
+            parent=plan.parent,
+            fork_keys=plan.fork_keys if fork else None,
+            fork_tokens=plan.fork_tokens if fork else None,
+            aliases={req.reply_id: akey} if req.reply_id is not None else None,
+        )
         result = replace(
             r,
             prompt_tokens=len(plan.prompt),

@@ -6,8 +6,8 @@ the mask is 0), the Turn records, and the identity keys of the messages its ids
 encode (to match the next request against). A request that extends a branch's
 messages appends to it; any other request starts a new branch.
 
-Invariant: state changes only through `apply(event)`, with events built by the
-proxy after a successful generation. The same events are journaled to disk and
+Invariant: state changes only through `apply(event)`, with events (journal.py) built by
+the proxy after a successful generation. The same events are journaled to disk and
 replayed on load, so a restarted proxy holds exactly the same state. Each sampled
 token is appended to exactly one branch, so it belongs to exactly one sample.
 
@@ -28,10 +28,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, assert_never
 
 import anyio
 from miles_env.tito.config import Budget
+from miles_env.tito.journal import (
+    AuxEvent,
+    ClosedEvent,
+    SessionEvent,
+    SessionHeader,
+    TruncatedEvent,
+    TurnEvent,
+)
 
 from miles_env.types import Trajectory, Turn
 
@@ -95,19 +103,18 @@ class Session:
         self.aliases: dict[str, str] = {}  # client-visible item id -> stored message key
         self.lock = anyio.Lock()  # serialises the requests of one session
 
-    def header(self) -> dict[str, Any]:
-        return {
-            "kind": "session",
-            "id": self.id,
-            "api_key": self.api_key,
-            "metadata": self.metadata,
-            "budget": self.budget.model_dump(),
-            "created_at": self.created_at,
-        }
+    def header(self) -> SessionHeader:
+        return SessionHeader(
+            id=self.id,
+            api_key=self.api_key,
+            metadata=self.metadata,
+            budget=self.budget,
+            created_at=self.created_at,
+        )
 
     @classmethod
-    def from_header(cls, h: dict[str, Any]) -> Session:
-        return cls(h["id"], h["api_key"], h["metadata"], Budget(**h["budget"]), h["created_at"])
+    def from_header(cls, h: SessionHeader) -> Session:
+        return cls(h.id, h.api_key, h.metadata, h.budget, h.created_at)
 
     def elapsed(self) -> float:
         return time.time() - self.created_at
@@ -126,50 +133,62 @@ class Session:
             self.n_aux,
         )
 
-    def apply(self, event: dict[str, Any]) -> None:
-        kind = event["kind"]
-        if kind == "turn":
-            # A client that recovers (compacts, retries shorter) and is answered in full is not cut:
-            # the flag tells the end state. A turn the proxy cuts is followed by its own marker.
-            self._apply_turn(event)
-            self.truncated = None
-        elif kind == "truncated":
-            self.truncated = self.truncated or event["reason"]
-        elif kind == "closed":
-            self.closed = True
-        elif kind == "aux":
-            self.n_aux += 1
-        else:
-            raise ValueError(f"session {self.id}: unknown event kind {kind!r}")
+    def apply(self, event: SessionEvent) -> None:
+        match event:
+            case TurnEvent():
+                # A client that recovers (compacts, retries shorter) and is answered in full is not
+                # cut: the flag tells the end state. A turn the proxy cuts is followed by its own marker.
+                self._apply_turn(event)
+                self.truncated = None
+            case TruncatedEvent(reason=reason):
+                self.truncated = self.truncated or reason
+            case ClosedEvent():
+                self.closed = True
+            case AuxEvent():
+                self.n_aux += 1
+            case _:
+                assert_never(event)
 
-    def _apply_turn(self, e: dict[str, Any]) -> None:
-        if e["new_branch"]:
-            if e["branch"] != len(self.branches):
-                raise ValueError(f"session {self.id}: new branch {e['branch']} out of order")
+    def _apply_turn(self, e: TurnEvent) -> None:
+        if e.new_branch:
+            if e.branch != len(self.branches):
+                raise ValueError(f"session {self.id}: new branch {e.branch} out of order")
             self.branches.append(self._new_branch(e))
-        b = self.branches[e["branch"]]
-        prompt = e["prompt_ids"]
+        b = self.branches[e.branch]
+        prompt = e.prompt_ids
         b.token_ids.extend(prompt)
         b.loss_mask.extend([0] * len(prompt))
         b.logprobs.extend([0.0] * len(prompt))
         start = len(b.token_ids)
-        out, lps = e["output_ids"], e["logprobs"]
+        out = e.output_ids
         b.token_ids.extend(out)
         b.loss_mask.extend([1] * len(out))
-        b.logprobs.extend(float(x) for x in lps)
-        b.keys.extend(e["keys"])
-        b.turns.append(Turn(start=start, prompt_len=start, completion_len=len(out), **e["turn"]))
+        b.logprobs.extend(e.logprobs)
+        b.keys.extend(e.keys)
+        t = e.turn
+        b.turns.append(
+            Turn(
+                start=start,
+                prompt_len=start,
+                completion_len=len(out),
+                finish_reason=t.finish_reason,
+                weight_version=t.weight_version,
+                latency_s=t.latency_s,
+                engine=t.engine,
+            )
+        )
         b.marks.append((len(b.keys), len(b.token_ids)))
-        self.aliases.update(e.get("aliases", {}))
+        if e.aliases:
+            self.aliases.update(e.aliases)
         self.n_turns += 1
         self.sampled_tokens += len(out)
 
-    def _new_branch(self, e: dict[str, Any]) -> Branch:
-        b = Branch(index=e["branch"], tools_key=e["tools_key"])
-        if e.get("parent") is None:
+    def _new_branch(self, e: TurnEvent) -> Branch:
+        b = Branch(index=e.branch, tools_key=e.tools_key)
+        if e.parent is None:
             return b
-        p = self.branches[e["parent"]]
-        n_keys, n_ids = e["fork_keys"], e["fork_tokens"]
+        p = self.branches[e.parent]
+        n_keys, n_ids = e.fork_keys or 0, e.fork_tokens or 0
         if (n_keys, n_ids) not in p.marks:
             raise ValueError(
                 f"session {self.id}: fork of branch {p.index} at ({n_keys}, {n_ids}) is no turn end"

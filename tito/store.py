@@ -1,8 +1,8 @@
 """Durable session state: one append-only JSON-lines journal per session.
 
 Concept: `<store_dir>/<session_id>.jsonl` holds the session header, then one
-event per line (turn, truncated, closed), exactly the events `Session.apply`
-consumes. Each event is written with a single `write` on an O_APPEND descriptor
+event per line (turn, truncated, aux, closed: the models of journal.py), exactly the
+events `Session.apply` consumes; every line is validated as it is read. Each event is written with a single `write` on an O_APPEND descriptor
 after its turn, so the cost per turn is proportional to the turn, not to the
 history; a torn last line (crash mid-write, so no trailing newline) is cut off on load.
 Lifecycle: written by the proxy as it goes, replayed by `load_sessions` at start.
@@ -14,12 +14,12 @@ strict JSON raises before anything is written.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 from miles_env.tito import strictjson
+from miles_env.tito.journal import JournalError, JournalEvent, SessionHeader, read_event
 from miles_env.tito.session import Session
 
 __all__ = ["Journal", "load_sessions", "export_body"]
@@ -40,8 +40,8 @@ class Journal:
     def path(self, session_id: str) -> Path:
         return self.root / f"{session_id}.jsonl"
 
-    def append(self, session_id: str, event: dict[str, Any]) -> None:
-        line = strictjson.encode(event) + b"\n"
+    def append(self, session_id: str, event: JournalEvent) -> None:
+        line = strictjson.encode(event.wire()) + b"\n"
         fd = os.open(self.path(session_id), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             os.write(fd, line)
@@ -69,20 +69,27 @@ def _load_one(path: Path) -> Session | None:
     pos = 0
     while pos < len(data):
         end = data.find(b"\n", pos)
-        raw = data[pos:] if end < 0 else data[pos:end]
-        try:
-            event = json.loads(raw) if end >= 0 else None
-        except json.JSONDecodeError:
-            raise ValueError(f"{path}: byte {pos}: a journal line is not JSON") from None
-        if event is None:  # a torn last line (crash mid-write): never acknowledged, so cut it off
+        if end < 0:  # a torn last line (crash mid-write): never acknowledged, so cut it off
             with path.open("r+b") as f:
                 f.truncate(pos)  # the next append then starts on a clean line
             break
-        if session is None:
-            session = Session.from_header(event)
-        else:
-            session.apply(event)
+        try:
+            session = _replay(session, read_event(data[pos:end]))
+        except ValueError as e:  # JournalError, or an event that does not fit the session (apply)
+            raise JournalError(f"{path}: byte {pos}: {e}") from None
         pos = end + 1
+    return session
+
+
+def _replay(session: Session | None, event: JournalEvent) -> Session:
+    """`session` after `event`; the header, and only the header, comes first."""
+    if isinstance(event, SessionHeader):
+        if session is not None:
+            raise JournalError(f"session {session.id}: a second session header")
+        return Session.from_header(event)
+    if session is None:
+        raise JournalError(f"a {event.kind} event before the session header")
+    session.apply(event)
     return session
 
 
