@@ -44,6 +44,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -73,7 +74,9 @@ class QueueError(MilesEnvError):
     SQLite storage failed (the message then carries SQLite's, e.g. "database or disk is full")."""
 
 
-class GroupState:
+class GroupState(StrEnum):
+    """A group's state, stored as its string value in the `groups` table."""
+
     OPEN = "open"  # fewer than group_size episodes so far
     PENDING = "pending"  # complete, waiting for the trainer
     LEASED = "leased"
@@ -82,14 +85,7 @@ class GroupState:
     QUARANTINED = "quarantined"  # an episode's stored bytes failed their checksum
 
 
-_STATES = (
-    GroupState.OPEN,
-    GroupState.PENDING,
-    GroupState.LEASED,
-    GroupState.ACKED,
-    GroupState.STALE,
-    GroupState.QUARANTINED,
-)
+_STATES = tuple(GroupState)
 
 
 @dataclass(frozen=True, slots=True)

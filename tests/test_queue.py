@@ -14,7 +14,7 @@ import pytest
 from queue_contract import QueueContract, fill, make_episode
 from typer.testing import CliRunner
 
-from miles_env.queue import QueueError, SqliteReplayQueue, decode_episode, encode_episode
+from miles_env.queue import GroupState, QueueError, SqliteReplayQueue, decode_episode, encode_episode
 
 
 class SqliteBackend:
@@ -47,6 +47,19 @@ def test_encode_roundtrip_is_exact() -> None:
     back = decode_episode(meta, blob)
     assert back == ep
     assert back.samples[0].logprobs == ep.samples[0].logprobs  # float64, bit-exact
+
+
+def test_group_states_are_stored_as_their_plain_strings(qpath: Path) -> None:
+    """GroupState is a StrEnum: the values databases already hold, written and read back as text."""
+    assert [s.value for s in GroupState] == ["open", "pending", "leased", "acked", "stale", "quarantined"]
+    q = SqliteReplayQueue(qpath, group_size=2)
+    fill(q, "a", 2)
+    fill(q, "b", 1)
+    with sqlite3.connect(qpath) as conn:
+        rows = dict(conn.execute("SELECT state, typeof(state) FROM groups"))
+    assert rows == {"pending": "text", "open": "text"}
+    idle = dict.fromkeys(["leased", "acked", "stale", "quarantined"], 0)
+    assert q.stats().episodes == {"open": 1, "pending": 2, **idle}
 
 
 def test_cli_stats(qpath: Path) -> None:
