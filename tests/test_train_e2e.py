@@ -123,6 +123,25 @@ def test_checkpoint_every_acks_the_leases_taken_between_checkpoints(tmp_path: Pa
     assert len(set(_trained_ids(run_dir))) == 8
 
 
+@pytest.mark.slow
+def test_fully_async_trains_through_the_same_loop(tmp_path: Path, tiny_model: Path) -> None:
+    # Producers run beside the trainer (no in-line rollout phase), throttled by the queue.
+    run_dir = tmp_path / "run"
+    args = _args(run_dir, tiny_model, 2, "mode=fully_async", "rollout.max_staleness=1", "eval.enabled=false")
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    train = _rows(run_dir, "train")
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert "rollout_s" not in r and r["rollout_wait_s"] >= 0 and r["episodes"] == 4
+        assert 0 <= r["staleness_mean"] <= 1 and r["logprob_diff_mean"] < 1e-4
+    ids = _trained_ids(run_dir)
+    assert len(ids) == len(set(ids)) == 8
+    states = _episode_states(run_dir)
+    assert {eid for eid, state in states.items() if state == "acked"} == set(ids)
+    assert "leased" not in states.values()
+
+
 def _turns(event: dict) -> list[dict]:
     found: list[dict] = []
 
