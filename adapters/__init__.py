@@ -1,26 +1,40 @@
 """Adapters: environments written for other frameworks, run through our Environment contract.
 
 `load_adapter_environment("harbor:/path/to/tasks")` routes a name whose prefix is
-a known adapter (harbor, hud, nemo-gym, openenv, verifiers) to that adapter.
-Framework packages live in their own venvs (see `venv.py`) and are driven by a
-worker over stdio (see `worker_client.py`); Harbor task directories are also read natively.
+a known adapter (harbor, hud, nemo-gym, openenv, verifiers) to that adapter, by
+`ADAPTERS`, the family's one PluginTable: prefix -> its Environment class, built
+as `cls(ref, name=...)`, whose `run_episode(task, sandbox, endpoint, **config)` is
+what the framework harness runs. Framework packages live in their own venvs (see
+`venv.py`) and are driven by a worker over stdio (`worker_client.py`); the
+worker-backed environments share `worker_env.WorkerEnvironment`; Harbor task
+directories are read natively (`harbor/`).
 """
 
 from __future__ import annotations
 
 from miles_env.environment import Environment, Transcript
-from miles_env.errors import RegistryError
+from miles_env.errors import ConfigError, RegistryError
+from miles_env.plugins import PluginTable
 from miles_env.sandbox import Sandbox
 from miles_env.types import Reward, SandboxSpec, Task
 
-__all__ = ["ADAPTER_PREFIXES", "SplitEnvironment", "is_adapter_name", "load_adapter_environment"]
+__all__ = ["ADAPTERS", "SplitEnvironment", "is_adapter_name", "load_adapter_environment"]
 
-ADAPTER_PREFIXES = ("harbor", "hud", "nemo-gym", "openenv", "verifiers")
+ADAPTERS = PluginTable(
+    "adapter",
+    {
+        "harbor": "miles_env.adapters.harbor:HarborTasksEnvironment",
+        "hud": "miles_env.adapters.hud:HudEnvironment",
+        "nemo-gym": "miles_env.adapters.nemo_gym:NemoGymEnvironment",
+        "openenv": "miles_env.adapters.openenv:OpenEnvEnvironment",
+        "verifiers": "miles_env.adapters.verifiers:VerifiersEnvironment",
+    },
+)
 
 
 def is_adapter_name(name: str) -> bool:
     prefix, sep, rest = name.partition(":")
-    return bool(sep) and prefix in ADAPTER_PREFIXES and bool(rest)
+    return bool(sep) and prefix in ADAPTERS.targets and bool(rest)
 
 
 class SplitEnvironment(Environment):
@@ -52,27 +66,9 @@ def load_adapter_environment(name: str) -> Environment:
     if split:
         return SplitEnvironment(load_adapter_environment(base), split, name)
     prefix, _, ref = name.partition(":")
-    if prefix == "harbor":
-        from miles_env.adapters.harbor import HarborTasksEnvironment
-
-        return HarborTasksEnvironment(ref, name=name)
-    if prefix == "openenv":
-        from miles_env.adapters.openenv import OpenEnvEnvironment
-
-        return OpenEnvEnvironment(ref, name=name)
-    if prefix == "verifiers":
-        from miles_env.adapters.verifiers import VerifiersEnvironment
-
-        return VerifiersEnvironment(ref, name=name)
-    if prefix == "hud":
-        from miles_env.adapters.hud import HudEnvironment
-
-        return HudEnvironment(ref, name=name)
-    if prefix == "nemo-gym":
-        from miles_env.adapters.nemo_gym import NemoGymEnvironment
-
-        return NemoGymEnvironment(ref, name=name)
-    raise RegistryError(
-        f"environment {name!r}: the {prefix!r} adapter is not implemented in this build "
-        f"(implemented: harbor, hud, nemo-gym, openenv, verifiers)"
-    )
+    try:
+        cls = ADAPTERS.load(prefix)
+    except ConfigError as e:
+        raise RegistryError(f"environment {name!r}: {e}") from None
+    env: Environment = cls(ref, name=name)
+    return env

@@ -1,7 +1,7 @@
 """The framework harness: an episode whose agent loop belongs to an adapter.
 
-Concept: `FrameworkHarness` (`--harness framework`) dispatches on
-`task.metadata["adapter"]` to that adapter's `run_episode(task, endpoint)`,
+Concept: `FrameworkHarness` (`--harness framework`) looks `task.metadata["adapter"]`
+up in `ADAPTERS` and runs that environment class's `run_episode(task, sandbox, endpoint)`,
 which asks its worker to run the framework's own agent loop against the TITO
 session URL (or, for OpenEnv, runs our loop over the env's reset/step). The
 framework's reward travels back in the transcript as one final message
@@ -17,7 +17,6 @@ event loop (`worker_for`).
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import anyio
@@ -85,9 +84,11 @@ class FrameworkHarness:
             return HarnessResult(
                 Status.FAILED, [], f"task {task.id!r} has no metadata.adapter: not an adapter task"
             )
-        module = importlib.import_module(f"miles_env.adapters.{adapter.replace('-', '_')}")
+        from miles_env.adapters import ADAPTERS
+
         try:
-            return await module.run_episode(task, sandbox, endpoint, **self.config)  # type: ignore[no-any-return]
+            run_episode = ADAPTERS.load(adapter).run_episode
+            return await run_episode(task, sandbox, endpoint, **self.config)  # type: ignore[no-any-return]
         except (WorkerError, MilesEnvError) as e:
             return HarnessResult(Status.FAILED, [], f"{type(e).__name__}: {e}")
         except (anyio.get_cancelled_exc_class(), KeyboardInterrupt):

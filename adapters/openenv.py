@@ -17,16 +17,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward
-from miles_env.adapters.isolation import Isolation, adapter_sandbox_spec, episode_worker
+from miles_env.adapters.harness import FRAMEWORK_ROLE
 from miles_env.adapters.worker_client import WorkerClient
+from miles_env.adapters.worker_env import WorkerEnvironment
 
-from miles_env.environment import Environment, Transcript
 from miles_env.harness import Endpoint, HarnessResult
-from miles_env.sandbox import Sandbox
-from miles_env.types import Reward, SandboxSpec, Status, Task
+from miles_env.types import Status, Task
 
-__all__ = ["OpenEnvEnvironment", "run_episode", "action_field"]
+__all__ = ["OpenEnvEnvironment", "action_field"]
 
 
 def action_field(schema: dict[str, Any]) -> str:
@@ -45,7 +43,10 @@ def _observation_text(obs: dict[str, Any]) -> str:
     return json.dumps(shown)
 
 
-class OpenEnvEnvironment(Environment):
+class OpenEnvEnvironment(WorkerEnvironment):
+    """Tasks are seeds, listed without a worker; our agent loop drives the env's reset/step."""
+
+    adapter, script = "openenv", "openenv_worker.py"
     splits = ("train", "test")
 
     def __init__(self, target: str, name: str | None = None) -> None:
@@ -55,56 +56,45 @@ class OpenEnvEnvironment(Environment):
             target = f"{Path(file).expanduser().resolve()}:{attr}"
         self.target = target
         self.n = int(query) if query else 4
-        self.name = name or f"openenv:{target}"
-        self.description = f"OpenEnv environment server {target}"
+        super().__init__(name or f"openenv:{target}", f"OpenEnv environment server {target}", (target,))
+
+    def make_task(self, row: dict[str, Any]) -> Task:
+        seed = int(row["seed"])
+        return Task(
+            id=f"seed-{seed}",
+            env=self.name,
+            instruction=f"OpenEnv episode of {self.target} with seed {seed}",
+            split="test" if seed % 4 == 3 else "train",
+            verifier={"seed": seed},
+            metadata={"adapter": "openenv", "target": self.target, "seed": seed},
+        )
 
     def tasks(self, split: str | None = None) -> list[Task]:
-        out = []
-        for i in range(self.n):
-            s = "test" if i % 4 == 3 else "train"
-            if split in (None, s):
-                out.append(
-                    Task(
-                        id=f"seed-{i}",
-                        env=self.name,
-                        instruction=f"OpenEnv episode of {self.target} with seed {i}",
-                        split=s,
-                        verifier={"seed": i},
-                        metadata={"adapter": "openenv", "target": self.target, "seed": i},
-                    )
-                )
-        return out
+        seeds = [self.make_task({"seed": i}) for i in range(self.n)]
+        return [t for t in seeds if split in (None, t.split)]
 
-    def sandbox_spec(self, task: Task) -> SandboxSpec:
-        return adapter_sandbox_spec()
+    @classmethod
+    def episode_args(cls, task: Task) -> tuple[str, ...]:
+        return (task.metadata["target"],)
 
-    async def verify(self, task: Task, sandbox: Sandbox, transcript: Transcript) -> Reward:
-        return framework_reward(task, transcript)
+    @classmethod
+    def mounts(cls, args: tuple[str, ...]) -> list[str]:
+        file, sep, _ = args[0].rpartition(":")
+        return [str(Path(file).parent)] if sep and file.endswith(".py") else []
 
-
-async def run_episode(
-    task: Task,
-    sandbox: Sandbox,
-    endpoint: Endpoint,
-    *,
-    max_turns: int = 4,
-    max_tokens: int = 64,
-    isolation: Isolation = Isolation.SANDBOX,
-    **_: Any,
-) -> HarnessResult:
-    target = task.metadata["target"]
-    file, sep, _ = target.rpartition(":")
-    mounts = [str(Path(file).parent)] if sep and file.endswith(".py") else []
-    async with episode_worker(
-        "openenv",
-        "openenv_worker.py",
-        (target,),
-        sandbox=sandbox,
-        endpoint=endpoint,
-        isolation=isolation,
-        mounts=mounts,
-    ) as (worker, _inner_url):
-        # Our loop runs on the host, so it calls the model at the endpoint's own URL.
+    @classmethod
+    async def drive(
+        cls,
+        worker: WorkerClient,
+        task: Task,
+        endpoint: Endpoint,
+        base_url: str,
+        *,
+        max_turns: int = 4,
+        max_tokens: int = 64,
+        **config: Any,
+    ) -> HarnessResult:
+        # Our loop runs on the host, so it calls the model at the endpoint's own URL, not `base_url`.
         return await _drive(worker, task, endpoint, max_turns, max_tokens)
 
 

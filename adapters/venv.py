@@ -286,12 +286,15 @@ def installed() -> list[VenvInfo]:
 
 def worker_rows(adapter: str, env_name: str, script: str, *args: str) -> list[dict[str, Any]]:
     """One `tasks` call to a one-shot worker in `adapter`'s venv (its listing of an environment)."""
-    from miles_env.adapters.worker_client import call_once, python_argv
+    from miles_env.adapters.worker_client import WorkerError, call_once, python_argv
 
     python = venv_python(adapter)
     if not python.exists():
         raise RegistryError(f"{env_name}: run `miles-env adapters install {adapter}` first")
-    rows: list[dict[str, Any]] = call_once(
-        python_argv(python, script, *args), "tasks", {}, env=get_spec(adapter).env
-    )
+    try:
+        rows: list[dict[str, Any]] = call_once(
+            python_argv(python, script, *args), "tasks", {}, env=get_spec(adapter).env
+        )
+    except WorkerError as e:  # a bad reference: say which environment it was
+        raise WorkerError(f"{env_name}: {e}") from None
     return rows

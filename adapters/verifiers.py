@@ -15,17 +15,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from miles_env.adapters.discover import remember_counts
-from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward
-from miles_env.adapters.isolation import Isolation, adapter_sandbox_spec, episode_worker, run_params
-from miles_env.adapters.venv import worker_rows
+from miles_env.adapters.harness import FRAMEWORK_ROLE
+from miles_env.adapters.worker_env import WorkerEnvironment
 
-from miles_env.environment import Environment, Transcript
 from miles_env.harness import Endpoint, HarnessResult
-from miles_env.sandbox import Sandbox
-from miles_env.types import Reward, SandboxSpec, Status, Task
+from miles_env.types import Status, Task
 
-__all__ = ["VerifiersEnvironment", "run_episode", "worker_args"]
+__all__ = ["VerifiersEnvironment", "worker_args"]
 
 
 def worker_args(ref: str) -> tuple[str, ...]:
@@ -36,60 +32,42 @@ def worker_args(ref: str) -> tuple[str, ...]:
     return (ref,)
 
 
-class VerifiersEnvironment(Environment):
+class VerifiersEnvironment(WorkerEnvironment):
+    adapter, script = "verifiers", "verifiers_worker.py"
+
     def __init__(self, ref: str, name: str | None = None) -> None:
-        self.ref, self.split = ref, "test"
-        self.splits = (self.split,)
-        self.name = name or f"verifiers:{ref}"
-        self.description = f"verifiers taskset {ref}"
-        self._tasks: list[Task] | None = None
+        self.ref = ref
+        super().__init__(name or f"verifiers:{ref}", f"verifiers taskset {ref}", worker_args(ref))
 
-    def tasks(self, split: str | None = None) -> list[Task]:
-        if split not in (None, self.split):
-            return []
-        if self._tasks is None:
-            rows = worker_rows("verifiers", self.name, "verifiers_worker.py", *worker_args(self.ref))
-            self._tasks = [
-                Task(
-                    id=str(r["id"]),
-                    env=self.name,
-                    instruction=r["prompt"] or str(r["id"]),
-                    split=self.split,
-                    verifier={"idx": r["idx"], "key": r["key"]},
-                    metadata={"adapter": "verifiers", "ref": self.ref, "idx": r["idx"]},
-                )
-                for r in rows
-            ]
-            remember_counts(self.name, {self.split: len(self._tasks)})  # for `env list`
-        return list(self._tasks)
+    def make_task(self, row: dict[str, Any]) -> Task:
+        return Task(
+            id=str(row["id"]),
+            env=self.name,
+            instruction=row["prompt"] or str(row["id"]),
+            split=self.split,
+            verifier={"idx": row["idx"], "key": row["key"]},
+            metadata={"adapter": "verifiers", "ref": self.ref, "idx": row["idx"]},
+        )
 
-    def sandbox_spec(self, task: Task) -> SandboxSpec:
-        return adapter_sandbox_spec()
+    @classmethod
+    def episode_args(cls, task: Task) -> tuple[str, ...]:
+        return worker_args(task.metadata["ref"])
 
-    async def verify(self, task: Task, sandbox: Sandbox, transcript: Transcript) -> Reward:
-        return framework_reward(task, transcript)
+    @classmethod
+    def mounts(cls, args: tuple[str, ...]) -> list[str]:
+        return list(args[1:])  # the taskset module's folder, when given by path
 
+    @classmethod
+    def run_params(cls, task: Task, endpoint: Endpoint, base_url: str, **config: Any) -> dict[str, Any]:
+        return {**super().run_params(task, endpoint, base_url), "session": endpoint.session_id}
 
-async def run_episode(
-    task: Task, sandbox: Sandbox, endpoint: Endpoint, *, isolation: Isolation = Isolation.SANDBOX, **_: Any
-) -> HarnessResult:
-    args = worker_args(task.metadata["ref"])
-    async with episode_worker(
-        "verifiers",
-        "verifiers_worker.py",
-        args,
-        sandbox=sandbox,
-        endpoint=endpoint,
-        isolation=isolation,
-        mounts=args[1:],
-    ) as (worker, base_url):
-        params = run_params(task, endpoint, base_url, session=endpoint.session_id)
-        r = await worker.call("run", params, timeout=900)
-    details = {k: r[k] for k in ("rewards", "ok", "errors", "trace_errors")}
-    transcript: list[dict[str, Any]] = [{"role": "user", "content": task.instruction}]
-    transcript.append({"role": "assistant", "content": r.get("reply", "")})
-    transcript.append({"role": FRAMEWORK_ROLE, "reward": r["reward"], "details": details})
-    errors = r["errors"] + r["trace_errors"]
-    if errors:
-        return HarnessResult(Status.FAILED, transcript, "; ".join(errors)[:2000], details)
-    return HarnessResult(Status.COMPLETED, transcript, None, details)
+    @classmethod
+    def result(cls, task: Task, answer: dict[str, Any]) -> HarnessResult:
+        details = {k: answer[k] for k in ("rewards", "ok", "errors", "trace_errors")}
+        transcript: list[dict[str, Any]] = [{"role": "user", "content": task.instruction}]
+        transcript.append({"role": "assistant", "content": answer.get("reply", "")})
+        transcript.append({"role": FRAMEWORK_ROLE, "reward": answer["reward"], "details": details})
+        errors = answer["errors"] + answer["trace_errors"]
+        if errors:
+            return HarnessResult(Status.FAILED, transcript, "; ".join(errors)[:2000], details)
+        return HarnessResult(Status.COMPLETED, transcript, None, details)

@@ -3,7 +3,9 @@
 Concept: an environment package registers itself in the entry-point group
 `miles_env.environments`; the entry point resolves to an Environment subclass or
 a zero-argument factory returning an Environment. Environments not installed as
-packages load from "module.path:attr".
+packages load from "module.path:attr". A name whose prefix is an adapter's
+("verifiers:<ref>", "harbor:/path") goes to that adapter, looked up in the adapter
+family's one table (`miles_env.adapters.ADAPTERS`, a PluginTable), imported lazily.
 
 Invariant: `load_environment` returns an environment whose tasks have been
 validated (Task instances, in the split they are listed under, unique ids, the
@@ -117,7 +119,7 @@ def _load_reference(ref: str) -> Environment:
 
 
 def _is_adapter_name(name: str) -> bool:
-    from miles_env.adapters import is_adapter_name
+    from miles_env.adapters import is_adapter_name  # lazily: core never imports an adapter at load
 
     return is_adapter_name(name)
 

@@ -21,7 +21,7 @@ import anyio
 import miles_env.adapters as adapters_pkg
 import pytest
 from miles_env.adapters.harness import FrameworkHarness, close_workers
-from miles_env.adapters.isolation import Isolation, isolation_of, ro_paths
+from miles_env.adapters.isolation import Isolation, adapter_sandbox_spec, isolation_of, ro_paths
 from miles_env.adapters.venv import venv_dir
 
 from miles_env.errors import ConfigError
@@ -149,7 +149,6 @@ def test_the_probe_sees_escapes_without_isolation(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_sandboxed_worker_failure_is_a_failed_episode_and_leaves_nothing(tmp_path: Path) -> None:
     """A worker that cannot start inside the sandbox fails its episode with the error kept."""
-    from miles_env.adapters import openenv as oe
     from miles_env.adapters.venv import install
     from miles_env.sandboxes.local import LocalSandboxProvider
 
@@ -161,7 +160,7 @@ def test_sandboxed_worker_failure_is_a_failed_episode_and_leaves_nothing(tmp_pat
 
     async def main() -> tuple[Any, Path]:
         provider = LocalSandboxProvider()
-        async with await provider.create(oe.adapter_sandbox_spec()) as sb:
+        async with await provider.create(adapter_sandbox_spec()) as sb:
             harness = FrameworkHarness()
             res = await harness.run(task, sb, Endpoint("http://127.0.0.1:9/v1", "k", "m"))
             assert not _live_cmdlines("openenv_worker.py nope:app")

@@ -33,7 +33,8 @@ async def noisy(p):
     print("framework chatter on stdout"); os.system("echo child chatter"); return "clean"
 async def boom(p): raise ValueError("bad input: " + str(p))
 async def ask_host(p): return await _rpc.host_call("double", {{"x": p["x"]}})
-_rpc.serve(dict(echo=echo, crash=crash, hang=hang, stoppable=stoppable, garbage=garbage, noisy=noisy, boom=boom, ask_host=ask_host),
+_rpc.serve(dict(echo=echo, crash=crash, hang=hang, stoppable=stoppable, garbage=garbage, noisy=noisy, boom=boom, ask_host=ask_host,
+                info=crash),
            {{"framework": "faulty"}})
 """
 
@@ -113,9 +114,11 @@ def test_call_once_and_missing_python(faulty: list[str]) -> None:
 
 
 def test_faulty_worker_fails_the_episode_and_the_run_goes_on(faulty: list[str]) -> None:
-    """An adapter episode whose worker crashes is FAILED with the error kept; the next one runs."""
-    from miles_env.adapters import openenv as oe
+    """An adapter episode whose worker crashes is FAILED with the error kept; the next one runs.
 
+    The real OpenEnv episode (`isolation="none"`) on the pooled worker for target T, which is
+    the faulty one: its `info` (the episode's first call) exits the process.
+    """
     from miles_env.harness import Endpoint
 
     task = Task(
@@ -124,26 +127,21 @@ def test_faulty_worker_fails_the_episode_and_the_run_goes_on(faulty: list[str]) 
         instruction="x",
         metadata={"adapter": "openenv", "target": "T", "seed": 0},
     )
+    key = ("openenv", "openenv_worker.py", "T")
     _POOL.clear()
-    _POOL[("openenv", "openenv_worker.py", "T")] = WorkerClient(faulty, name="openenv")
-
-    async def crash_info(*a: object, **k: object) -> None:
-        await _POOL[("openenv", "openenv_worker.py", "T")].call("crash")
+    _POOL[key] = WorkerClient(faulty, name="openenv")
 
     async def main() -> list[object]:
-        harness = FrameworkHarness()
+        harness = FrameworkHarness(isolation="none")
         ep = Endpoint("http://127.0.0.1:9/v1", "k", "s")
         out = [await harness.run(task, None, ep)]  # type: ignore[arg-type]
-        out.append(await _POOL[("openenv", "openenv_worker.py", "T")].call("echo", "still alive"))
-        await _POOL[("openenv", "openenv_worker.py", "T")].aclose()
+        out.append(await _POOL[key].call("echo", "still alive"))
+        await _POOL[key].aclose()
         return out
 
-    orig = oe.run_episode
-    oe.run_episode = crash_info  # type: ignore[assignment]
     try:
         res, alive = anyio.run(main)
     finally:
-        oe.run_episode = orig  # type: ignore[assignment]
         _POOL.clear()
     assert res.status is Status.FAILED and "exited with code 3" in (res.error or "")  # type: ignore[attr-defined]
     assert alive == "still alive"

@@ -44,8 +44,8 @@ from miles_env.types import Resources, Reward, SandboxSpec, Task
 
 __all__ = [
     "HarborTasksEnvironment",
-    "run_episode",
     "HARBOR_ROOT",
+    "parse_reward",
     "rebase_paths",
     "read_task_dir",
     "find_task_dirs",
@@ -224,6 +224,13 @@ class HarborTasksEnvironment(Environment):
             return Reward(score=0.0, details={**details, "error": str(e)})
         return Reward(score=score, details={**details, **more})
 
+    @staticmethod
+    async def run_episode(task: Task, sandbox: Sandbox, endpoint: Endpoint, **config: Any) -> HarnessResult:
+        """`--harness framework`: Harbor's own agent (default terminus-2) on the TITO session."""
+        from miles_env.adapters.harbor.trial import run_episode
+
+        return await run_episode(task, sandbox, endpoint, **config)
+
 
 def _runs_image(sandbox: Sandbox) -> bool:
     """A container made from the task's image or built from its Dockerfile (docker provider).
@@ -242,10 +249,3 @@ def _runs_image(sandbox: Sandbox) -> bool:
 async def _maybe_read(sandbox: Sandbox, path: str) -> str | None:
     res = await sandbox.exec(f"cat {shlex.quote(path)}", timeout=30)
     return res.stdout if res.exit_code == 0 else None
-
-
-async def run_episode(task: Task, sandbox: Sandbox, endpoint: Endpoint, **config: Any) -> HarnessResult:
-    """`--harness framework`: Harbor's own agent (default terminus-2) on the TITO session."""
-    from miles_env.adapters.harbor.trial import run_episode as trial_episode
-
-    return await trial_episode(task, sandbox, endpoint, **config)
