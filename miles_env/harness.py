@@ -1,19 +1,22 @@
-"""The Harness contract: an agent loop that acts in a sandbox.
+"""The Harness contract: an agent loop that acts in a sandbox, and the session recorder it talks to.
 
 A harness gets the task, the sandbox and an Endpoint (a TITO session URL plus
 its key). It never sees the engine: every model call goes through the session,
-which is where token ids are captured.
+which is where token ids are captured. `SessionRecorder` is what a rollout asks
+of the proxy (`miles_env.tito.TitoProxy` implements it): open a session per
+episode, hand its Endpoint to the harness, and once the episode is over take the
+session's samples and close it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from miles_env.sandbox import Sandbox
-from miles_env.types import Status, Task
+from miles_env.types import Status, Task, Trajectory
 
-__all__ = ["Endpoint", "HarnessResult", "Harness"]
+__all__ = ["Endpoint", "HarnessResult", "Harness", "SessionRecorder", "SessionRef", "SessionState"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,3 +43,43 @@ class Harness(Protocol):
     name: str
 
     async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint) -> HarnessResult: ...
+
+
+class SessionRef(Protocol):
+    """A session just opened (tito's SessionHandle)."""
+
+    @property
+    def session_id(self) -> str: ...
+
+
+class SessionState(Protocol):
+    """What a rollout reads of a session (tito's SessionInfo)."""
+
+    @property
+    def truncated(self) -> str | None: ...  # the budget that cut its last turn, if one did
+
+
+@runtime_checkable
+class SessionRecorder(Protocol):
+    """The proxy as a rollout uses it: one session per episode, recorded as token samples.
+
+    Lifecycle: create_session -> endpoint (for the harness) -> export -> close_session, which
+    the rollout always calls, whatever the episode did."""
+
+    def create_session(self, metadata: dict[str, Any] | None = None) -> SessionRef: ...
+
+    def endpoint(self, session_id: str, base_url: str) -> Endpoint:
+        """The session's URL and key under the proxy's HTTP root `base_url`."""
+        ...
+
+    async def context_limit(self, session_id: str) -> int | None:
+        """Prompt + completion tokens the session may use per request, as the proxy enforces it."""
+        ...
+
+    def get_session(self, session_id: str) -> SessionState: ...
+
+    def export(self, session_id: str) -> list[Trajectory]:
+        """The session's samples: one Trajectory per exported branch."""
+        ...
+
+    def close_session(self, session_id: str) -> None: ...

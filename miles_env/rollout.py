@@ -12,13 +12,12 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import anyio
 
 from miles_env.environment import Environment
 from miles_env.errors import MilesEnvError
-from miles_env.harness import Harness, HarnessResult
+from miles_env.harness import Harness, HarnessResult, SessionRecorder
 from miles_env.sandbox import SandboxProvider
 from miles_env.types import Episode, Reward, Status, Task
 
@@ -30,7 +29,7 @@ class RolloutContext:
     env: Environment
     harness: Harness
     provider: SandboxProvider
-    proxy: Any  # miles_env.tito.TitoProxy
+    proxy: SessionRecorder  # miles_env.tito.TitoProxy
     proxy_url: str  # where the proxy's HTTP app listens (host side)
     episode_timeout_s: float = 600.0
 
@@ -42,7 +41,7 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
     )
     endpoint = ctx.proxy.endpoint(handle.session_id, ctx.proxy_url)
     if endpoint.max_context is None:
-        endpoint = replace(endpoint, max_context=await _context_limit(ctx.proxy, handle.session_id))
+        endpoint = replace(endpoint, max_context=await ctx.proxy.context_limit(handle.session_id))
     timings: dict[str, float] = {}
     result: HarnessResult | None = None
     reward: Reward | None = None
@@ -87,7 +86,7 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
         env=task.env,
         group_id=group_id or episode_id,
         split=task.split,
-        harness=getattr(ctx.harness, "name", "unknown"),
+        harness=ctx.harness.name,
         status=status,
         reward=reward,
         samples=samples,
@@ -99,16 +98,6 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
             "transcript": result.transcript if result else [],
         },
     )
-
-
-async def _context_limit(proxy: Any, session_id: str) -> int | None:
-    """max_context as the proxy enforces it: the min of the session budget's and the engine's."""
-    try:
-        engine = (await proxy.engine_info()).max_context
-    except Exception:  # an engine that cannot describe itself fails the first turn, with its error
-        engine = None
-    limits = [x for x in (proxy.get_session(session_id).budget.max_context, engine) if x]
-    return min(limits) if limits else None
 
 
 async def run_group(ctx: RolloutContext, task: Task, size: int) -> list[Episode]:

@@ -17,9 +17,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles_env.config import SandboxConfig
+from miles_env.engines.base import Engine
 from miles_env.engines.configs import EngineConfig, HFEngineConfig
 from miles_env.environment import Environment
-from miles_env.harness import Harness
+from miles_env.harness import Harness, SessionRecorder
 from miles_env.http import serve_app
 from miles_env.rollout import RolloutContext
 from miles_env.sandbox import AsyncClosable, SandboxProvider
@@ -41,8 +42,8 @@ class StackConfig(BaseModel):
 
 @dataclass
 class Stack:
-    engine: Any  # miles_env.engines.base.Engine
-    proxy: Any  # miles_env.tito.TitoProxy
+    engine: Engine
+    proxy: SessionRecorder  # miles_env.tito.TitoProxy
     proxy_url: str
     provider: SandboxProvider
     tokenizer: Any

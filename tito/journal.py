@@ -117,10 +117,13 @@ class TurnEvent(_Event):
             out["gen_digest"] = self.gen_digest
         out["keys"] = self.keys
         out["turn"] = self.turn.model_dump()
-        for name in ("parent", "fork_keys", "fork_tokens", "aliases"):
-            value = getattr(self, name)
-            if value is not None:
-                out[name] = value
+        options = (
+            ("parent", self.parent),
+            ("fork_keys", self.fork_keys),
+            ("fork_tokens", self.fork_tokens),
+            ("aliases", self.aliases),
+        )
+        out.update((name, value) for name, value in options if value is not None)
         return out
 
 

@@ -179,6 +179,15 @@ class TitoProxy:
             self._info = await self.engine.info()
         return self._info
 
+    async def context_limit(self, session_id: str) -> int | None:
+        """max_context as `chat` enforces it: the min of the session budget's and the engine's."""
+        s = self._session(session_id)
+        try:
+            info = await self.engine_info()
+        except Exception:  # an engine that cannot describe itself fails the first turn, with its error
+            return s.budget.max_context
+        return self._limit(s, info)
+
     # -- the core turn --------------------------------------------------------------------------------
     def _record(self, s: Session, event: SessionEvent) -> None:
         """Journal `event` (strict JSON, one write), then apply it: memory never runs ahead of the disk."""
