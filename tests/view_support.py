@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -20,7 +22,9 @@ from miles_env.jsonio import dumps
 from miles_env.queue import SqliteReplayQueue
 from miles_env.types import Episode, Reward, Status, Trajectory, Turn
 
-__all__ = ["make_run", "make_episode", "STATUSES"]
+__all__ = ["make_run", "make_episode", "chromium_path", "STATUSES"]
+
+ROOT = Path(__file__).resolve().parents[1]
 
 STATUSES = (Status.COMPLETED, Status.COMPLETED, Status.COMPLETED, Status.TRUNCATED, Status.FAILED)
 
@@ -96,3 +100,15 @@ def make_run(
                 metrics.write(dumps(ev) + "\n")
     queue.close()
     return root
+
+
+def chromium_path() -> str | None:
+    """Debian's chromium (scripts/install-chromium.sh installs it when missing and root may)."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        proc = subprocess.run(
+            ["bash", str(ROOT / "scripts/install-chromium.sh")], capture_output=True, text=True
+        )
+        lines = proc.stdout.strip().splitlines()
+        found = lines[-1] if proc.returncode == 0 and lines else None
+    return found

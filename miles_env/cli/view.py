@@ -23,16 +23,21 @@ def view_command(
     ] = None,
 ) -> None:
     """Serve a local web app over a run: metrics, episodes, conversations, tokens, groups."""
+    import socket
+
     import uvicorn
 
-    from miles_env.http import free_port, server_options
+    from miles_env.http import server_options
     from miles_env.view import create_app, open_run
 
     run = open_run(run_dir, model)
-    port = port or free_port(host)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))  # bound here, so --port 0 names the port it got before serving
+    bound = sock.getsockname()[1]
+    sock.listen(128)  # connections queue from here on, before uvicorn serves them
     config = uvicorn.Config(
-        create_app(run), host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-        **server_options(),
-    )  # fmt: skip
-    typer.echo(f"miles-env view: {run.layout.kind.value} at {run.layout.root} on http://{host}:{port}/")
-    uvicorn.Server(config).run()
+        create_app(run), log_level="warning", access_log=False, lifespan="off", **server_options()
+    )
+    typer.echo(f"miles-env view: {run.layout.kind.value} at {run.layout.root} on http://{host}:{bound}/")
+    uvicorn.Server(config).run(sockets=[sock])

@@ -20,6 +20,7 @@ from typing import Any
 from miles_env.episode_codec import decode_episode
 from miles_env.errors import MilesEnvError
 from miles_env.view.commands import commands_from_transcript
+from miles_env.view.decoded import commands_from_turns, decoded_turns
 from miles_env.view.index import EpisodeIndex, Row
 from miles_env.view.layout import Layout, connect_ro
 from miles_env.view.sessions import session_drift, session_samples
@@ -102,6 +103,15 @@ class Details:
         data = self.load(episode_id)
         meta = data.get("metadata") or {}
         transcript = meta.get("transcript") or []
+        samples = data.get("samples", [])
+        commands = _commands(transcript, meta.get("harness") or {})
+        decoded: list[dict[str, Any]] = []
+        if (
+            samples and len(transcript) <= 2
+        ):  # a CLI harness records instruction and answer: turns are in the tokens
+            longest = max(samples, key=lambda s: len(s["token_ids"]))
+            decoded = decoded_turns(longest, self.pieces.decode)
+            commands = commands or commands_from_turns(decoded)
         return {
             "row": row.public(),
             "reward": data.get("reward"),
@@ -110,8 +120,9 @@ class Details:
             "harness": data.get("harness"),
             "harness_meta": meta.get("harness") or {},
             "transcript": transcript,
-            "commands": _commands(transcript, meta.get("harness") or {}),
-            "samples": [_sample_summary(s) for s in data.get("samples", [])],
+            "commands": commands,
+            "decoded": decoded,
+            "samples": [_sample_summary(s) for s in samples],
         }
 
     def tokens(self, episode_id: str, k: int) -> dict[str, Any]:

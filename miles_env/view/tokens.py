@@ -38,6 +38,12 @@ class Pieces:
     def error(self) -> str | None:
         return self._failed if self.model else "no tokenizer: pass --model"
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """A run of ids as one text (multi-byte characters whole); ids when there is no tokenizer."""
+        with self._lock:
+            tok = self._tokenizer()
+            return str(tok.decode(list(ids))) if tok is not None else " ".join(f"[{i}]" for i in ids)
+
     def pieces(self, ids: Sequence[int]) -> list[str] | None:
         with self._lock:
             tok = self._tokenizer()
