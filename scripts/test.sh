@@ -17,6 +17,7 @@ if ! command -v tmux >/dev/null 2>&1; then
 fi
 bash scripts/install-chromium.sh >/dev/null  # Debian's chromium for the viewer's browser tests
 bash scripts/install-vllm.sh
+bash scripts/install-redis.sh  # Debian's redis-server: the Redis replay queue's tests start their own
 $PY -m ruff check .
 $PY -m ruff format --check .
 $PY scripts/typecheck.py  # one mypy run over miles_env as installed (tito/, trainer/... mapped in)
