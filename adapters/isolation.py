@@ -167,13 +167,3 @@ async def episode_worker(
             for proc in started:
                 release(box, proc)
 
-
-def run_params(task: Any, endpoint: Any, base_url: str, **extra: Any) -> dict[str, Any]:
-    """The `run` call's common parameters: the task's index and the session as the model endpoint."""
-    return {
-        "idx": task.metadata["idx"],
-        "base_url": base_url,
-        "api_key": endpoint.api_key,
-        "model": endpoint.model,
-        **extra,
-    }
