@@ -209,8 +209,8 @@ class TrainLoop:
 
     async def _collect(self, n: int) -> list[Lease]:
         """Lease `n` complete, fresh-enough groups, waiting for them. The held leases (and those
-        taken so far) are renewed before every take, which is where expiry happens, so however long
-        production, eval or the wait took, a trained group never expires back into the queue."""
+        taken so far) are renewed before every take, where expiry is applied, so a long production,
+        eval or wait never lets a trained, unacked group expire back into the queue."""
         cfg = self.config
         version = self.hooks.current_version(self.trainer.step)
         leases: list[Lease] = []
