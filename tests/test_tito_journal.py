@@ -23,7 +23,7 @@ from miles_env.tito.journal import (
     TurnRecord,
     read_event,
 )
-from miles_env.tito.store import load_sessions
+from miles_env.tito.store import load_sessions, read_events, replay
 
 from miles_env.engines.base import Generation, SamplingParams
 from miles_env.engines.scripted import ScriptedEngine
@@ -142,6 +142,16 @@ def test_a_turn_without_gen_digest_still_loads(tmp_path: Path) -> None:
     journal.write_bytes(re.sub(rb',"gen_digest":"[0-9a-f]+"', b"", journal.read_bytes()))
     assert b"gen_digest" not in journal.read_bytes()
     assert audit(store).ok and load_sessions(store)["145d05ffc3899418"].n_turns == 4
+
+
+def test_read_events_leaves_a_torn_line_alone_and_load_cuts_it(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    journal = store / f"{OLD}.jsonl"
+    whole = journal.read_bytes()
+    journal.write_bytes(whole + b'{"kind":"turn","bra')  # a crash mid-write
+    session = replay(read_events(journal))  # the viewer's and the audit's way: read-only
+    assert session is not None and session.n_turns == 4 and journal.read_bytes().endswith(b'"bra')
+    assert load_sessions(store)[session.id].n_turns == 4 and journal.read_bytes() == whole  # the proxy's way
 
 
 class _OddLogprobs(ScriptedEngine):

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from miles_env.tito import strictjson
-from miles_env.tito.journal import JournalError, JournalEvent, SessionHeader, TurnEvent, read_event
+from miles_env.tito.journal import JournalError, JournalEvent, TurnEvent
 from miles_env.tito.messages import digest
-from miles_env.tito.session import Session
+from miles_env.tito.store import read_events, replay
 
 __all__ = ["Drift", "AuditReport", "audit", "resolve_store"]
 
@@ -75,26 +75,6 @@ class _Expected:
 def resolve_store(path: Path) -> Path:
     """Accept the store itself or a run dir holding it under `sessions/`."""
     return path / "sessions" if (path / "sessions").is_dir() else path
-
-
-def _events(path: Path) -> list[JournalEvent]:
-    data = path.read_bytes()
-    lines = data.split(b"\n")
-    if lines and lines[-1] != b"":
-        lines = lines[:-1]  # a torn last line was never acknowledged: not part of the record
-    return [read_event(x) for x in lines if x]
-
-
-def _session(events: list[JournalEvent]) -> Session:
-    """The session the events describe (raises ValueError on an inconsistent journal)."""
-    if not events or not isinstance(events[0], SessionHeader):
-        raise JournalError("the first line is no session header")
-    session = Session.from_header(events[0])
-    for e in events[1:]:
-        if isinstance(e, SessionHeader):
-            raise JournalError("a second session header")
-        session.apply(e)
-    return session
 
 
 def _replay(sid: str, events: list[JournalEvent], out: list[Drift]) -> _Expected:
@@ -176,8 +156,10 @@ def _check(sid: str, source: str, trajs: list[dict[str, Any]], exp: _Expected, o
 def _audit_session(path: Path, out: list[Drift]) -> tuple[int, int, int, bool]:
     sid = path.stem
     try:
-        events = _events(path)
-        session = _session(events)
+        events = read_events(path)
+        session = replay(events)
+        if session is None:
+            raise JournalError("no events")
     except (ValueError, IndexError) as e:
         out.append(Drift("journal", sid, None, f"{path.name}: {type(e).__name__}: {e}"))
         return 0, 0, 0, False

@@ -5,7 +5,8 @@ event per line (turn, truncated, aux, closed: the models of journal.py), exactly
 events `Session.apply` consumes; every line is validated as it is read. Each event is written with a single `write` on an O_APPEND descriptor
 after its turn, so the cost per turn is proportional to the turn, not to the
 history; a torn last line (crash mid-write, so no trailing newline) is cut off on load.
-Lifecycle: written by the proxy as it goes, replayed by `load_sessions` at start.
+Lifecycle: written by the proxy as it goes, replayed by `load_sessions` at start (which
+cuts a torn last line off); `read_events` + `replay` read one read-only (`tito audit`, the viewer).
 `<session_id>.export.json` holds the samples last exported (for `tito audit`).
 Both are strict JSON (strictjson.py): a non-finite logprob is the string
 "-Infinity" (etc.), read back as the float; an event that cannot be written as
@@ -15,6 +16,7 @@ strict JSON raises before anything is written.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from miles_env.tito import strictjson
 from miles_env.tito.journal import JournalError, JournalEvent, SessionHeader, read_event
 from miles_env.tito.session import Session
 
-__all__ = ["Journal", "load_sessions", "export_body"]
+__all__ = ["Journal", "load_sessions", "read_events", "replay", "export_body"]
 
 
 def export_body(traj: Any) -> dict[str, Any]:
@@ -74,14 +76,14 @@ def _load_one(path: Path) -> Session | None:
                 f.truncate(pos)  # the next append then starts on a clean line
             break
         try:
-            session = _replay(session, read_event(data[pos:end]))
+            session = _step(session, read_event(data[pos:end]))
         except ValueError as e:  # JournalError, or an event that does not fit the session (apply)
             raise JournalError(f"{path}: byte {pos}: {e}") from None
         pos = end + 1
     return session
 
 
-def _replay(session: Session | None, event: JournalEvent) -> Session:
+def _step(session: Session | None, event: JournalEvent) -> Session:
     """`session` after `event`; the header, and only the header, comes first."""
     if isinstance(event, SessionHeader):
         if session is not None:
@@ -90,6 +92,29 @@ def _replay(session: Session | None, event: JournalEvent) -> Session:
     if session is None:
         raise JournalError(f"a {event.kind} event before the session header")
     session.apply(event)
+    return session
+
+
+def read_events(path: Path) -> list[JournalEvent]:
+    """A journal's events, read-only: a torn last line (no newline yet) is left out, never cut off.
+    Raises JournalError naming the byte offset of a line that is no event."""
+    data = path.read_bytes()
+    events, pos = [], 0
+    while (end := data.find(b"\n", pos)) >= 0:
+        try:
+            events.append(read_event(data[pos:end]))
+        except JournalError as e:
+            raise JournalError(f"{path}: byte {pos}: {e}") from None
+        pos = end + 1
+    return events
+
+
+def replay(events: Iterable[JournalEvent]) -> Session | None:
+    """The session `events` describe (None when there are none); raises ValueError when they do
+    not fit together (no header first, a fork at no turn end, a branch out of order)."""
+    session: Session | None = None
+    for event in events:
+        session = _step(session, event)
     return session
 
 

@@ -89,13 +89,10 @@ def session_samples(store: Path, session_id: str) -> list[dict[str, Any]]:
     path = store / f"{session_id}.jsonl"
     if not path.is_file():
         return []
-    from miles_env.tito.session import Session
+    from miles_env.tito.store import read_events, replay
 
-    events = _events(path)
-    session = Session.from_header(events[0])
-    for e in events[1:]:
-        session.apply(e)
-    return [t.model_dump(mode="python") for t in session.trajectories("all")]
+    session = replay(read_events(path))  # read-only; a bad line is a ValueError (JournalError)
+    return [t.model_dump(mode="python") for t in session.trajectories("all")] if session else []
 
 
 _TOKEN = re.compile(r"(?:token |\[)(\d+)\]?")
