@@ -138,13 +138,14 @@ class EpisodeIndex:
                       sampled, wall, "open", "queue", session=sid or "")  # fmt: skip
             self._add(row)
         times = self.metrics.train_times()
+        logged = [t for t, _ in times]
         for row in self.rows:
             if row.source != "queue":
                 continue
             state, done = groups.get(row.group, ("open", None))
             step = self._trained.get(row.id)
             if step is None and state == "acked" and done is not None and times:
-                i = bisect.bisect_left([t for t, _ in times], done)
+                i = bisect.bisect_left(logged, done)
                 step = times[i][1] if i < len(times) else None
             if (row.state, row.step, row.completed_at) != (state, step, done):
                 row.state, row.step, row.completed_at = state, step, done
