@@ -245,22 +245,29 @@ class RedisReplayQueue:
 
     def _lease(self, group_id: str, lease_id: str, expires_at: float, stored: list[_Stored]) -> Lease | None:
         """The lease, once every episode passed its checksum; else None, the group quarantined."""
-        bad = [
-            (eid.decode(), _why_bad(meta, blob, want))
-            for eid, meta, blob, want in stored
-            if meta is None or blob is None or want is None or payload_checksum(meta, blob) != want.decode()
-        ]
+        episodes: list[Episode] = []
+        bad: list[tuple[str, str]] = []
+        for eid, meta, blob, want in stored:  # checked as raw bytes: corrupted meta cannot fail first
+            if meta is None or blob is None:
+                bad.append((eid.decode(), "payload missing"))
+            elif want is None:
+                bad.append((eid.decode(), "checksum missing"))
+            elif payload_checksum(meta, blob) != want.decode():
+                bad.append((eid.decode(), "checksum mismatch: stored bytes changed since put"))
+            elif not bad:
+                episodes.append(decode_episode(meta.decode(), blob))
         if not bad:
-            episodes = tuple(decode_episode(meta.decode(), blob) for _, meta, blob, _ in stored)  # type: ignore[union-attr,arg-type]
-            return Lease(lease_id, group_id, episodes, expires_at)
+            return Lease(lease_id, group_id, tuple(episodes), expires_at)
         now = time.time()
-        records = [(eid, json.dumps({"group_id": group_id, "reason": why, "at": now})) for eid, why in bad]
+        records = [
+            (bad_id, json.dumps({"group_id": group_id, "reason": why, "at": now})) for bad_id, why in bad
+        ]
         if self._script("QUARANTINE", group_id, lease_id, *[x for pair in records for x in pair]):
-            for eid, why in bad:  # logged once: only the take that quarantined it gets here
+            for bad_id, why in bad:  # logged once: only the take that quarantined it gets here
                 log.error(
                     "replay queue %s: episode %r quarantined with its group %r (%s); it will not be trained",
                     self.where,
-                    eid,
+                    bad_id,
                     group_id,
                     why,
                 )
@@ -331,11 +338,3 @@ class RedisReplayQueue:
 def _pairs(leases: Lease | Sequence[Lease]) -> list[str]:
     items = [leases] if isinstance(leases, Lease) else list(leases)
     return [x for lease in items for x in (lease.group_id, lease.lease_id)]
-
-
-def _why_bad(meta: bytes | None, blob: bytes | None, want: bytes | None) -> str:
-    if meta is None or blob is None:
-        return "payload missing"
-    if want is None:
-        return "checksum missing"
-    return "checksum mismatch: stored bytes changed since put"

@@ -201,6 +201,23 @@ def test_a_server_that_fsyncs_lazily_is_warned_about(
         admin.close()
 
 
+def test_acked_and_stale_payloads_leave_redis_memory_ids_stay(server: RedisServer) -> None:
+    backend = RedisBackend(server.url)
+    q = backend.open(group_size=1)
+    fill(q, "done", 1, version=5)
+    fill(q, "old", 1, version=0)
+    fill(q, "kept", 1, version=5)
+    (lease,) = q.take(1, current_version=5, max_staleness=1)
+    assert lease.group_id == "done" and q.stats().stale_groups == 1
+    q.ack(lease)
+    raw = redis.Redis.from_url(server.url)
+    fields = {g: set(raw.hkeys(f"{{{backend.prefix}}}:e:{g}-0")) for g in ("done", "old")}
+    raw.close()
+    assert fields == {"done": {b"g", b"seq"}, "old": {b"g", b"seq"}}
+    assert not q.put(make_episode("done-0", "done"), block=False)  # the id is still known
+    assert q.recover(["done-0", "old-0"]) == (1, 0)  # a stale group a checkpoint trained: acked
+
+
 def test_queues_under_different_prefixes_do_not_mix(server: RedisServer) -> None:
     a = RedisBackend(server.url).open(group_size=1)
     b = RedisBackend(server.url).open(group_size=3)
