@@ -108,7 +108,9 @@ def test_kill9_redis_loses_nothing_put_or_acked(tmp_path: Path, appendfsync: str
         workers.append(threading.Thread(target=train))
         for t in workers:
             t.start()
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while (len(put_ok) < 60 or len(acked_groups) < 6) and time.monotonic() < deadline:
+            time.sleep(0.05)  # mid-run: enough traffic that the kill lands among puts, takes and acks
         srv.kill9()
         stop.set()
         for t in workers:
