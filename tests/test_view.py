@@ -152,6 +152,22 @@ def test_commands_from_the_three_transcript_shapes() -> None:
     assert got[1]["output"] == "hi"
 
 
+def test_commands_and_turns_decoded_from_the_tokens() -> None:
+    from miles_env.view.decoded import commands_from_turns, decoded_turns
+
+    call = '<tool_call>{"name": "Bash", "arguments": {"command": "ls /nope"}}</tool_call>'
+    texts = ["<user>do it</user>", call, "<tool_response>exit code 2\nls: /nope</tool_response>", "done"]
+    ids = [i for i, text in enumerate(texts) for _ in range(3)]  # three ids per piece of text
+    sample = {
+        "token_ids": ids,
+        "turns": [{"start": 3, "completion_len": 3}, {"start": 9, "completion_len": 3}],
+    }
+    turns = decoded_turns(sample, lambda run: "".join(texts[i] for i in sorted(set(run))))
+    assert [(t["prompt"], t["completion"]) for t in turns] == [(texts[0], call), (texts[2], "done")]
+    (cmd,) = commands_from_turns(turns)
+    assert (cmd["tool"], cmd["command"], cmd["exit_code"], cmd["turn"]) == ("Bash", "ls /nope", 2, 0)
+
+
 def test_group_advantages_are_the_trainers() -> None:
     torch = pytest.importorskip("torch")
     from miles_env.trainer.losses import group_advantages

@@ -246,7 +246,9 @@ def claude_code_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The Claude Code scripted episode (two Bash tool calls), as `eval --out` lays it out."""
     import anyio
 
+    from miles_env.cli.eval import summarize
     from miles_env.harnesses._cli import CLAUDE_CODE
+    from miles_env.jsonio import write_json
     from miles_env.models import load_tokenizer
     from tests.test_harness_claude_code import TWO_STEP_POLICY, SideCallEngine, require_cli, run_one, task_for
 
@@ -264,6 +266,7 @@ def claude_code_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ep = pool.submit(anyio.run, one).result(timeout=600)
     assert ep.reward is not None and ep.reward.passed, (ep.error, ep.reward)
     (out / "episodes.jsonl").write_text(ep.model_dump_json() + "\n")
+    write_json(out / "summary.json", summarize([ep]))  # as `miles-env eval --out` writes them
     return out
 
 
@@ -284,7 +287,10 @@ def test_claude_code_store_and_eval_dir(claude_code_dir: Path, page: Any) -> Non
             page.wait_for_function(f"document.body.dataset.tokensReady?.endsWith(':{k}')")
             shown += int(page.locator("[data-testid=tokstats]").get_attribute("data-masked") or 0)
         assert shown == masked
-    with viewer(claude_code_dir) as url:  # the eval dir: the episode, its reward and its commands
+    with viewer(claude_code_dir) as url:  # the eval dir: its summary, the episode, its reward and commands
+        page.goto(f"{url}/#/run")
+        page.wait_for_selector("[data-testid=no-metrics]")
+        assert page.locator("[data-testid=eval-pass]").text_content() == "1"
         page.goto(f"{url}/#/episode/{ep['id']}")
         page.wait_for_selector("[data-testid=tokstats][data-masked]")
         commands = page.locator("[data-testid=commands] tr.cmd td:nth-child(2)").all_text_contents()

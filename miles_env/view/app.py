@@ -11,6 +11,7 @@ Reading files and SQLite runs in worker threads, never on the event loop; nothin
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -66,8 +67,18 @@ class Run:
             "kind": self.layout.kind.value,
             "model": self.pieces.model,
             "config": cfg,
+            "summary": _summary(self.layout.root / "summary.json"),
             "facets": self.index.facets(),
         }
+
+
+def _summary(path: Path) -> dict[str, Any] | None:
+    """summary.json of a finished train or eval (None while it runs, or for a proxy store)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def create_app(run: Run) -> Starlette:

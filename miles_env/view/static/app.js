@@ -36,8 +36,14 @@ function renderRun() {
     card("eval pass: first → last", `${num(firstEval.pass_rate)} → ${num(lastEval.pass_rate)}`) +
     card("episodes", S.live ? S.live.episodes : "–") + card("env", esc(cfg.env || "–")) +
     card("model", esc(String(((cfg.engine || {}).model) || S.run.model || "–")).split("/").pop()) +
+    (S.run.summary && S.run.kind === "eval" ? card("eval pass rate", `<span data-testid="eval-pass">${num(S.run.summary.pass_rate)}</span>`) +
+      card("mean reward", num(S.run.summary.mean_reward)) + card("sampled tokens", S.run.summary.sampled_tokens) : "") +
     `</div><div class="charts" id="charts"></div>`;
   const charts = $("#charts");
+  if (!S.metrics.length) {
+    charts.outerHTML = `<p class="muted" data-testid="no-metrics">No metrics.jsonl in this directory (${esc(S.run.kind === "store" ? "a proxy store" : S.run.kind === "eval" ? "an eval output" : "a run that has not logged a step yet")}): its episodes are under <a href="#/episodes">Episodes</a>.</p>`;
+    return;
+  }
   const add = (t, s, o) => charts.appendChild(lineChart(t, s, o));
   add("Train reward and pass rate", [{ name: "reward (mean)", points: series("train", "reward_mean") },
     { name: "pass rate", points: series("train", "pass_rate"), dashed: true }], { yMin: 0, yMax: 1 });
