@@ -152,6 +152,17 @@ def test_commands_from_the_three_transcript_shapes() -> None:
     assert got[1]["output"] == "hi"
 
 
+def test_a_harness_exec_record_is_shown_as_recorded() -> None:
+    from miles_env.view.detail import _commands
+
+    execs = [{"command": "make", "exit_code": 2, "duration_s": 1.5, "output": "error", "extra": 1}]
+    transcript = [{"role": "assistant", "content": "```sh\nls\n```"}]
+    assert _commands(transcript, {"execs": execs}) == [
+        {"tool": "exec", "command": "make", "exit_code": 2, "duration_s": 1.5, "output": "error"}
+    ]
+    assert _commands(transcript, {"commands": 0}) == []  # the one in the transcript was never run
+
+
 def test_commands_and_turns_decoded_from_the_tokens() -> None:
     from miles_env.view.decoded import commands_from_turns, decoded_turns
 

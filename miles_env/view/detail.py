@@ -175,8 +175,14 @@ class Details:
 
 
 def _commands(transcript: list[Any], harness_meta: dict[str, Any]) -> list[dict[str, Any]]:
-    """The commands read from the transcript; when the harness counted the commands it ran (the
-    builtin harness's few-shot example holds one it never ran), only that many, the last ones."""
+    """The sandbox commands: the harness's own record when it keeps one (`metadata.harness.execs`:
+    [{command, exit_code, duration_s, output}], exact), else read from the transcript; when the
+    harness counted the commands it ran (the builtin harness's few-shot example holds one it never
+    ran), only that many, the last ones."""
+    execs = harness_meta.get("execs")
+    if isinstance(execs, list) and all(isinstance(e, dict) for e in execs):  # recorded by the harness itself
+        keys = ("command", "exit_code", "duration_s", "output")
+        return [{"tool": "exec", **{k: e.get(k) for k in keys}} for e in execs]
     cmds = commands_from_transcript(transcript)
     ran = harness_meta.get("commands")
     if isinstance(ran, int) and not isinstance(ran, bool) and 0 <= ran < len(cmds):
