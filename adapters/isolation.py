@@ -166,4 +166,3 @@ async def episode_worker(
             await client.aclose()
             for proc in started:
                 release(box, proc)
-

@@ -107,11 +107,7 @@ def run_episodes(
 
 def sampled_ids(episodes: Sequence[Episode]) -> list[int]:
     return [
-        t
-        for ep in episodes
-        for s in ep.samples
-        for t, m in zip(s.token_ids, s.loss_mask, strict=True)
-        if m
+        t for ep in episodes for s in ep.samples for t, m in zip(s.token_ids, s.loss_mask, strict=True) if m
     ]
 
 
