@@ -93,6 +93,8 @@ class Details:
         else:
             data = {"id": row.id, "task_id": row.task, "status": row.status, "group_id": row.group,
                     "metadata": {"session_id": row.session}, "samples": session_samples(self.layout.store, row.session)}  # fmt: skip
+        if row.source == "session" and row.status == "open":
+            return data  # still being written: read again next time
         if len(self._cache) > 64:
             self._cache.pop(next(iter(self._cache)))
         self._cache[episode_id] = data
