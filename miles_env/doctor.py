@@ -23,6 +23,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from miles_env.adapters import ADAPTERS
 from miles_env.config import RunConfig
 
 __all__ = ["Check", "CHECKS", "CREDENTIALS", "needs", "run_checks"]
@@ -245,7 +246,7 @@ CHECKS: dict[str, Callable[[], Check]] = {
     "docker": check_docker,
     "vllm venv": check_vllm,
     "megatron-core": check_megatron,
-    **{f"adapter {n}": _check_adapter(n) for n in ("harbor", "hud", "nemo-gym", "openenv", "verifiers")},
+    **{f"adapter {n}": _check_adapter(n) for n in ADAPTERS.names()},
     **{f"{p} credentials": _check_credentials(p) for p in CREDENTIALS},
 }
 
