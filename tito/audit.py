@@ -161,7 +161,8 @@ def _audit_session(path: Path, out: list[Drift]) -> tuple[int, int, int, bool]:
         if session is None:
             raise JournalError("no events")
     except (ValueError, IndexError) as e:
-        out.append(Drift("journal", sid, None, f"{path.name}: {type(e).__name__}: {e}"))
+        detail = str(e).removeprefix(f"{path}: ")  # a JournalError names the file already
+        out.append(Drift("journal", sid, None, f"{path.name}: {type(e).__name__}: {detail}"))
         return 0, 0, 0, False
     exp = _replay(sid, events, out)
     for b in session.branches:
