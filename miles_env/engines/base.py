@@ -12,6 +12,10 @@ room for one token raises `EngineRefused(reason="context_length")`. Every
 deterministic refusal is an EngineRefused, every transient failure a plain
 EngineError. `eos_token_ids` are the model directory's. tests/test_engine_contract.py
 checks all of this against every engine.
+
+Prefix cache: `Generation.cached_tokens` is the prompt tokens served from a reused KV prefix
+(SGLang's `meta_info.cached_tokens`); an engine that counts them (`PrefixCacheCounter`) sums
+them into `PrefixCacheStats`, and the difference of two readings is a step's hit rate.
 """
 
 from __future__ import annotations
@@ -26,7 +30,15 @@ from pydantic import BaseModel, ConfigDict, Field
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SamplingParams", "Generation", "EngineInfo", "Engine", "InProcessWeights"]
+__all__ = [
+    "SamplingParams",
+    "Generation",
+    "EngineInfo",
+    "Engine",
+    "InProcessWeights",
+    "PrefixCacheStats",
+    "PrefixCacheCounter",
+]
 
 
 class SamplingParams(BaseModel):
@@ -90,3 +102,45 @@ class InProcessWeights(Protocol):
     async def apply_weight_delta(self, delta: Any) -> int: ...
 
     async def apply_weight_delta_from_disk(self, path: str | Path) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheStats:
+    """An engine's prefix-cache counters since it started (or a difference of two readings)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those served from a reused KV prefix
+
+    def add(self, gen: Generation) -> PrefixCacheStats:
+        return PrefixCacheStats(
+            self.requests + 1, self.prompt_tokens + gen.prompt_len, self.cached_tokens + gen.cached_tokens
+        )
+
+    def __sub__(self, other: PrefixCacheStats) -> PrefixCacheStats:
+        return PrefixCacheStats(
+            self.requests - other.requests,
+            self.prompt_tokens - other.prompt_tokens,
+            self.cached_tokens - other.cached_tokens,
+        )
+
+    @property
+    def hit_rate(self) -> float:
+        """cached / prompt tokens (SGLang's cache hit rate); 0.0 when no prompt token was asked for."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens > 0 else 0.0
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "prefix_cache_hit_rate": self.hit_rate,
+            "prefix_cache_prompt_tokens": float(self.prompt_tokens),
+            "prefix_cache_cached_tokens": float(self.cached_tokens),
+            "prefix_cache_requests": float(self.requests),
+        }
+
+
+@runtime_checkable
+class PrefixCacheCounter(Protocol):
+    """Optional capability: the engine sums each Generation's `cached_tokens` (hf, sglang, vllm,
+    scripted). A job reads it once per step and logs `(now - before).metrics()`."""
+
+    def prefix_cache_stats(self) -> PrefixCacheStats: ...

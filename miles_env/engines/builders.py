@@ -57,11 +57,32 @@ async def build_sglang(cfg: SGLangEngineConfig) -> Engine:
     from miles_env.engines.sglang import SGLangEngine, launch_sglang
 
     if cfg.launch:
+        if cfg.router != "ring":
+            raise ConfigError("engine.router: sglang-router routes between url/urls, not a launched server")
         return await launch_sglang(cfg)
     urls = ([cfg.url] if cfg.url else []) + list(cfg.urls)
     if not urls:
         raise ConfigError("engine.url: kind 'sglang' needs url or urls (or launch: true)")
+    if cfg.router == "sglang-router":
+        return await _routed_sglang(cfg, urls)
     return SGLangEngine(urls, timeout_s=cfg.timeout_s, model_dir=_attached_model_dir(cfg))
+
+
+async def _routed_sglang(cfg: SGLangEngineConfig, urls: list[str]) -> Engine:
+    """SGLang's router started in front of `urls`; the client posts /generate to it."""
+    from miles_env.engines.router import start_router
+    from miles_env.engines.sglang import SGLangEngine
+    from miles_env.http import free_port
+
+    port = free_port()
+    router = await start_router(urls, port, _log_dir(cfg, "sglang") / f"sglang-router-{port}.log")
+    return SGLangEngine(
+        urls,
+        timeout_s=cfg.timeout_s,
+        model_dir=_attached_model_dir(cfg),
+        router=router.spec.url,
+        servers=[router],
+    )
 
 
 async def build_vllm(cfg: VLLMEngineConfig) -> Engine:

@@ -71,6 +71,9 @@ class SGLangEngineConfig(ServerEngineConfig):
     kind: Literal["sglang"] = "sglang"
     urls: list[str] = Field(default_factory=list)  # several servers, sticky by session id
     launch: bool = False
+    # who keeps a session on one server: our client's hash ring, or SGLang's router run in front
+    # of url/urls (`sglang-router`, the `scale` extra; engines/router.py)
+    router: Literal["ring", "sglang-router"] = "ring"
 
 
 class VLLMEngineConfig(ServerEngineConfig):

@@ -40,7 +40,7 @@ import anyio
 from miles_env.engines._batch import Batch, Row
 from miles_env.engines._kv import SessionEntry, SessionStore
 from miles_env.engines._weights import apply_update, load_safetensors
-from miles_env.engines.base import EngineInfo, Generation, SamplingParams
+from miles_env.engines.base import EngineInfo, Generation, PrefixCacheStats, SamplingParams
 from miles_env.engines.configs import HFEngineConfig
 from miles_env.errors import ConfigError, EngineError, EngineRefused
 
@@ -105,6 +105,7 @@ class HFEngine:
         self._closed = False
         self._dead: BaseException | None = None
         self.sessions = SessionStore(self.config.kv_cache_tokens, self.config.kv_cache_sessions)
+        self._cache = PrefixCacheStats()  # summed cached_tokens of the generations returned
         self._thread = threading.Thread(target=self._run, name="miles-env-hf-engine", daemon=True)
         self._thread.start()
 
@@ -165,7 +166,11 @@ class HFEngine:
         except asyncio.CancelledError:
             req.cancelled = True  # the worker drops the row at its next step
             raise
+        self._cache = self._cache.add(result)
         return result
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self._cache
 
     async def update_weights(
         self,

@@ -18,12 +18,15 @@ script drives any harness; past the end of the script the default reply is used.
 Invariant: every Generation returned is also appended to `generations` (and the
 full call to `calls`), so tests can compare a proxy's trajectory with what the
 engine really produced. Logprobs are a deterministic function of (position, id).
+`cached_tokens` is what a per-session prefix cache would hold: the prompt's common
+prefix with the session's previous prompt + output on this engine (at most the
+prompt less one token, as hf and SGLang report), so routing can be checked by it.
 """
 
 from __future__ import annotations
 
 import json
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +34,7 @@ from typing import Any
 
 import anyio
 
-from miles_env.engines.base import EngineInfo, Generation, SamplingParams
+from miles_env.engines.base import EngineInfo, Generation, PrefixCacheStats, SamplingParams
 from miles_env.errors import ConfigError
 
 __all__ = [
@@ -46,6 +49,7 @@ __all__ = [
 ]
 
 Reply = str | Sequence[int]
+_PREFIX_SESSIONS = 4096  # sessions whose ids the simulated prefix cache keeps (LRU)
 # A policy reply: plain text, or {"shell": CMD, "text": optional prose before the call}.
 PolicyReply = str | Mapping[str, str]
 
@@ -103,6 +107,13 @@ def shell_tool_call(command: str, prompt: str) -> str:
     return f"<tool_call>\n{body}\n</tool_call>"
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):  # the usual case (a turn extends the last one), at C speed
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+
+
 def pseudo_logprob(position: int, token_id: int) -> float:
     """A deterministic value in [-1.0, -0.001]; distinct enough to catch misalignment."""
     return -(((token_id * 2654435761 + position * 40503) % 1000) + 1) / 1000.0
@@ -152,6 +163,21 @@ class ScriptedEngine:
         self.policy = policy
         # session id -> (rule picked on its first prompt, replies served so far)
         self._played: dict[str | None, tuple[PolicyRule | None, int]] = {}
+        self._prefixes: OrderedDict[str, list[int]] = OrderedDict()  # session -> ids its KV would hold
+        self._cache = PrefixCacheStats()
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self._cache
+
+    def _cached(self, session_id: str | None, input_ids: Sequence[int], output_ids: list[int]) -> int:
+        if session_id is None:
+            return 0
+        held = self._prefixes.pop(session_id, None)
+        cached = min(_common_prefix(held, input_ids), len(input_ids) - 1) if held else 0
+        self._prefixes[session_id] = [*input_ids, *output_ids]
+        if len(self._prefixes) > _PREFIX_SESSIONS:
+            self._prefixes.popitem(last=False)
+        return max(cached, 0)
 
     def _make_filler(self) -> list[int]:
         if self.tokenizer is None:
@@ -226,8 +252,10 @@ class ScriptedEngine:
             finish_reason=finish,
             weight_version=self.weight_version,
             prompt_len=len(input_ids),
+            cached_tokens=self._cached(session_id, input_ids, ids),
             meta={"matched": ids[-1]} if finish == "stop" else {},  # the stop id, as engines report it
         )
+        self._cache = self._cache.add(gen)
         if self.record:
             self.generations.append(gen)
             self.calls.append(ScriptedCall(tuple(input_ids), sampling, session_id, gen))

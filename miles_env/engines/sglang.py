@@ -12,10 +12,16 @@ limit: a caller capping at `max_context - prompt` is accepted. A server's 400 is
 an EngineRefused (`_http.py`); EOS ids come from the model directory
 (`_model_dir.py`): SGLang does not report them.
 
-Invariant: requests of one session always go to the same server (consistent
-hash over the URLs), so that server's prefix cache serves the session's next
-turn; requests without a session rotate over the servers. Every transport or
-HTTP failure becomes an EngineError naming the URL.
+Invariant: requests of one session always go to the same server, so that
+server's prefix cache serves the session's next turn: either our consistent-hash
+ring over the URLs picks it, or, with `router=URL`, every `/generate` goes to
+SGLang's router (router.py), which keeps the session (`X-SMG-Routing-Key`) on
+one worker. Requests without a session rotate over the servers. Every transport
+or HTTP failure becomes an EngineError naming the URL: the turn in flight fails,
+recorded. A server that then fails its `/health` probe leaves the ring (its
+sessions move to the next server on it) and the weight updates and flushes
+(which go to every worker, bypassing a router); the engine fails only when every
+server is down. Each Generation's `cached_tokens` is summed (`prefix_cache_stats`).
 
 Lifecycle: one httpx.AsyncClient per engine; `close()` closes it, and stops
 the servers `launch_sglang` started (managed subprocesses, `_launch.py`).
@@ -35,8 +41,9 @@ import httpx
 
 from miles_env.engines._http import request
 from miles_env.engines._model_dir import local_model_dir, model_eos_ids
-from miles_env.engines.base import EngineInfo, Generation, SamplingParams
-from miles_env.errors import ConfigError, EngineError
+from miles_env.engines.base import EngineInfo, Generation, PrefixCacheStats, SamplingParams
+from miles_env.engines.router import ROUTING_KEY_HEADER
+from miles_env.errors import ConfigError, EngineError, EngineRefused
 
 if TYPE_CHECKING:
     from miles_env.engines._launch import ManagedServer
@@ -95,20 +102,44 @@ class SGLangEngine:
         transport: httpx.AsyncBaseTransport | None = None,
         servers: Sequence[ManagedServer] = (),
         model_dir: Path | None = None,
+        router: str | None = None,
     ) -> None:
         self.servers = list(servers)  # launched by us: stopped on close()
+        self.router = router.rstrip("/") if router else None  # every /generate goes there when set
         self.model_dir = model_dir  # EOS ids are read here unless the server's model path is local
         self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else list(urls))]
         if not self.urls:
             raise ConfigError("sglang engine: urls is empty")
+        self.down: list[str] = []  # servers dropped after a failed health probe
         self._ring = HashRing(self.urls)
         self._rotation = itertools.cycle(self.urls)
+        self._cache = PrefixCacheStats()
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport)
         self.weight_version = 0  # last known; a server reporting a non-integer version leaves it as is
         self._limits: dict[str, int] = {}  # base URL -> the most prompt + max_new_tokens it accepts
 
     def url_for(self, session_id: str | None) -> str:
+        if self.router is not None:
+            return self.router
         return self._ring.pick(session_id) if session_id else next(self._rotation)
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self._cache
+
+    async def _is_down(self, base: str) -> bool:
+        try:
+            await request(self._client, "sglang", "GET", f"{base}/health", timeout=2.0)
+        except EngineError:
+            return True
+        return False
+
+    async def _drop_if_down(self, base: str) -> None:
+        """After a failed request: a server that fails its health probe leaves the ring."""
+        if base in self.urls and len(self.urls) > 1 and await self._is_down(base):
+            self.urls = [u for u in self.urls if u != base]
+            self.down.append(base)
+            self._ring = HashRing(self.urls)
+            self._rotation = itertools.cycle(self.urls)
 
     async def _request(self, method: str, url: str, **kw: Any) -> httpx.Response:
         return await request(self._client, "sglang", method, url, **kw)
@@ -142,7 +173,7 @@ class SGLangEngine:
     ) -> Generation:
         base = self.url_for(session_id)
         max_new = sampling.max_new_tokens
-        limit = await self._limit(base)
+        limit = await self._limit(self.urls[0] if self.router else base)
         if limit is not None:  # at least 1: a prompt without room gets the server's own refusal
             max_new = max(1, min(max_new, limit - len(input_ids)))
         payload = {
@@ -150,8 +181,15 @@ class SGLangEngine:
             "sampling_params": _wire_sampling(sampling, max_new),
             "return_logprob": True,
         }
-        headers = {SESSION_HEADER: session_id} if session_id else None
-        resp = await self._request("POST", f"{base}/generate", json=payload, headers=headers)
+        headers = {SESSION_HEADER: session_id, ROUTING_KEY_HEADER: session_id} if session_id else None
+        try:
+            resp = await self._request("POST", f"{base}/generate", json=payload, headers=headers)
+        except EngineRefused:
+            raise
+        except EngineError:
+            if self.router is None:
+                await self._drop_if_down(base)
+            raise
         try:
             body = resp.json()
             if isinstance(body, list):  # a batch-shaped answer to a single request
@@ -168,7 +206,7 @@ class SGLangEngine:
                 f"sglang {base}/generate: {len(output_ids)} output ids but {len(logprobs)} logprobs"
             )
         kind = finish.get("type", "abort") if isinstance(finish, dict) else str(finish)
-        return Generation(
+        gen = Generation(
             output_ids=output_ids,
             logprobs=logprobs,
             finish_reason=kind if kind in ("stop", "length", "abort") else "abort",
@@ -182,22 +220,36 @@ class SGLangEngine:
                 "id": meta.get("id"),
             },
         )
+        self._cache = self._cache.add(gen)
+        return gen
+
+    async def _each_server(self, method: str, path: str, **kw: Any) -> list[httpx.Response]:
+        """One request to every live server; a server found down on the way is dropped, not fatal."""
+        out = []
+        for base in list(self.urls):
+            try:
+                out.append(await self._request(method, f"{base}{path}", **kw))
+            except EngineRefused:
+                raise
+            except EngineError:
+                await self._drop_if_down(base)
+                if base in self.urls:  # alive (or the last one): the failure is the server's answer
+                    raise
+        return out
 
     async def update_weights_from_disk(self, path: str | Path, weight_version: int | None = None) -> int:
         """Ask every server to load `path`; SGLang bumps nothing by itself, so the version is sent along."""
         version = weight_version if weight_version is not None else self.weight_version + 1
         payload = {"model_path": str(path), "weight_version": str(version)}
-        for base in self.urls:
-            resp = await self._request("POST", f"{base}/update_weights_from_disk", json=payload)
+        for resp in await self._each_server("POST", "/update_weights_from_disk", json=payload):
             body = resp.json()
             if not body.get("success", False):
-                raise EngineError(f"sglang {base}/update_weights_from_disk: {body.get('message')}")
+                raise EngineError(f"sglang {resp.request.url}: {body.get('message')}")
         self.weight_version = version
         return version
 
     async def flush_cache(self) -> None:
-        for base in self.urls:
-            await self._request("POST", f"{base}/flush_cache")
+        await self._each_server("POST", "/flush_cache")
 
     async def info(self) -> EngineInfo:
         base = self.urls[0]

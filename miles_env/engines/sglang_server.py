@@ -28,8 +28,10 @@ Differences from SGLang: one request per call (no batch lists, no streaming,
 no top logprobs, no input logprobs); sampling features the engine cannot
 honour (penalties, min_p, n > 1, grammars, ignore_eos, logit_bias,
 max_new_tokens = 0) are refused with a 400 naming them; the optional
-`X-Session-Id` header is the KV-reuse hint; "default" is the engine's version 0,
-and an update without a version bumps the engine's integer version.
+`X-Session-Id` header (else sglang-router's `X-SMG-Routing-Key`) is the
+KV-reuse hint; "default" is the engine's version 0, and an update without a
+version bumps the engine's integer version. `meta_info.cached_tokens` is the
+engine's own count of prompt tokens served from its KV prefix cache.
 
 Lifecycle: `serve()` runs uvicorn until cancelled; `running_server()` starts
 it on a loopback port for the duration of an `async with` block.
@@ -59,6 +61,7 @@ from miles_env.engines._sglang_wire import (
     check_scheduler,
 )
 from miles_env.engines.base import Engine, Generation, SamplingParams
+from miles_env.engines.router import ROUTING_KEY_HEADER
 from miles_env.engines.sglang import SESSION_HEADER
 from miles_env.errors import EngineError, EngineRefused
 
@@ -152,6 +155,11 @@ def _sampling(raw: dict[str, Any], prompt_len: int, context: int) -> tuple[WireS
     return sp, check_scheduler(prompt_len, sp.max_new_tokens, context)
 
 
+def _session_id(request: Request) -> str | None:
+    """The KV-reuse hint: our client's `X-Session-Id`, else the key sglang-router routed by."""
+    return request.headers.get(SESSION_HEADER) or request.headers.get(ROUTING_KEY_HEADER) or None
+
+
 def create_app(engine: Engine) -> FastAPI:
     """A FastAPI app serving the SGLang native API subset over `engine`."""
     app = FastAPI(title="miles-env engine (SGLang native API)")
@@ -178,9 +186,7 @@ def create_app(engine: Engine) -> FastAPI:
         except ValueError as e:
             return _error(400, str(e))
         try:
-            gen = await engine.generate(
-                ids, sp.to_sampling(max_new), session_id=request.headers.get(SESSION_HEADER)
-            )
+            gen = await engine.generate(ids, sp.to_sampling(max_new), session_id=_session_id(request))
         except EngineRefused as e:
             return _error(400, str(e))
         except EngineError as e:

@@ -49,7 +49,7 @@ import httpx
 from miles_env.engines._http import request
 from miles_env.engines._launch import ManagedServer, ServerSpec, servable_model_dir
 from miles_env.engines._model_dir import local_model_dir, model_eos_ids
-from miles_env.engines.base import EngineInfo, Generation, SamplingParams
+from miles_env.engines.base import EngineInfo, Generation, PrefixCacheStats, SamplingParams
 from miles_env.errors import ConfigError, EngineError, EngineRefused
 
 __all__ = ["VLLMEngine", "vllm_python", "vllm_server_spec", "vllm_model_dir", "VLLM_PIN"]
@@ -195,6 +195,7 @@ class VLLMEngine:
         self._epoch = 0  # bumped by each restart: failures seen in an older epoch are already handled
         self._dead: str | None = None
         self._info: EngineInfo | None = None
+        self._cache = PrefixCacheStats()  # summed cached_tokens of the generations returned
 
     @classmethod
     async def launch(cls, spec: ServerSpec, model_dir: Path, **kw: Any) -> VLLMEngine:
@@ -260,7 +261,7 @@ class VLLMEngine:
         versions = sorted({self._parse_version(s.get("version")) for s in spans}) or [self.weight_version]
         finish = choice.get("finish_reason") or "abort"
         details = usage.get("prompt_tokens_details") or {}
-        return Generation(
+        gen = Generation(
             output_ids=output_ids,
             logprobs=logprobs,
             finish_reason=finish if finish in ("stop", "length", "abort") else "abort",
@@ -270,6 +271,11 @@ class VLLMEngine:
             latency_s=latency,
             meta={"id": body.get("request_id"), "url": self.url, "weight_versions": versions},
         )
+        self._cache = self._cache.add(gen)
+        return gen
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self._cache
 
     # -- failure handling -------------------------------------------------------------------
     async def _recover(self, failure: EngineError, epoch: int) -> EngineError:
