@@ -2,9 +2,10 @@
 
 Concept: `<store_dir>/<session_id>.jsonl` holds the session header, then one
 event per line (turn, truncated, aux, closed: the models of journal.py), exactly the
-events `Session.apply` consumes; every line is validated as it is read. Each event is written with a single `write` on an O_APPEND descriptor
-after its turn, so the cost per turn is proportional to the turn, not to the
-history; a torn last line (crash mid-write, so no trailing newline) is cut off on load.
+events `Session.apply` consumes; every line is validated as it is read. Each event is
+written with a single `write` on an O_APPEND descriptor after its turn, so the cost per
+turn is proportional to the turn, not to the history; a torn last line (crash
+mid-write, so no trailing newline) is cut off on load.
 Lifecycle: written by the proxy as it goes, replayed by `load_sessions` at start (which
 cuts a torn last line off); `read_events` + `replay` read one read-only (`tito audit`, the viewer).
 `<session_id>.export.json` holds the samples last exported (for `tito audit`).
