@@ -93,7 +93,7 @@ async def test_sglang_router_keeps_every_session_on_one_engine(tok: Any, tmp_pat
                 done = await _turns(client, prompts)
                 for sid, gen in done.items():
                     assert isinstance(gen, Generation), gen
-                    assert gen.cached_tokens == (0 if turn == 0 else len(prompts[sid]) - 1)
+                    assert gen.cached_tokens == (0 if turn == 0 else len(prompts[sid]) - 2)  # hf's count
                     prompts[sid] = [*prompts[sid], *gen.output_ids, 7]
             step = client.prefix_cache_stats() - before
         finally:
@@ -135,7 +135,7 @@ async def test_sglang_router_moves_a_dead_engines_sessions(tok: Any, tmp_path: P
             if sid in moved:
                 assert isinstance(gen, EngineError) and client.router in str(gen), gen
             else:
-                assert isinstance(gen, Generation) and gen.cached_tokens == len(prompts[sid]) - 1
+                assert isinstance(gen, Generation) and gen.cached_tokens == len(prompts[sid]) - 2
         await _until_unhealthy(client.router, victim.url)
         third = await _turns(client, {sid: [*p, 8] for sid, p in prompts.items()})
         for sid, gen in third.items():
@@ -238,3 +238,34 @@ async def _busy_worker(router: str, servers: list[ScriptedServer]) -> ScriptedSe
                     if s.url in busy:
                         return s
                 await anyio.sleep(0.05)
+
+
+@pytest.mark.slow
+async def test_sglang_router_over_hf_engines_reports_their_kv_hits(tmp_path: Path) -> None:
+    """Two real SmolLM2 engines (hf) behind the embedded server and the router: the routing key
+    reaches the engine as the session's KV hint, so a session's second turn reuses its first turn's
+    KV there, and `cached_tokens` is the hf engine's own count (prompt + output less one)."""
+    from miles_env.engines.hf import HFEngine, HFEngineConfig
+
+    engines = [HFEngine(HFEngineConfig(seed=0, threads=1)) for _ in range(2)]
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    try:
+        async with running_server(engines[0]) as a, running_server(engines[1]) as b:
+            client = await build_engine(_routed([a, b], tmp_path))
+            try:
+                tok = engines[0].tokenizer
+                for sid in ("cats", "dogs", "owls", "bees"):
+                    first = tok.encode(
+                        f"<|im_start|>user\nA fact about {sid}?<|im_end|>\n<|im_start|>assistant\n"
+                    )
+                    await client.flush_cache()  # on every worker: the sessions share the template's start
+                    one = await client.generate(first, greedy, session_id=sid)
+                    two = await client.generate([*first, *one.output_ids, 198], greedy, session_id=sid)
+                    assert (one.cached_tokens, two.cached_tokens) == (0, len(first) + len(one.output_ids) - 1)
+                    holders = [e for e in engines if e.sessions.get(sid) is not None]
+                    assert len(holders) == 1, sid  # both turns on one engine: only it holds the session
+            finally:
+                await client.close()
+    finally:
+        for e in engines:
+            await e.close()

@@ -18,9 +18,10 @@ script drives any harness; past the end of the script the default reply is used.
 Invariant: every Generation returned is also appended to `generations` (and the
 full call to `calls`), so tests can compare a proxy's trajectory with what the
 engine really produced. Logprobs are a deterministic function of (position, id).
-`cached_tokens` is what a per-session prefix cache would hold: the prompt's common
-prefix with the session's previous prompt + output on this engine (at most the
-prompt less one token, as hf and SGLang report), so routing can be checked by it.
+`cached_tokens` is what a per-session prefix cache would hold, as hf counts it: the
+prompt's common prefix with the session's previous prompt + output on this engine,
+less the last sampled id (never fed), at most the prompt less one token; a session
+that changed engine starts cold, so routing can be checked by it.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ class ScriptedEngine:
             return 0
         held = self._prefixes.pop(session_id, None)
         cached = min(_common_prefix(held, input_ids), len(input_ids) - 1) if held else 0
-        self._prefixes[session_id] = [*input_ids, *output_ids]
+        self._prefixes[session_id] = [*input_ids, *output_ids][:-1]  # the last sampled id was never fed
         if len(self._prefixes) > _PREFIX_SESSIONS:
             self._prefixes.popitem(last=False)
         return max(cached, 0)
