@@ -6,7 +6,11 @@
 # launch it as a managed subprocess on the SmolLM2 checkpoint (our GGUF-converted one, shadowed
 # without its stale quantization_config), then drive it through the TITO proxy with the official
 # openai client: a 2-turn session, a weight reload from disk with a version bump, a 3rd turn, and
-# `tito audit` on the store. Prints one JSON line and exits 0 on success.
+# `tito audit` on the store. Then two real SGLang servers behind sglang-router (engine.router:
+# sglang-router; needs the `scale` extra): 4 sessions x 3 turns, each turn after the first must find
+# its session's previous prompt in SGLang's own meta_info.cached_tokens (the other server never saw
+# it, so the turn reached the server holding its prefix). Prints one JSON line per stage and exits 0
+# on success.
 # Usage: bash scripts/gpu-sglang-check.sh [OUT_DIR]     (env: SGLANG_VERSION, PYTHON)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -75,5 +79,56 @@ async def main() -> dict:
 result = anyio.run(main)
 print(json.dumps(result))
 (out / "result.json").write_text(json.dumps(result, indent=2))
+sys.exit(0 if result["ok"] else 1)
+PY
+
+# Stage 2: the router in front of two real SGLang servers.
+timeout 1500 python - "$out" <<'PY'
+import json, sys
+from pathlib import Path
+
+import anyio
+
+from miles_env.engines import SGLangEngineConfig
+from miles_env.engines.base import SamplingParams
+from miles_env.engines.router import start_router
+from miles_env.engines.sglang import SGLangEngine, launch_sglang
+from miles_env.http import free_port
+from miles_env.models import load_tokenizer
+
+out = Path(sys.argv[1]).resolve()
+NEXT = "<|im_end|>\n<|im_start|>user\nAnd one more?<|im_end|>\n<|im_start|>assistant\n"
+
+
+async def main() -> dict:
+    cfg = SGLangEngineConfig(launch=True, dtype="bfloat16", log_dir=str(out / "engine-router"),
+                             server_args=["--mem-fraction-static", "0.3"])
+    workers = [await launch_sglang(cfg) for _ in range(2)]
+    urls = [w.urls[0] for w in workers]
+    router = await start_router(urls, free_port(), out / "engine-router" / "router.log")
+    client = SGLangEngine(urls, router=router.spec.url, model_dir=workers[0].model_dir, servers=[router])
+    tok, turns = load_tokenizer(), []
+    try:
+        for s in range(4):
+            ids = tok.encode(f"<|im_start|>user\nSession {s}: name {s + 2} colors.<|im_end|>\n<|im_start|>assistant\n")
+            prev = 0
+            for t in range(3):
+                gen = await client.generate(ids, SamplingParams(max_new_tokens=24, temperature=0.0), session_id=f"s{s}")
+                turns.append({"session": s, "turn": t, "prompt": len(ids), "cached": gen.cached_tokens,
+                              "sticky": t == 0 or gen.cached_tokens >= prev})
+                prev = len(ids)
+                ids = [*ids, *gen.output_ids, *tok.encode(NEXT)]
+        stats = client.prefix_cache_stats()
+    finally:
+        await client.close()
+        for w in workers:
+            await w.close()
+    return {"ok": all(t["sticky"] for t in turns), "prefix_cache_hit_rate": round(stats.hit_rate, 3),
+            "turns": turns}
+
+
+result = anyio.run(main)
+print(json.dumps(result))
+(out / "result-router.json").write_text(json.dumps(result, indent=2))
 sys.exit(0 if result["ok"] else 1)
 PY
