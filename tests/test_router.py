@@ -252,6 +252,7 @@ async def test_sglang_router_over_hf_engines_reports_their_kv_hits(tmp_path: Pat
     try:
         async with running_server(engines[0]) as a, running_server(engines[1]) as b:
             client = await build_engine(_routed([a, b], tmp_path))
+            assert isinstance(client, SGLangEngine)
             try:
                 tok = engines[0].tokenizer
                 for sid in ("cats", "dogs", "owls", "bees"):
