@@ -182,6 +182,12 @@ async def test_hash_ring_drops_a_dead_engine(tok: Any) -> None:
             str(s.port) for s in servers if s is not victim
         }
         await client.flush_cache()  # weight updates and flushes skip the dead engine
+        survivor = next(s for s in servers if s is not victim)
+        fresh = SGLangEngine([victim.url, survivor.url])  # info() from the first live server
+        try:
+            assert (await fresh.info()).name == "sglang" and fresh.down == [victim.url]
+        finally:
+            await fresh.close()
     finally:
         await client.close()
         for s in servers:

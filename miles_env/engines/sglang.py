@@ -251,9 +251,22 @@ class SGLangEngine:
     async def flush_cache(self) -> None:
         await self._each_server("POST", "/flush_cache")
 
+    async def _first_server(self, path: str) -> tuple[str, httpx.Response]:
+        """GET `path` from the first live server (a server found down on the way is dropped)."""
+        while True:
+            base = self.urls[0]
+            try:
+                return base, await self._request("GET", f"{base}{path}")
+            except EngineRefused:
+                raise
+            except EngineError:
+                await self._drop_if_down(base)
+                if base in self.urls:
+                    raise
+
     async def info(self) -> EngineInfo:
-        base = self.urls[0]
-        model = (await self._request("GET", f"{base}/get_model_info")).json()
+        base, resp = await self._first_server("/get_model_info")
+        model = resp.json()
         server = (await self._request("GET", f"{base}/get_server_info")).json()
         self._limits[base] = self._context_limit(server)
         model_dir = local_model_dir(model.get("model_path"), self.model_dir)
