@@ -28,6 +28,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from miles_env.engines.configs import EngineConfig, HFEngineConfig
 from miles_env.errors import ConfigError
 from miles_env.harnesses.configs import BuiltinConfig, HarnessConfig
+from miles_env.queue_config import QueueConfig, SqliteQueueConfig
 from miles_env.runlog import LoggingConfig
 from miles_env.tito.config import TitoConfig
 
@@ -45,7 +46,7 @@ __all__ = [
 ]
 
 # a section holding one of several models -> the key that picks it
-_TAGS = {"engine": "kind", "harness": "name", "sandbox": "provider"}
+_TAGS = {"engine": "kind", "harness": "name", "sandbox": "provider", "queue": "kind"}
 
 
 def _invalid(title: str, errors: list[tuple[tuple[str | int, ...], str, str, Any]]) -> ValidationError:
@@ -154,6 +155,7 @@ class RunConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     weight_sync: str = Field("in_process", pattern="^(in_process|disk|delta|delta_disk)$")
     logging: LoggingConfig = Field(default_factory=LoggingConfig)  # tensorboard, wandb
+    queue: QueueConfig = Field(default_factory=SqliteQueueConfig)  # sqlite (run_dir) | redis (shared)
 
     @model_validator(mode="after")
     def _eval_temperature(self) -> Self:

@@ -296,7 +296,7 @@ async def _follow(cfg: RunConfig, rank: int) -> dict[str, Any]:
 async def run_training(cfg: RunConfig, console: Console) -> dict[str, Any]:
     """Run (or resume) the job described by `cfg`; return the final summary."""
     from miles_env.engines import build_engine
-    from miles_env.queue import SqliteReplayQueue
+    from miles_env.queue_config import build_queue
     from miles_env.stack import open_stack
     from miles_env.trainer.ranks import Leader, torchrun_rank
 
@@ -312,8 +312,9 @@ async def run_training(cfg: RunConfig, console: Console) -> dict[str, Any]:
     trainer = await anyio.to_thread.run_sync(_build_trainer, cfg, plan.model_path)
     if world > 1:
         trainer = Leader(trainer)
-    queue_sync = SqliteReplayQueue(
-        cfg.run_dir / "queue.db",
+    queue_sync = build_queue(
+        cfg.queue,
+        cfg.run_dir,
         group_size=cfg.rollout.group_size,
         max_pending_groups=2 * cfg.rollout.groups_per_step,
     )

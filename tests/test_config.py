@@ -70,6 +70,8 @@ ROOT = Path(__file__).resolve().parent.parent
         (["sandbox.provider=docker", "sandbox.cpus=0"], "sandbox.cpus: Input should be greater than 0"),
         (["tito.tool_mod=text"], "tito.tool_mod: Extra inputs are not permitted"),
         (["tito.budget.max_turns=0"], "tito.budget.max_turns: Input should be greater than or equal to 1"),
+        (["queue.kind=redis", "queue.urll=x"], "queue.urll: Extra inputs are not permitted (kind redis)"),
+        (["queue.kind=kafka"], "queue.kind: 'kafka' is unknown; known: sqlite, redis"),
         (
             ["eval.temperature=0.5", "harness.name=codex"],
             "eval.temperature: harness 'codex' has no temperature",

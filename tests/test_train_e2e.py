@@ -230,3 +230,28 @@ def test_sigkill_between_checkpoints_then_resume_acks_each_trained_episode_once(
     assert held <= acked, "a group trained only by the killed process was lost"
     assert "leased" not in states.values()
     assert [r["step"] for r in _rows(run_dir, "train")] == [1, 2, 3, 3, 4]
+
+
+@pytest.mark.slow
+def test_train_on_a_redis_queue(tmp_path: Path, tiny_model: Path) -> None:
+    # `queue: {kind: redis}` through the real job: episodes go to redis-server (AOF on), none to
+    # a queue.db; every trained group is acked there, and the checkpoints hold the same ids.
+    from miles_env.queue_redis import RedisReplayQueue
+    from tests.redis_server import RedisServer
+
+    run_dir = tmp_path / "run"
+    with RedisServer(tmp_path / "redis") as server:
+        sets = ("queue.kind=redis", f"queue.url={server.url}", "queue.prefix=e2e", "eval.enabled=false")
+        proc = subprocess.run(
+            _args(run_dir, tiny_model, 2, *sets), capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert not (run_dir / "queue.db").exists()
+        queue = RedisReplayQueue(server.url, prefix="e2e")
+        try:
+            stats = queue.stats()
+        finally:
+            queue.close()
+    assert stats.acked_groups == 4 and stats.episodes.get("acked") == 8, stats
+    assert not stats.episodes.get("leased"), stats
+    assert len(set(_trained_ids(run_dir))) == 8
