@@ -247,11 +247,15 @@ def test_train_on_a_redis_queue(tmp_path: Path, tiny_model: Path) -> None:
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert not (run_dir / "queue.db").exists()
-        queue = RedisReplayQueue(server.url, prefix="e2e")
+        queue = RedisReplayQueue(server.url, prefix="e2e", max_pending_groups=4)  # 2 x groups_per_step
         try:
             stats = queue.stats()
         finally:
             queue.close()
+        cli = [sys.executable, "-m", "miles_env.cli.main", "queue", "stats", str(run_dir), "--json"]
+        shown = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+        assert shown.returncode == 0, shown.stderr  # the run's config.yaml names its Redis queue
+        assert json.loads(shown.stdout) == json.loads(stats.model_dump_json())
     assert stats.acked_groups == 4 and stats.episodes.get("acked") == 8, stats
     assert not stats.episodes.get("leased"), stats
     assert len(set(_trained_ids(run_dir))) == 8
