@@ -174,3 +174,20 @@ def test_the_checker_catches_a_planted_violation_and_cycle(tmp_path: Path) -> No
     assert any("miles_env.trainer:5 imports miles_env.tito.proxy (lazy)" in v for v in broken)
     assert not any("(typing)" in v and "trainer" in v for v in broken)  # type-only imports never run
     assert cycles(found) == [["miles_env.a", "miles_env.b"]]
+
+
+def test_readme_layout_table_matches_the_folders() -> None:
+    """Every folder of the package (the mapped roots and their subfolders) has its row, and every row exists."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("| folder | import name | what |", 1)[1].split("\n\n", 1)[0]
+    rows = {line.split("`")[1].rstrip("/") for line in table.splitlines() if line.startswith("| `")}
+    roots = ["miles_env", "sandboxes", "tito", "trainer", "adapters"]
+    folders = set(roots) | {
+        f"{root}/{d.name}"
+        for root in roots
+        for d in (ROOT / root).iterdir()
+        if d.is_dir() and d.name != "__pycache__" and not d.name.startswith(".")
+    }
+    assert folders - rows == set(), "folders missing from README's layout table"
+    missing = {r for r in rows if "*" not in r and not (ROOT / r).is_dir()}
+    assert missing == set(), "README's layout table names folders that do not exist"
