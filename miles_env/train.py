@@ -27,7 +27,7 @@ import anyio.to_thread
 import yaml
 
 from miles_env.config import Mode, RunConfig
-from miles_env.engines.base import Engine, InProcessWeights
+from miles_env.engines.base import Engine, InProcessWeights, PrefixCacheCounter, PrefixCacheStats
 from miles_env.environment import Environment
 from miles_env.errors import ConfigError
 from miles_env.harness import Harness
@@ -139,6 +139,7 @@ class _Job(StepHooks):
         self.limiter = anyio.CapacityLimiter(max(1, cfg.rollout.concurrency // cfg.rollout.group_size))
         self.progress: Progress | None = None  # while the loop runs
         self.bar: TaskID | None = None
+        self.cache_seen = PrefixCacheStats()  # the engine's prefix-cache counters at the last report
 
     # -- StepHooks ---------------------------------------------------------------------------------
     async def produce(self, n_groups: int) -> None:
@@ -171,6 +172,10 @@ class _Job(StepHooks):
         metrics["staleness_mean"] = sum(result.step - 1 - ep.min_weight_version for ep in episodes) / max(
             1, len(episodes)
         )
+        if isinstance(self.engine, PrefixCacheCounter):  # turns finished since the last report
+            now = self.engine.prefix_cache_stats()
+            metrics.update((now - self.cache_seen).metrics())
+            self.cache_seen = now
         self.log.log(result.step, "train", metrics)
         if self.progress is not None and self.bar is not None:
             self.progress.update(

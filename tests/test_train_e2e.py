@@ -93,6 +93,8 @@ def test_train_runs_and_leaves_a_complete_run_dir(tmp_path: Path, tiny_model: Pa
         assert r["episodes"] == 4 and r["samples"] >= 4
         assert r["staleness_mean"] == 0  # sync mode: every episode sampled with the latest weights
         assert r["logprob_diff_mean"] < 1e-4  # zero-KL check: trainer recomputes the engine's logprobs
+        assert r["prefix_cache_requests"] >= 4 and r["prefix_cache_prompt_tokens"] > 0  # this step's turns
+        assert 0.0 <= r["prefix_cache_hit_rate"] <= 1.0
     assert [r["step"] for r in _rows(run_dir, "eval")] == [0, 2]
     stats = SqliteReplayQueue(run_dir / "queue.db").stats()
     assert stats.acked_groups == 4 and stats.episodes.get("acked") == 8
