@@ -56,7 +56,7 @@ function renderRun() {
   add("Tokens / s (trainer)", [{ name: "tokens/s", points: series("train", "tokens_per_s") }], { yMin: 0 });
   const times = ["step_time_s", "rollout_s", "train_s", "sync_s", "checkpoint_s", "rollout_wait_s"];
   add("Step, rollout and sync times (s)", times.map(k => ({ name: k.replace(/_s$/, ""), points: series("train", k) })), { yMin: 0 });
-  const cache = pickKeys(k => /cache_hit|prefix_cache/.test(k));
+  const cache = pickKeys(k => /cache_hit/.test(k));  // a rate in [0, 1]; the token counts are not charted
   add("Prefix-cache hit rate", cache.map(k => ({ name: k, points: series("train", k) })),
     { yMin: 0, yMax: 1, empty: "not reported by this engine" });
   add("Loss and grad norm", [{ name: "loss", points: series("train", "loss") }, { name: "grad_norm", points: series("train", "grad_norm"), dashed: true }]);
