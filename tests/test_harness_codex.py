@@ -20,7 +20,7 @@ from miles_env.harnesses._cli import CODEX, TESTED, CliPackage
 from miles_env.harnesses.codex import CodexHarness, codex_config_toml, parse_events
 from miles_env.models import load_tokenizer
 from miles_env.types import Status
-from tests.test_harness_claude_code import (
+from tests.cli_harness_support import (
     TWO_STEP_POLICY,
     check_exact,
     require_cli,
@@ -28,7 +28,7 @@ from tests.test_harness_claude_code import (
     task_for,
     two_step_task,
 )
-from tests.test_tito_support import check_fidelity
+from tests.tito_support import RecordingEngine, check_fidelity
 
 pytestmark = pytest.mark.anyio
 
@@ -72,9 +72,8 @@ async def test_codex_scripted_two_tool_calls(pin: CliPackage, tok: Any, tmp_path
 async def test_codex_real_smollm2_keeps_the_pipeline(tmp_path: Path) -> None:
     require_cli(CODEX)
     from miles_env.engines import HFEngineConfig, build_engine
-    from tests.test_tito_sessions import _Recording
 
-    engine = _Recording(await build_engine(HFEngineConfig(max_batch_size=1)))
+    engine = RecordingEngine(await build_engine(HFEngineConfig(max_batch_size=1)))
     tito = {"budget": {"max_tokens": 96}}
     # Codex's prompt is ~6.5k tokens without its multi-agent tools (~9k with them): it fits SmolLM2's 8k
     try:

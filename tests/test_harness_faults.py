@@ -19,7 +19,7 @@ from miles_env.errors import HarnessError, SandboxError
 from miles_env.harnesses._cli import CLAUDE_CODE, CODEX, CliPackage, ensure_cli
 from miles_env.models import load_tokenizer
 from miles_env.types import SandboxSpec, Status
-from tests.test_harness_claude_code import require_cli, run_one
+from tests.cli_harness_support import require_cli, run_one
 
 pytestmark = pytest.mark.anyio
 

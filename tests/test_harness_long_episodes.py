@@ -31,7 +31,7 @@ from miles_env.harnesses._cli import CLAUDE_CODE, CODEX, TESTED
 from miles_env.harnesses.codex import codex_config_toml, multi_agent_for
 from miles_env.models import load_tokenizer
 from miles_env.types import Episode, Status
-from tests.test_harness_claude_code import TWO_STEP_POLICY, check_exact, require_cli, run_one
+from tests.cli_harness_support import TWO_STEP_POLICY, check_exact, require_cli, run_one
 
 pytestmark = pytest.mark.anyio
 

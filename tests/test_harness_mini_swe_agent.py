@@ -22,7 +22,7 @@ from miles_env.harnesses import get_harness
 from miles_env.harnesses.mini_swe_agent import LOCK, MINI_SWE_AGENT, MiniSweAgentHarness, outcome
 from miles_env.models import load_tokenizer
 from miles_env.types import Status
-from tests.test_harness_claude_code import ROOT, check_exact, require_cli, run_one, two_step_task
+from tests.cli_harness_support import ROOT, check_exact, require_cli, run_one, two_step_task
 
 pytestmark = pytest.mark.anyio
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"

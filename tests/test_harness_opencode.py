@@ -21,7 +21,7 @@ from miles_env.harnesses._cli import OPENCODE, TESTED
 from miles_env.harnesses.opencode import OpencodeHarness, failure, final_text, opencode_config, parse_events
 from miles_env.models import load_tokenizer
 from miles_env.types import Status
-from tests.test_harness_claude_code import check_exact, require_cli, run_one, task_for, two_step_task
+from tests.cli_harness_support import check_exact, require_cli, run_one, task_for, two_step_task
 
 pytestmark = pytest.mark.anyio
 

@@ -11,7 +11,7 @@ from miles_env.tito import ChatRequest, Message, TitoConfig, TitoProxy
 
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.models import load_tokenizer
-from tests.test_tito_support import check_fidelity
+from tests.tito_support import check_fidelity
 
 pytestmark = pytest.mark.anyio
 

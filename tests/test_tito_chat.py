@@ -8,7 +8,7 @@ import pytest
 
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.models import load_tokenizer
-from tests.test_tito_support import TOOLS, check_fidelity, served
+from tests.tito_support import TOOLS, check_fidelity, served
 
 pytestmark = pytest.mark.anyio
 

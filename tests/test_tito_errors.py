@@ -9,7 +9,7 @@ from miles_env.tito import Budget
 
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.models import load_tokenizer
-from tests.test_tito_support import ADMIN, served
+from tests.tito_support import ADMIN, served
 
 pytestmark = pytest.mark.anyio
 

@@ -29,7 +29,7 @@ from miles_env.tito.render import Renderer
 
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.models import load_tokenizer
-from tests.test_tito_support import Raw, Reply, Threaded, error_shape, threaded
+from tests.tito_support import Raw, Reply, Threaded, error_shape, threaded
 
 FUZZ = settings(
     max_examples=120,

@@ -22,7 +22,7 @@ from typing import Any
 from miles_env.tito import TitoConfig
 
 from miles_env.models import load_tokenizer
-from tests.test_tito_support import threaded
+from tests.tito_support import threaded
 
 N_TURNS = 300
 

@@ -12,7 +12,7 @@ from anthropic import AsyncAnthropic
 
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.models import load_tokenizer
-from tests.test_tito_support import check_fidelity, served
+from tests.tito_support import check_fidelity, served
 
 pytestmark = pytest.mark.anyio
 

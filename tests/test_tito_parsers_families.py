@@ -1,33 +1,29 @@
 """Model families end to end: each family's chat template (tests/templates/, written from the model's
 public template) over SmolLM2's vocabulary plus the family's special tokens, a scripted policy that
-emits the family's native tool-call (and reasoning) format non-canonically, and a three-turn session
-in all three dialects through the official `openai` / `anthropic` clients. Every sampled id must be
-stored exactly with mask 1, the engine must have been fed the stored prefix, and `tito audit` is clean.
+emits the family's native tool-call (and reasoning) format non-canonically (the families are defined
+in tests/tito_families.py), and a three-turn session in all three dialects through the official
+`openai` / `anthropic` clients. Every sampled id must be stored exactly with mask 1, the engine must
+have been fed the stored prefix, and `tito audit` is clean.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from anthropic import AsyncAnthropic
 from miles_env.tito import audit
-from tokenizers import AddedToken
 
-from miles_env.engines.base import EngineInfo
 from miles_env.engines.scripted import ScriptedEngine
-from miles_env.models import load_tokenizer
-from tests.test_tito_support import TOOLS, Served, check_fidelity, served
+from tests.tito_families import ANSWER, FAMILIES, Family
+from tests.tito_support import TOOLS, Served, check_fidelity, served
 
 pytestmark = pytest.mark.anyio
 
-TEMPLATES = Path(__file__).parent / "templates"
 SYSTEM = "You are terse."
 FILES = "a.txt\nb.txt"
-ANSWER = "There are two files."
 
 
 @pytest.fixture
@@ -35,154 +31,6 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@dataclass(frozen=True)
-class Family:
-    name: str  # the template file
-    parser: str  # the tool parser `detect` must pick from it
-    specials: tuple[str, ...]
-    stop: str
-    call: str  # turn 1: (reasoning) + a native `bash {"command": "ls -la"}` call, odd spacing and order
-    answer: str  # turn 2: (reasoning) + ANSWER
-    bye: str  # turn 3
-    thoughts: tuple[str | None, str | None] = (None, None)  # the reasoning of turns 1 and 2
-    reasoning: str = "think"  # the reasoning parser `detect` must pick
-    eos: tuple[str, ...] = ()  # other tokens that end a turn, reported by the engine as eos ids
-
-    def tokenizer(self) -> Any:
-        tok = load_tokenizer()
-        tok.add_tokens([AddedToken(t, special=True) for t in self.specials], special_tokens=True)
-        tok.chat_template = (TEMPLATES / f"{self.name}.jinja").read_text()
-        return tok
-
-    def engine(self, tok: Any, replies: list[str]) -> ScriptedEngine:
-        return FamilyEngine(tok, replies, stop_token=self.stop, eos=tok.convert_tokens_to_ids(list(self.eos)))
-
-
-class FamilyEngine(ScriptedEngine):
-    """A ScriptedEngine that also stops on the family's other end-of-turn tokens, which a real engine
-    reports as eos ids (the model's generation_config), so a reply may end on any of them."""
-
-    def __init__(self, *args: Any, eos: list[int], **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.eos = tuple(eos)
-
-    async def info(self) -> EngineInfo:
-        info = await super().info()
-        return replace(info, eos_token_ids=(*info.eos_token_ids, *self.eos))
-
-
-QWEN_TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
-FAMILIES = [
-    Family(
-        "qwen3",  # hermes JSON + <think>; the template drops reasoning before the last user query
-        "hermes",
-        QWEN_TAGS,
-        "<|im_end|>",
-        '<think>\nI should list the files.\n</think>\n\n<tool_call>\n{"arguments":  {"command": "ls -la"}, '
-        '"name": "bash"}\n</tool_call>',
-        f"<think>\nTwo names.\n</think>\n\n{ANSWER}",
-        "<think>\n\n</think>\n\nBye.",
-        ("\nI should list the files.\n", "\nTwo names.\n"),
-    ),
-    Family(
-        "qwen3_thinking_2507",  # the prompt opens <think>: the completion only closes it
-        "hermes",
-        QWEN_TAGS,
-        "<|im_end|>",
-        'I should list the files.\n</think>\n\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la"}}'
-        "\n</tool_call>",
-        f"Two names.\n</think>\n\n{ANSWER}",
-        "Nothing to do.\n</think>\n\nBye.",
-        ("I should list the files.\n", "Two names.\n"),
-        reasoning="think_opened",
-    ),
-    Family(
-        "qwen3_coder",
-        "qwen3_coder",
-        QWEN_TAGS,
-        "<|im_end|>",
-        "I'll look.\n<tool_call>\n<function=bash>\n\n<parameter=command>\nls -la\n</parameter>  \n</function>\n"
-        "</tool_call>",
-        ANSWER,
-        "Bye.",
-    ),
-    Family(
-        "glm45",
-        "glm45",
-        (
-            "[gMASK]",
-            "<sop>",
-            "<|system|>",
-            "<|user|>",
-            "<|assistant|>",
-            "<|observation|>",
-            "<arg_key>",
-            "</arg_key>",
-            "<arg_value>",
-            "</arg_value>",
-            *QWEN_TAGS,
-        ),
-        "<|user|>",  # GLM ends a turn on the token that opens the next message: <|user|> or <|observation|>
-        "\n<think>I should list the files.</think>\n<tool_call>bash\n<arg_key> command</arg_key>  "
-        "<arg_value>ls -la</arg_value>\n</tool_call><|observation|>",
-        f"\n<think>Two names.</think>\n{ANSWER}",
-        "\n<think></think>\nBye.",
-        ("I should list the files.", "Two names."),
-        eos=("<|endoftext|>", "<|observation|>"),
-    ),
-    Family(
-        "llama3",
-        "llama3_json",
-        ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"),
-        "<|eot_id|>",
-        '<|python_tag|>{"parameters": {"command": "ls -la"},  "name": "bash"}',
-        ANSWER,
-        "Bye.",
-    ),
-    Family(
-        "kimi_k2",
-        "kimi_k2",
-        (
-            "<|im_system|>",
-            "<|im_user|>",
-            "<|im_assistant|>",
-            "<|im_middle|>",
-            "<|tool_calls_section_begin|>",
-            "<|tool_calls_section_end|>",
-            "<|tool_call_begin|>",
-            "<|tool_call_argument_begin|>",
-            "<|tool_call_end|>",
-        ),
-        "<|im_end|>",
-        "Let me look.<|tool_calls_section_begin|>\n<|tool_call_begin|> functions.bash:0 "
-        '<|tool_call_argument_begin|>{ "command":"ls -la" }<|tool_call_end|>\n<|tool_calls_section_end|>',
-        ANSWER,
-        "Bye.",
-    ),
-    Family(
-        "deepseek_v31",
-        "deepseek_v31",
-        (
-            "<｜User｜>",
-            "<｜Assistant｜>",
-            "<｜end▁of▁sentence｜>",
-            "<｜tool▁calls▁begin｜>",
-            "<｜tool▁calls▁end｜>",
-            "<｜tool▁call▁begin｜>",
-            "<｜tool▁call▁end｜>",
-            "<｜tool▁sep｜>",
-            "<｜tool▁output▁begin｜>",
-            "<｜tool▁output▁end｜>",
-            "<think>",
-            "</think>",
-        ),
-        "<｜end▁of▁sentence｜>",
-        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜> bash<｜tool▁sep｜>{\n  "command": "ls -la"\n}'
-        "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
-        ANSWER,
-        "Bye.",
-    ),
-]
 ANTHROPIC_TOOLS = [
     {"name": t["function"]["name"], "description": "Run", "input_schema": t["function"]["parameters"]}
     for t in TOOLS

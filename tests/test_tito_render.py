@@ -14,8 +14,8 @@ from miles_env.tito.render import _ANCHOR, _ANCHOR_TEXT, Renderer
 
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.models import load_tokenizer
-from tests.test_tito_parsers_families import FAMILIES
-from tests.test_tito_support import TOOLS, check_fidelity
+from tests.tito_families import FAMILIES
+from tests.tito_support import TOOLS, check_fidelity
 
 pytestmark = pytest.mark.anyio
 

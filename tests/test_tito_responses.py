@@ -10,7 +10,7 @@ import pytest
 
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.models import load_tokenizer
-from tests.test_tito_support import check_fidelity, served
+from tests.tito_support import RecordingEngine, check_fidelity, served
 
 pytestmark = pytest.mark.anyio
 
@@ -276,9 +276,8 @@ async def test_real_hf_engine_responses_and_messages_are_token_exact(tok) -> Non
     from anthropic import AsyncAnthropic
 
     from miles_env.engines import HFEngineConfig, build_engine
-    from tests.test_tito_sessions import _Recording
 
-    engine = _Recording(await build_engine(HFEngineConfig(max_batch_size=2)))
+    engine = RecordingEngine(await build_engine(HFEngineConfig(max_batch_size=2)))
     try:
         async with served(tok, engine) as s:  # type: ignore[arg-type]
             h1, h2 = s.proxy.create_session(), s.proxy.create_session()
@@ -301,4 +300,4 @@ async def test_real_hf_engine_responses_and_messages_are_token_exact(tok) -> Non
         await engine.close()
     for sid, t in trajs.items():
         assert len(t) == 1 and len(t[0].turns) == 2
-        check_fidelity(t, engine, sid)  # type: ignore[arg-type]
+        check_fidelity(t, engine, sid)

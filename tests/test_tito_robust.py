@@ -27,7 +27,7 @@ from miles_env.engines.scripted import ScriptedEngine
 from miles_env.errors import EngineError, EngineRefused
 from miles_env.models import load_tokenizer
 from miles_env.types import Trajectory
-from tests.test_tito_support import ADMIN, Raw, error_shape, strict_json, threaded
+from tests.tito_support import ADMIN, Raw, error_shape, strict_json, threaded
 
 
 @pytest.fixture(scope="module")

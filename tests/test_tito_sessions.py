@@ -17,7 +17,7 @@ from miles_env.tito import TitoConfig, TitoProxy
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.http import free_port
 from miles_env.models import load_tokenizer
-from tests.test_tito_support import ADMIN, TOOLS, check_fidelity, served
+from tests.tito_support import ADMIN, TOOLS, RecordingEngine, check_fidelity, served
 
 pytestmark = pytest.mark.anyio
 
@@ -163,37 +163,13 @@ def test_proxy_serve_cli_keeps_trajectories_across_a_restart(tmp_path: Path) -> 
     assert again == first and json.dumps(first["branches"][0]["loss_mask"]).count("1") > 0
 
 
-class _Recording:
-    """Delegates to a real engine and keeps its Generations (the engine's own record)."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.calls: list = []
-
-    async def generate(self, input_ids, sampling, *, session_id=None):
-        from miles_env.engines.scripted import ScriptedCall
-
-        gen = await self.inner.generate(input_ids, sampling, session_id=session_id)
-        self.calls.append(ScriptedCall(tuple(input_ids), sampling, session_id, gen))
-        return gen
-
-    async def update_weights_from_disk(self, path, weight_version=None):
-        return await self.inner.update_weights_from_disk(path, weight_version)
-
-    async def info(self):
-        return await self.inner.info()
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-
 @pytest.mark.slow
 @pytest.mark.model
 async def test_real_hf_engine_session_is_token_exact(tok) -> None:
     from miles_env.engines import HFEngineConfig, build_engine
 
     inner = await build_engine(HFEngineConfig(max_batch_size=2))
-    engine = _Recording(inner)
+    engine = RecordingEngine(inner)
     try:
         async with served(tok, engine) as s:  # type: ignore[arg-type]
             h = s.proxy.create_session()
@@ -209,7 +185,7 @@ async def test_real_hf_engine_session_is_token_exact(tok) -> None:
     finally:
         await engine.close()
     assert len(trajs) == 1 and len(trajs[0].turns) == 2
-    check_fidelity(trajs, engine, h.session_id)  # type: ignore[arg-type]
+    check_fidelity(trajs, engine, h.session_id)
 
 
 async def test_aux_requests_are_served_but_never_stored_and_count_tokens_matches(tok) -> None:

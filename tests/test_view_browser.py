@@ -250,7 +250,7 @@ def claude_code_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from miles_env.harnesses._cli import CLAUDE_CODE
     from miles_env.jsonio import write_json
     from miles_env.models import load_tokenizer
-    from tests.test_harness_claude_code import TWO_STEP_POLICY, SideCallEngine, require_cli, run_one, task_for
+    from tests.cli_harness_support import TWO_STEP_POLICY, SideCallEngine, require_cli, run_one, task_for
 
     require_cli(CLAUDE_CODE)
     out = tmp_path_factory.mktemp("view-cc") / "eval"

@@ -1,15 +1,18 @@
-"""Shared fixtures for the TITO tests: the real SmolLM2 tokenizer, a ScriptedEngine, a served proxy.
+"""Shared helpers for the TITO tests (a helpers module, not a test module): a served proxy.
 
-`threaded(...)` serves the proxy on an event loop in a background thread, for sync tests
-that drive raw sockets (`Raw`, one keep-alive HTTP/1.1 connection spoken with h11) or
-hypothesis; `error_shape` checks a dialect's error body.
+`served(tokenizer, ...)` serves a `TitoProxy` over a ScriptedEngine (or the engine given);
+`threaded(...)` serves it on an event loop in a background thread, for sync tests that drive
+raw sockets (`Raw`, one keep-alive HTTP/1.1 connection spoken with h11) or hypothesis;
+`error_shape` checks a dialect's error body. `check_fidelity` is the token-exactness check
+every TITO and harness test ends with; `RecordingEngine` wraps a real engine so that check
+can run against it (it keeps each Generation as the scripted engine does).
 """
 
 from __future__ import annotations
 
 import json
 import socket
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,9 +24,25 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from miles_env.tito import TitoConfig, TitoProxy, create_app
 from openai import AsyncOpenAI
 
-from miles_env.engines.scripted import ScriptedEngine
+from miles_env.engines.base import Engine, EngineInfo, Generation, SamplingParams
+from miles_env.engines.scripted import ScriptedCall, ScriptedEngine
 from miles_env.http import serve_app
 from miles_env.types import Trajectory
+
+__all__ = [
+    "ADMIN",
+    "TOOLS",
+    "Raw",
+    "RecordingEngine",
+    "Reply",
+    "Served",
+    "Threaded",
+    "check_fidelity",
+    "error_shape",
+    "served",
+    "strict_json",
+    "threaded",
+]
 
 ADMIN = "admin-secret"
 TOOLS = [
@@ -72,7 +91,9 @@ async def served(
                 await c.close()
 
 
-def check_fidelity(trajs: list[Trajectory], engine: ScriptedEngine, session_id: str) -> None:
+def check_fidelity(
+    trajs: list[Trajectory], engine: ScriptedEngine | RecordingEngine, session_id: str
+) -> None:
     """Every mask-1 run equals one recorded engine generation (ids and logprobs), and nothing else has mask 1."""
     gens = [c.generation for c in engine.calls if c.session_id == session_id]
     runs: list[tuple[list[int], list[float]]] = []
@@ -230,3 +251,27 @@ class Raw:
         out += (self.conn.send(h11.Data(data=body)) or b"") if body else b""
         self.sock.sendall(out + (self.conn.send(h11.EndOfMessage()) or b""))  # one write: no Nagle stall
         return self.response()
+
+
+class RecordingEngine:
+    """Delegates to a real engine and keeps its Generations (the engine's own record)."""
+
+    def __init__(self, inner: Engine) -> None:
+        self.inner = inner
+        self.calls: list[ScriptedCall] = []
+
+    async def generate(
+        self, input_ids: Sequence[int], sampling: SamplingParams, *, session_id: str | None = None
+    ) -> Generation:
+        gen = await self.inner.generate(input_ids, sampling, session_id=session_id)
+        self.calls.append(ScriptedCall(tuple(input_ids), sampling, session_id, gen))
+        return gen
+
+    async def update_weights_from_disk(self, path: str | Path, weight_version: int | None = None) -> int:
+        return await self.inner.update_weights_from_disk(path, weight_version)
+
+    async def info(self) -> EngineInfo:
+        return await self.inner.info()
+
+    async def close(self) -> None:
+        await self.inner.close()
