@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from miles_env.cluster.config import ClusterConfig
 from miles_env.engines.configs import EngineConfig, HFEngineConfig
 from miles_env.errors import ConfigError
 from miles_env.harnesses.configs import BuiltinConfig, HarnessConfig
@@ -156,6 +157,15 @@ class RunConfig(_Strict):
     weight_sync: str = Field("in_process", pattern="^(in_process|disk|delta|delta_disk)$")
     logging: LoggingConfig = Field(default_factory=LoggingConfig)  # tensorboard, wandb
     queue: QueueConfig = Field(default_factory=SqliteQueueConfig)  # sqlite (run_dir) | redis (shared)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # address null: one process
+
+    @model_validator(mode="after")
+    def _cluster_queue(self) -> Self:
+        """Rollout workers on other nodes put into the queue the driver takes from: it must be shared."""
+        if self.cluster.address is not None and self.queue.kind != "redis":
+            msg = f"cluster.address={self.cluster.address!r} needs a shared queue: set queue.kind=redis"
+            raise _invalid("RunConfig", [(("queue", "kind"), "shared_queue", msg, self.queue.kind)])
+        return self
 
     @model_validator(mode="after")
     def _eval_temperature(self) -> Self:

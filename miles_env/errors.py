@@ -19,6 +19,7 @@ __all__ = [
     "EngineError",
     "EngineRefused",
     "HarnessError",
+    "ClusterError",
 ]
 
 
@@ -91,3 +92,7 @@ class SandboxThrottled(SandboxError):
     def __init__(self, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class ClusterError(MilesEnvError):
+    """The Ray cluster of a scaled-out run cannot go on (no rollout worker left, Ray unreachable)."""

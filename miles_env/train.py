@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,9 @@ if TYPE_CHECKING:
     from miles_env.trainer.weight_sync import WeightSyncer
 
 __all__ = ["run_training"]
+
+# where a scaled-out job sends the tasks it chose (cluster/driver.py); None: rolled out in this process
+Dispatch = Callable[[Sequence[Task]], Awaitable[None]]
 
 LEASE_S = 24 * 3600.0  # acked after the checkpoint; a restart recovers leases, not the lease timer
 
@@ -130,8 +134,10 @@ class _Job(StepHooks):
         engine: Engine,
         log: RunLog,
         console: Console,
+        dispatch: Dispatch | None = None,
     ) -> None:
         self.cfg, self.plan, self.log, self.console = cfg, plan, log, console
+        self.dispatch = dispatch
         self.ctx, self.eval_ctx = contexts
         self.queue, self.trainer, self.engine = queue, trainer, engine
         self.rng = random.Random(cfg.seed)  # picks the tasks; its state is the job's task cursor
@@ -144,6 +150,9 @@ class _Job(StepHooks):
     # -- StepHooks ---------------------------------------------------------------------------------
     async def produce(self, n_groups: int) -> None:
         chosen = [self.rng.choice(self.plan.train_tasks) for _ in range(n_groups)]
+        if self.dispatch is not None:  # cluster: rollout workers run the groups and put them
+            await self.dispatch(chosen)
+            return
 
         async def one(task: Task) -> None:
             async with self.limiter:
@@ -247,13 +256,14 @@ def _write_resolved(cfg: RunConfig) -> None:
 
 def _loop_config(cfg: RunConfig) -> LoopConfig:
     fully_async = cfg.mode != Mode.SYNC
+    workers = cfg.cluster.rollout_workers if cfg.cluster.address is not None else 1
     return LoopConfig(
         steps=cfg.trainer.steps,
         groups_per_step=cfg.rollout.groups_per_step,
         ckpt_dir=cfg.run_dir / "checkpoints",
         ckpt_every=cfg.trainer.checkpoint_every,
         max_staleness=cfg.rollout.max_staleness,
-        producers=max(1, cfg.rollout.concurrency // cfg.rollout.group_size) if fully_async else 0,
+        producers=workers * max(1, cfg.rollout.concurrency // cfg.rollout.group_size) if fully_async else 0,
         eval_every=cfg.eval.every if cfg.eval.enabled else 0,
         lease_s=LEASE_S,
         poll_s=0.2,
@@ -286,6 +296,15 @@ def _plan(cfg: RunConfig) -> _Plan:
         engine=engine_cfg, tito=cfg.tito, sandbox=cfg.sandbox, store_dir=cfg.run_dir / "sessions"
     )
     return _Plan(env, train_tasks, harness, eval_harness, engine_cfg, model_path, stack_cfg)
+
+
+def _rollouts(cfg: RunConfig, engine: Engine) -> AbstractAsyncContextManager[Dispatch | None]:
+    """With `cluster.address`, Ray actors roll the groups out (cluster/driver.py); else nothing."""
+    if cfg.cluster.address is None:
+        return nullcontext(None)
+    from miles_env.cluster.driver import cluster_rollouts
+
+    return cluster_rollouts(cfg, engine)
 
 
 async def _follow(cfg: RunConfig, rank: int) -> dict[str, Any]:
@@ -325,12 +344,12 @@ async def run_training(cfg: RunConfig, console: Console) -> dict[str, Any]:
     )
     engine = await build_engine(plan.engine_cfg)
     try:
-        async with open_stack(plan.stack_cfg, engine=engine) as stack:
+        async with open_stack(plan.stack_cfg, engine=engine) as stack, _rollouts(cfg, engine) as dispatch:
             ctx = stack.rollout_context(plan.env, plan.harness, cfg.rollout.episode_timeout_s)
             eval_ctx = stack.rollout_context(plan.env, plan.eval_harness, cfg.rollout.episode_timeout_s)
             queue = queue_sync.aio
             job = _Job(cfg, plan, contexts=(ctx, eval_ctx), queue=queue, trainer=trainer, engine=engine,
-                       log=log, console=console)  # fmt: skip
+                       log=log, console=console, dispatch=dispatch)  # fmt: skip
             summary = await _run(job, TrainLoop(queue, trainer, _loop_config(cfg), job))
     finally:
         if isinstance(trainer, Leader):
