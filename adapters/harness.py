@@ -20,9 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+
 from miles_env.adapters.venv import get_spec, venv_python
 from miles_env.adapters.worker_client import WorkerClient, WorkerError, python_argv
-
 from miles_env.environment import Transcript
 from miles_env.errors import MilesEnvError
 from miles_env.harness import Endpoint, HarnessResult

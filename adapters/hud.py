@@ -16,7 +16,6 @@ from typing import Any
 
 from miles_env.adapters.harness import FRAMEWORK_ROLE
 from miles_env.adapters.worker_env import WorkerEnvironment
-
 from miles_env.harness import Endpoint, HarnessResult
 from miles_env.types import Status, Task
 

@@ -20,7 +20,6 @@ from typing import Any
 from miles_env.adapters.harness import FRAMEWORK_ROLE
 from miles_env.adapters.worker_client import WorkerClient
 from miles_env.adapters.worker_env import WorkerEnvironment
-
 from miles_env.harness import Endpoint, HarnessResult
 from miles_env.types import Status, Task
 

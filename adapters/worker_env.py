@@ -32,7 +32,6 @@ from miles_env.adapters.harness import framework_reward
 from miles_env.adapters.isolation import Isolation, adapter_sandbox_spec, episode_worker
 from miles_env.adapters.venv import worker_rows
 from miles_env.adapters.worker_client import WorkerClient
-
 from miles_env.environment import Environment, Transcript
 from miles_env.harness import Endpoint, HarnessResult
 from miles_env.sandbox import Sandbox

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import anyio
+
 import miles_env.adapters as pkg
 from miles_env.adapters.isolation import adapter_sandbox_spec, ro_paths
 from miles_env.adapters.venv import get_spec, venv_python
@@ -70,7 +71,6 @@ async def sandboxed(name: str, provider: LocalSandboxProvider) -> float:
 async def episodes(n: int) -> None:
     """Whole verifiers episodes (ScriptedEngine, say-word) per isolation mode, medians of n."""
     from miles_env.adapters.harness import close_workers
-
     from miles_env.engines.scripted import ScriptedEngine
     from miles_env.harnesses import get_harness
     from miles_env.models import load_tokenizer

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+
 import miles_env.adapters as pkg
 from miles_env.adapters.venv import get_spec, install, venv_python
 from miles_env.adapters.worker_client import WORKERS_DIR, WorkerClient, python_argv
@@ -111,11 +112,11 @@ async def harbor(n: int, tmp: Path) -> dict[str, float]:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from miles_env.adapters.harbor import HarborTasksEnvironment, run_harbor_trial
-    from miles_env.sandboxes import get_provider
     from test_adapters_harbor import make_task  # the same small task the tests use
 
+    from miles_env.adapters.harbor import HarborTasksEnvironment, run_harbor_trial
     from miles_env.oracle import run_solution
+    from miles_env.sandboxes import get_provider
 
     task_dir = make_task(tmp / "harbor")
     env = HarborTasksEnvironment(task_dir)

@@ -81,9 +81,9 @@ async def direct(engine: Any, tok: Any, sessions: int, rounds: int, new_tokens: 
 
 async def via_proxy(engine: Any, tok: Any, sessions: int, rounds: int, new_tokens: int) -> float:
     import openai
-    from miles_env.tito import TitoProxy, create_app
 
     from miles_env.http import serve_app
+    from miles_env.tito import TitoProxy, create_app
 
     proxy = TitoProxy(engine, tok)
     tokens = 0

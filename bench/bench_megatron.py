@@ -22,6 +22,7 @@ from pathlib import Path
 
 import anyio
 import torch
+
 from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.megatron.backend import MegatronTrainer
 from miles_env.trainer.torch_backend import TorchTrainer

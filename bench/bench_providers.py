@@ -18,10 +18,10 @@ import time
 from typing import Any
 
 import anyio
-from miles_env.sandboxes import get_provider
-from miles_env.sandboxes.pool import SandboxPool
 
 from miles_env.errors import SandboxError
+from miles_env.sandboxes import get_provider
+from miles_env.sandboxes.pool import SandboxPool
 from miles_env.types import SandboxSpec
 
 

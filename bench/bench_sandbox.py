@@ -36,10 +36,10 @@ import time
 from collections.abc import Awaitable, Callable
 
 import anyio
+
 from miles_env.sandboxes.local import LocalSandboxConfig, LocalSandboxProvider
 from miles_env.sandboxes.local.config import host_root_binds
 from miles_env.sandboxes.local.process import run_capped
-
 from miles_env.types import SandboxSpec
 
 

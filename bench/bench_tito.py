@@ -36,14 +36,14 @@ from typing import Any
 import anyio
 import httpx
 from bench_tito_dialects import dialect_rows, print_dialects
-from miles_env.tito import TitoConfig, TitoProxy, create_app
-from miles_env.tito.messages import ChatRequest, Message
 from servers import ADMIN_TOKEN, LITELLM_KEY, MODEL, fake_engine, litellm_proxy, litellm_version, tito_proxy
 
 from miles_env.engines.base import SamplingParams
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.http import loop_options, serve_app
 from miles_env.models import load_tokenizer
+from miles_env.tito import TitoConfig, TitoProxy, create_app
+from miles_env.tito.messages import ChatRequest, Message
 
 ECHO = 8  # tokens the engine emits per turn
 SIZES = (1000, 16000)

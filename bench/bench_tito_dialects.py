@@ -12,11 +12,11 @@ import time
 from typing import Any
 
 import httpx
-from miles_env.tito import TitoConfig, TitoProxy, create_app
 
 from miles_env.engines.base import SamplingParams
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.http import serve_app
+from miles_env.tito import TitoConfig, TitoProxy, create_app
 
 ECHO = 8
 

@@ -17,10 +17,10 @@ import statistics
 import time
 
 import torch
+
 from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.losses import token_logprobs
 from miles_env.trainer.torch_backend import TorchTrainer
-
 from miles_env.types import Episode, Reward, Status, Trajectory, Turn
 
 

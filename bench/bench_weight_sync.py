@@ -42,6 +42,7 @@ def load_baseline(rev: str) -> ModuleType:
 
 def one_step(lr: float) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     from bench_trainer import make_group  # type: ignore[import-not-found]
+
     from miles_env.trainer.config import TrainerConfig
     from miles_env.trainer.torch_backend import TorchTrainer
 

@@ -12,10 +12,10 @@ import argparse
 import time
 
 import anyio
-from miles_env.sandboxes import get_provider
 
 from miles_env.oracle import run_oracle
 from miles_env.registry import load_environment
+from miles_env.sandboxes import get_provider
 
 
 def main() -> None:

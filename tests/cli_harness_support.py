@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from miles_env.tito import audit
 
 from miles_env.engines.scripted import PolicyRule, ScriptedEngine, ScriptedPolicy
 from miles_env.harnesses import get_harness
@@ -26,6 +25,7 @@ from miles_env.harnesses._cli import CliPackage, cli_cache_root
 from miles_env.registry import load_environment
 from miles_env.rollout import run_episode
 from miles_env.stack import StackConfig, open_stack
+from miles_env.tito import audit
 from miles_env.types import Episode, Task
 from tests.tito_support import check_fidelity
 

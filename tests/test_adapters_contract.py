@@ -10,15 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
-import miles_env.adapters as adapters_pkg
 import pytest
 from adapter_contract import AdapterCase, AdapterContract
+
+import miles_env.adapters as adapters_pkg
 from miles_env.adapters import ADAPTERS, is_adapter_name, load_adapter_environment
 from miles_env.adapters.harness import FrameworkHarness
 from miles_env.adapters.venv import FRAMEWORKS
 from miles_env.adapters.worker_client import WORKERS_DIR
 from miles_env.adapters.worker_env import WorkerEnvironment
-
 from miles_env.environment import Environment
 from miles_env.errors import RegistryError
 from miles_env.harness import Endpoint

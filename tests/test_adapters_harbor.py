@@ -6,8 +6,8 @@ from pathlib import Path
 
 import anyio
 import pytest
-from miles_env.adapters.harbor import HarborTasksEnvironment, parse_reward, rebase_paths
 
+from miles_env.adapters.harbor import HarborTasksEnvironment, parse_reward, rebase_paths
 from miles_env.harnesses.builtin import BuiltinHarness
 from miles_env.oracle import run_solution
 from miles_env.registry import load_environment, validate_environment

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import anyio
 import pytest
+
 from miles_env.adapters.harbor import HarborTasksEnvironment
 from miles_env.adapters.harbor.dockerfile import base_image, parse_dockerfile, static_env
-
 from miles_env.oracle import run_solution
 from miles_env.registry import load_environment
 

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import miles_env.adapters as adapters_pkg
 import pytest
+
+import miles_env.adapters as adapters_pkg
 from miles_env.adapters.harness import FrameworkHarness, close_workers
 from miles_env.adapters.isolation import Isolation, adapter_sandbox_spec, isolation_of, ro_paths
 from miles_env.adapters.venv import venv_dir
-
 from miles_env.errors import ConfigError
 from miles_env.registry import load_environment
 from miles_env.types import SandboxSpec, Status
@@ -88,7 +88,6 @@ def test_spawn_streams_and_dies_with_the_sandbox() -> None:
 
 def _probe_episode(tmp_path: Path, isolation: str) -> tuple[Any, dict[str, float]]:
     from miles_env.adapters.venv import install
-
     from miles_env.engines.scripted import ScriptedEngine
     from miles_env.harnesses import get_harness
     from miles_env.models import load_tokenizer
@@ -150,9 +149,8 @@ def test_the_probe_sees_escapes_without_isolation(tmp_path: Path) -> None:
 def test_sandboxed_worker_failure_is_a_failed_episode_and_leaves_nothing(tmp_path: Path) -> None:
     """A worker that cannot start inside the sandbox fails its episode with the error kept."""
     from miles_env.adapters.venv import install
-    from miles_env.sandboxes.local import LocalSandboxProvider
-
     from miles_env.harness import Endpoint
+    from miles_env.sandboxes.local import LocalSandboxProvider
 
     install("openenv")
     env = load_environment(f"openenv:{EXAMPLES / 'openenv_guess.py'}:app")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from miles_env.adapters.harness import close_workers
 
+from miles_env.adapters.harness import close_workers
 from miles_env.harnesses import get_harness
 from miles_env.registry import load_environment
 from miles_env.types import Status
@@ -14,7 +14,6 @@ from miles_env.types import Status
 @pytest.mark.slow
 def test_nemo_gym_episode_reward_and_tokens() -> None:
     from miles_env.adapters.venv import install
-
     from miles_env.engines.scripted import ScriptedEngine
     from miles_env.models import load_tokenizer
     from miles_env.rollout import run_episode

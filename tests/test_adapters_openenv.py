@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
-import miles_env.adapters as adapters_pkg
 import pytest
-from miles_env.adapters.harness import close_workers
 
+import miles_env.adapters as adapters_pkg
+from miles_env.adapters.harness import close_workers
 from miles_env.harnesses import get_harness
 from miles_env.registry import load_environment
 from miles_env.types import Status
@@ -19,7 +19,6 @@ GUESS = Path(adapters_pkg.__file__).parent / "examples" / "openenv_guess.py"
 @pytest.mark.slow
 def test_openenv_episode_reward_and_tokens() -> None:
     from miles_env.adapters.venv import install
-
     from miles_env.engines.scripted import ScriptedEngine
     from miles_env.models import load_tokenizer
     from miles_env.rollout import run_episode
@@ -78,7 +77,6 @@ def test_broken_worker_fails_its_episode_and_the_run_goes_on(tmp_path: Path) -> 
     from miles_env.adapters.harness import _POOL
     from miles_env.adapters.venv import install
     from miles_env.adapters.worker_client import WORKERS_DIR, WorkerClient
-
     from miles_env.engines.scripted import ScriptedEngine
     from miles_env.models import load_tokenizer
     from miles_env.rollout import run_many

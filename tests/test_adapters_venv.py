@@ -8,10 +8,10 @@ import os
 from pathlib import Path
 
 import pytest
-from miles_env.adapters import venv
-from miles_env.adapters.venv import FrameworkSpec, NoSuitablePython, find_python
 from typer.testing import CliRunner
 
+from miles_env.adapters import venv
+from miles_env.adapters.venv import FrameworkSpec, NoSuitablePython, find_python
 from miles_env.cli.main import app
 
 
@@ -115,7 +115,6 @@ def _fake_venvs(root: Path) -> None:
 
 def test_env_list_shows_installed_adapter_envs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from miles_env.adapters.discover import EXAMPLES_DIR, cached_counts, remember_counts
-
     from miles_env.registry import list_environments
 
     monkeypatch.setenv("MILES_ENV_CACHE", str(tmp_path))

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
-import miles_env.adapters as adapters_pkg
 import pytest
-from miles_env.adapters.harness import close_workers
 
+import miles_env.adapters as adapters_pkg
+from miles_env.adapters.harness import close_workers
 from miles_env.harnesses import get_harness
 from miles_env.registry import load_environment
 from miles_env.types import Status
@@ -20,7 +20,6 @@ SAY = Path(adapters_pkg.__file__).parent / "examples" / "vf_say_word.py"
 def test_verifiers_episode_reward_and_tokens() -> None:
     from miles_env.adapters.discover import cached_counts
     from miles_env.adapters.venv import install
-
     from miles_env.engines.scripted import ScriptedEngine
     from miles_env.models import load_tokenizer
     from miles_env.rollout import run_episode

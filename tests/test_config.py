@@ -85,10 +85,9 @@ def test_a_bad_key_in_a_section_fails_at_load_with_its_path(overrides: list[str]
 
 
 def test_an_unknown_kind_name_or_provider_lists_the_known_ones() -> None:
-    from miles_env.sandboxes import PROVIDER_CONFIGS
-
     from miles_env.engines import ENGINES
     from miles_env.harnesses import HARNESSES
+    from miles_env.sandboxes import PROVIDER_CONFIGS
 
     for override, table in [
         ("engine.kind=tpu", ENGINES),
@@ -121,11 +120,10 @@ def test_each_union_holds_one_model_per_plugin_of_its_family() -> None:
 
 
 def test_defaults_are_the_cpu_run() -> None:
-    from miles_env.sandboxes.local import LocalSandboxConfig
-    from miles_env.tito.config import TitoConfig
-
     from miles_env.engines import HFEngineConfig
     from miles_env.harnesses.configs import BuiltinConfig
+    from miles_env.sandboxes.local import LocalSandboxConfig
+    from miles_env.tito.config import TitoConfig
 
     cfg = load_config(None)
     assert cfg.engine == HFEngineConfig() and cfg.engine.model == "smollm2"
@@ -196,12 +194,11 @@ def test_importing_the_run_config_imports_no_plugin() -> None:
 @pytest.mark.slow
 @pytest.mark.anyio
 async def test_the_default_run_config_builds_smollm2_builtin_and_local() -> None:
-    from miles_env.sandboxes import get_provider
-
     from miles_env.engines import build_engine
     from miles_env.engines.hf import HFEngine
     from miles_env.harnesses import build_harness
     from miles_env.harnesses.builtin import BuiltinHarness
+    from miles_env.sandboxes import get_provider
 
     cfg = load_config(None)
     harness = build_harness(cfg.harness)

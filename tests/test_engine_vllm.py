@@ -164,9 +164,9 @@ def test_greedy_and_logprobs_match_the_transformers_model(portal, vllm_engine: V
 @pytest.mark.slow
 def test_multi_turn_tito_session_stitches_exactly(portal, vllm_engine: VLLMEngine, tmp_path: Path) -> None:
     import openai
-    from miles_env.tito import TitoProxy, audit, create_app
 
     from miles_env.http import serve_app
+    from miles_env.tito import TitoProxy, audit, create_app
 
     async def go() -> None:
         proxy = TitoProxy(vllm_engine, load_tokenizer(), store_dir=tmp_path / "sessions")

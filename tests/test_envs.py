@@ -11,12 +11,12 @@ from collections import Counter
 
 import anyio
 import pytest
-from miles_env.sandboxes import get_provider
 
 from miles_env.checks import parse_checks, run_checks
 from miles_env.errors import TaskError
 from miles_env.oracle import run_oracle
 from miles_env.registry import load_environment
+from miles_env.sandboxes import get_provider
 from miles_env.types import SandboxSpec, Task
 
 INSTALL = "pip install --no-deps -e envs/terminal-basics -e envs/terminal-hard"

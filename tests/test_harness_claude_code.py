@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from miles_env.tito import audit
 
 from miles_env.harnesses import get_harness
 from miles_env.harnesses._cli import CLAUDE_CODE, CODEX, TESTED, CliPackage
 from miles_env.models import load_tokenizer
+from miles_env.tito import audit
 from miles_env.types import Status
 from tests.cli_harness_support import (
     ROOT,

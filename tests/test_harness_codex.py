@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from miles_env.tito import audit
 
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.harnesses import get_harness
 from miles_env.harnesses._cli import CODEX, TESTED, CliPackage
 from miles_env.harnesses.codex import CodexHarness, codex_config_toml, parse_events
 from miles_env.models import load_tokenizer
+from miles_env.tito import audit
 from miles_env.types import Status
 from tests.cli_harness_support import (
     TWO_STEP_POLICY,

@@ -19,10 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from miles_env.tito import TitoProxy
-from miles_env.tito.config import Budget
-from miles_env.tito.errors import ProxyError
-from miles_env.tito.messages import ChatRequest, Message
 
 from miles_env.engines.scripted import PolicyRule, ScriptedEngine, ScriptedPolicy, shell_tool_call
 from miles_env.harness import Endpoint
@@ -30,6 +26,10 @@ from miles_env.harnesses import get_harness
 from miles_env.harnesses._cli import CLAUDE_CODE, CODEX, TESTED
 from miles_env.harnesses.codex import codex_config_toml, multi_agent_for
 from miles_env.models import load_tokenizer
+from miles_env.tito import TitoProxy
+from miles_env.tito.config import Budget
+from miles_env.tito.errors import ProxyError
+from miles_env.tito.messages import ChatRequest, Message
 from miles_env.types import Episode, Status
 from tests.cli_harness_support import TWO_STEP_POLICY, check_exact, require_cli, run_one
 

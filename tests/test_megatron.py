@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, model_shape, shard, unshard
-
 from miles_env.types import Episode, Reward, Status, Trajectory, Turn
 
 pytest.importorskip("megatron.core")
@@ -95,8 +95,9 @@ def test_round_trip_exact_smollm2() -> None:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_logits_match_hf_tiny(tmp_path: Path, kind: str) -> None:
-    from miles_env.trainer.megatron.backend import MegatronTrainer
     from transformers import AutoModelForCausalLM
+
+    from miles_env.trainer.megatron.backend import MegatronTrainer
 
     path = tiny_model(tmp_path / kind, kind)
     trainer = MegatronTrainer(path, TrainerConfig())
@@ -141,10 +142,10 @@ def test_one_step_same_as_torch_tiny(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.model
 def test_logits_match_hf_smollm2() -> None:
-    from miles_env.trainer.megatron.backend import MegatronTrainer
     from transformers import AutoModelForCausalLM
 
     from miles_env.models import resolve_model
+    from miles_env.trainer.megatron.backend import MegatronTrainer
 
     trainer = MegatronTrainer("smollm2", TrainerConfig())
     hf = AutoModelForCausalLM.from_pretrained(str(resolve_model("smollm2")), dtype=torch.float32).eval()
@@ -164,8 +165,9 @@ def test_one_step_same_as_torch_smollm2() -> None:
 
 
 def test_checkpoint_resume_and_export(tmp_path: Path) -> None:
-    from miles_env.trainer.megatron.backend import MegatronTrainer
     from transformers import AutoModelForCausalLM
+
+    from miles_env.trainer.megatron.backend import MegatronTrainer
 
     path = tiny_model(tmp_path / "m")
     cfg = TrainerConfig(lr=1e-3)

@@ -22,6 +22,7 @@ pytest.importorskip("megatron.core")
 
 def _worker(out: Path, model_dir: Path, pp: int, kl: float, dist_opt: bool = False, tp: int = 1) -> None:
     import torch
+
     from miles_env.trainer.megatron.backend import MegatronTrainer, MegatronTrainerConfig
 
     sys.path.insert(0, str(Path(__file__).parent))

@@ -16,6 +16,9 @@ from typing import Any
 
 import anyio
 import pytest
+from sandbox_contract import SandboxContract, host_http_server  # noqa: F401
+
+from miles_env.errors import SandboxError, SandboxThrottled, SandboxUnavailable
 from miles_env.sandboxes import get_provider
 from miles_env.sandboxes.agentenv import AgentEnvSandboxConfig, AgentEnvSandboxProvider
 from miles_env.sandboxes.cloud import map_sdk_error
@@ -23,9 +26,6 @@ from miles_env.sandboxes.daytona import DaytonaSandboxConfig, DaytonaSandboxProv
 from miles_env.sandboxes.e2b import E2BSandboxConfig, E2BSandboxProvider
 from miles_env.sandboxes.local import LocalSandboxConfig, LocalSandboxProvider
 from miles_env.sandboxes.modal import ModalSandboxConfig, ModalSandboxProvider
-from sandbox_contract import SandboxContract, host_http_server  # noqa: F401
-
-from miles_env.errors import SandboxError, SandboxThrottled, SandboxUnavailable
 from miles_env.types import NetworkPolicy, Resources, SandboxSpec
 
 pytestmark = pytest.mark.anyio

@@ -11,10 +11,10 @@ import inspect
 from typing import Any
 
 import pytest
+
 from miles_env.sandboxes.daytona import DaytonaAdapter, DaytonaSandboxConfig
 from miles_env.sandboxes.e2b import E2BAdapter, E2BSandboxConfig
 from miles_env.sandboxes.modal import ModalAdapter, ModalSandboxConfig
-
 from miles_env.types import NetworkPolicy, Resources, SandboxSpec
 
 SPEC = SandboxSpec(

@@ -15,13 +15,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from miles_env.sandboxes import PROVIDER_CONFIGS, PROVIDERS, get_provider
-from miles_env.sandboxes.local import LocalSandboxConfig, LocalSandboxProvider
-from miles_env.sandboxes.pool import SandboxPool
 from pydantic import BaseModel
 
 from miles_env.errors import ConfigError
 from miles_env.sandbox import AsyncClosable, Reapable
+from miles_env.sandboxes import PROVIDER_CONFIGS, PROVIDERS, get_provider
+from miles_env.sandboxes.local import LocalSandboxConfig, LocalSandboxProvider
+from miles_env.sandboxes.pool import SandboxPool
 
 SANDBOXES = Path(__file__).resolve().parents[1] / "sandboxes"
 PACKAGES = sorted(p.name for p in SANDBOXES.iterdir() if (p / "__init__.py").is_file())  # local, docker

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import anyio
 import pytest
-from miles_env.sandboxes import get_provider
-from miles_env.sandboxes.local import LocalSandboxConfig, LocalSandboxProvider
 from sandbox_contract import FETCH, HostileContract, SandboxContract, host_http_server  # noqa: F401
 
 from miles_env.errors import ConfigError, SandboxError, SandboxUnavailable
+from miles_env.sandboxes import get_provider
+from miles_env.sandboxes.local import LocalSandboxConfig, LocalSandboxProvider
 from miles_env.types import Resources, SandboxSpec
 
 pytestmark = pytest.mark.anyio

@@ -12,12 +12,12 @@ import time
 
 import anyio
 import pytest
-from miles_env.sandboxes.local import LocalSandboxConfig, LocalSandboxProvider
-from miles_env.sandboxes.pool import RetryPolicy, SandboxPool, reap
 from sandbox_contract import SandboxContract, host_http_server  # noqa: F401
 
 from miles_env.errors import SandboxError, SandboxThrottled
 from miles_env.sandbox import SandboxProvider
+from miles_env.sandboxes.local import LocalSandboxConfig, LocalSandboxProvider
+from miles_env.sandboxes.pool import RetryPolicy, SandboxPool, reap
 from miles_env.types import SandboxSpec
 
 pytestmark = pytest.mark.anyio

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from miles_env.tito import ChatRequest, Message, TitoProxy
-from miles_env.tito.audit import audit
 
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.models import load_tokenizer
+from miles_env.tito import ChatRequest, Message, TitoProxy
+from miles_env.tito.audit import audit
 
 pytestmark = pytest.mark.anyio
 

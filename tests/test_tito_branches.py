@@ -7,10 +7,10 @@ from pathlib import Path
 
 import anyio
 import pytest
-from miles_env.tito import ChatRequest, Message, TitoConfig, TitoProxy
 
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.models import load_tokenizer
+from miles_env.tito import ChatRequest, Message, TitoConfig, TitoProxy
 from tests.tito_support import check_fidelity
 
 pytestmark = pytest.mark.anyio

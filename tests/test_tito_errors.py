@@ -5,10 +5,10 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from miles_env.tito import Budget
 
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.models import load_tokenizer
+from miles_env.tito import Budget
 from tests.tito_support import ADMIN, served
 
 pytestmark = pytest.mark.anyio

@@ -22,13 +22,13 @@ import openai
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+
+from miles_env.engines.scripted import ScriptedEngine
+from miles_env.models import load_tokenizer
 from miles_env.tito import messages
 from miles_env.tito.audit import audit
 from miles_env.tito.messages import Message, message_key_v1
 from miles_env.tito.render import Renderer
-
-from miles_env.engines.scripted import ScriptedEngine
-from miles_env.models import load_tokenizer
 from tests.tito_support import Raw, Reply, Threaded, error_shape, threaded
 
 FUZZ = settings(

@@ -11,6 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from miles_env.engines.base import Generation, SamplingParams
+from miles_env.engines.scripted import ScriptedEngine
+from miles_env.models import load_tokenizer
 from miles_env.tito import Budget, ChatRequest, Message, TitoConfig, TitoProxy, strictjson
 from miles_env.tito.audit import audit
 from miles_env.tito.journal import (
@@ -24,10 +28,6 @@ from miles_env.tito.journal import (
     read_event,
 )
 from miles_env.tito.store import load_sessions, read_events, replay
-
-from miles_env.engines.base import Generation, SamplingParams
-from miles_env.engines.scripted import ScriptedEngine
-from miles_env.models import load_tokenizer
 
 pytestmark = pytest.mark.anyio
 FIXTURE = Path(__file__).parent / "journals"

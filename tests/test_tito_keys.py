@@ -11,14 +11,14 @@ import anyio
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from miles_env.engines.scripted import ScriptedEngine
+from miles_env.models import load_tokenizer
 from miles_env.tito import TitoConfig, TitoProxy, messages
 from miles_env.tito.config import Budget
 from miles_env.tito.messages import ChatRequest, Message, ToolCall, message_key, message_key_v1
 from miles_env.tito.plan import Seen, request_keys, session_key
 from miles_env.tito.session import Session
-
-from miles_env.engines.scripted import ScriptedEngine
-from miles_env.models import load_tokenizer
 
 pytestmark = pytest.mark.anyio
 

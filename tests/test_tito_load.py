@@ -19,9 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from miles_env.tito import TitoConfig
-
 from miles_env.models import load_tokenizer
+from miles_env.tito import TitoConfig
 from tests.tito_support import threaded
 
 N_TURNS = 300

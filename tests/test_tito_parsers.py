@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import ValidationError
+
 from miles_env.tito import TitoConfig
 from miles_env.tito.parsers import TOOL_PARSERS, Parsers, build_parsers, detect, think
-from pydantic import ValidationError
 
 TOOLS = (
     {

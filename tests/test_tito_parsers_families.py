@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 from anthropic import AsyncAnthropic
-from miles_env.tito import audit
 
 from miles_env.engines.scripted import ScriptedEngine
+from miles_env.tito import audit
 from tests.tito_families import ANSWER, FAMILIES, Family
 from tests.tito_support import TOOLS, Served, check_fidelity, served
 

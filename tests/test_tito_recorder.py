@@ -12,7 +12,6 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from miles_env.tito import Budget, TitoConfig, TitoProxy
 
 from miles_env.engines.base import EngineInfo
 from miles_env.engines.scripted import ScriptedEngine
@@ -22,6 +21,7 @@ from miles_env.registry import load_environment
 from miles_env.rollout import run_episode
 from miles_env.sandbox import Sandbox
 from miles_env.stack import StackConfig, open_stack
+from miles_env.tito import Budget, TitoConfig, TitoProxy
 from miles_env.types import Status, Task
 
 pytestmark = pytest.mark.anyio

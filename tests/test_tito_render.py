@@ -8,12 +8,12 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from miles_env.tito import ChatRequest, Message, TitoProxy
-from miles_env.tito.messages import ToolCall, message_key
-from miles_env.tito.render import _ANCHOR, _ANCHOR_TEXT, Renderer
 
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.models import load_tokenizer
+from miles_env.tito import ChatRequest, Message, TitoProxy
+from miles_env.tito.messages import ToolCall, message_key
+from miles_env.tito.render import _ANCHOR, _ANCHOR_TEXT, Renderer
 from tests.tito_families import FAMILIES
 from tests.tito_support import TOOLS, check_fidelity
 

@@ -19,13 +19,13 @@ from typing import Any
 import anthropic
 import openai
 import pytest
-from miles_env.tito import Budget, TitoProxy
-from miles_env.tito.audit import audit
-from miles_env.tito.messages import Message
 
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.errors import EngineError, EngineRefused
 from miles_env.models import load_tokenizer
+from miles_env.tito import Budget, TitoProxy
+from miles_env.tito.audit import audit
+from miles_env.tito.messages import Message
 from miles_env.types import Trajectory
 from tests.tito_support import ADMIN, Raw, error_shape, strict_json, threaded
 

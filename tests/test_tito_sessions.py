@@ -12,11 +12,11 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
-from miles_env.tito import TitoConfig, TitoProxy
 
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.http import free_port
 from miles_env.models import load_tokenizer
+from miles_env.tito import TitoConfig, TitoProxy
 from tests.tito_support import ADMIN, TOOLS, RecordingEngine, check_fidelity, served
 
 pytestmark = pytest.mark.anyio

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.torch_backend import TorchTrainer
-
 from miles_env.types import Episode, Reward, Status, Trajectory, Turn
 
 VOCAB = 96
@@ -160,9 +160,9 @@ def test_checkpoint_roundtrip_and_export(tiny: Path, tmp_path: Path) -> None:
 
 def test_train_from_queue_checkpoints_acks_and_filters_stale(tiny: Path, tmp_path: Path) -> None:
     import anyio
-    from miles_env.trainer.loop import LoopConfig, StepHooks, StepResult, train_from_queue
 
     from miles_env.queue import SqliteReplayQueue
+    from miles_env.trainer.loop import LoopConfig, StepHooks, StepResult, train_from_queue
 
     a, b = rollouts(tiny)
     q = SqliteReplayQueue(tmp_path / "queue.db", group_size=2)

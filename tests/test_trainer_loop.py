@@ -14,14 +14,14 @@ from typing import Any
 
 import anyio
 import pytest
-from miles_env.trainer.build import build_trainer
-from miles_env.trainer.config import TrainerConfig
-from miles_env.trainer.loop import LoopConfig, StepHooks, StepResult, TrainLoop
-from miles_env.trainer.torch_backend import TorchTrainer
 from test_trainer import episode, make_tiny_model, rollouts  # type: ignore[import-not-found]
 
 from miles_env.errors import ConfigError
 from miles_env.queue import SqliteReplayQueue
+from miles_env.trainer.build import build_trainer
+from miles_env.trainer.config import TrainerConfig
+from miles_env.trainer.loop import LoopConfig, StepHooks, StepResult, TrainLoop
+from miles_env.trainer.torch_backend import TorchTrainer
 from miles_env.types import Trajectory
 
 

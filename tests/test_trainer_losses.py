@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from miles_env.trainer.losses import (
     aggregate,
     group_advantages,

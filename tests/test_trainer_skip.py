@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.torch_backend import flatten_groups
-
 from miles_env.types import Episode, Reward, Status, Trajectory
 
 

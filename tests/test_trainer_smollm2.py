@@ -9,10 +9,10 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
-from miles_env.trainer.config import TrainerConfig
-from miles_env.trainer.torch_backend import TorchTrainer
 
 from miles_env.engines.base import SamplingParams
+from miles_env.trainer.config import TrainerConfig
+from miles_env.trainer.torch_backend import TorchTrainer
 from miles_env.types import Episode, Reward, Status, Trajectory, Turn
 
 T = 0.8

@@ -11,6 +11,8 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+
+from miles_env.errors import EngineError
 from miles_env.trainer.weight_sync import (
     WeightSyncer,
     decode_entry,
@@ -19,8 +21,6 @@ from miles_env.trainer.weight_sync import (
     save_delta,
     verify_manifest,
 )
-
-from miles_env.errors import EngineError
 
 
 def _step(state: dict[str, torch.Tensor], lr: float, seed: int) -> dict[str, torch.Tensor]:

@@ -21,12 +21,12 @@ from typing import Any, TypeVar
 import h11
 import httpx
 from anyio.from_thread import BlockingPortal, start_blocking_portal
-from miles_env.tito import TitoConfig, TitoProxy, create_app
 from openai import AsyncOpenAI
 
 from miles_env.engines.base import Engine, EngineInfo, Generation, SamplingParams
 from miles_env.engines.scripted import ScriptedCall, ScriptedEngine
 from miles_env.http import serve_app
+from miles_env.tito import TitoConfig, TitoProxy, create_app
 from miles_env.types import Trajectory
 
 __all__ = [

@@ -23,11 +23,12 @@ import uuid
 from collections.abc import Iterator
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from miles_env.tito.errors import ProxyError, bad_request
 from miles_env.tito.messages import ChatRequest, ChatResult, Message, ToolCall
 from miles_env.tito.parsers import reasoning_of
 from miles_env.tito.wire import Items, encode_reasoning, sse
-from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["MessagesRequest", "CountTokensRequest", "to_core", "message_body", "stream_events", "error_body"]
 

@@ -23,6 +23,13 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import anyio
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route as HttpRoute
+
 from miles_env.tito import anthropic_messages as am
 from miles_env.tito import openai_responses as oa
 from miles_env.tito.body import parse_json, read_body
@@ -33,12 +40,6 @@ from miles_env.tito.openai_chat import ChatCompletionRequest, completion_body, s
 from miles_env.tito.proxy import TitoProxy
 from miles_env.tito.replies import Dialect, dialect_of, error_response, event_stream, guard
 from miles_env.tito.store import export_body
-from pydantic import BaseModel, ConfigDict, ValidationError
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route as HttpRoute
 
 __all__ = ["create_app"]
 

@@ -23,10 +23,11 @@ import math
 from typing import Any
 
 import anyio
-from miles_env.tito import strictjson
-from miles_env.tito.errors import ProxyError, bad_request, body_timeout, too_large
 from pydantic_core import from_json
 from starlette.requests import Request
+
+from miles_env.tito import strictjson
+from miles_env.tito.errors import ProxyError, bad_request, body_timeout, too_large
 
 __all__ = ["read_body", "parse_json", "DRAIN_FACTOR"]
 

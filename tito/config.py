@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from miles_env.tito.parsers import check_name
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from miles_env.tito.parsers import check_name
 
 __all__ = ["Budget", "TitoConfig", "Route"]
 

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles_env.tito.strictjson import safe_text
-
 from miles_env.errors import EngineRefused, MilesEnvError
+from miles_env.tito.strictjson import safe_text
 
 __all__ = [
     "ProxyError",

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_serializer
+
 from miles_env.tito import strictjson
 from miles_env.tito.config import Budget
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_serializer
 
 __all__ = [
     "AuxEvent",

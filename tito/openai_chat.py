@@ -18,12 +18,13 @@ import uuid
 from collections.abc import Iterator
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from miles_env.tito import strictjson
 from miles_env.tito.errors import bad_request
 from miles_env.tito.messages import ChatRequest, ChatResult, Message, ToolCall
 from miles_env.tito.parsers import reasoning_of
 from miles_env.tito.wire import Items
-from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["ChatCompletionRequest", "to_core", "completion_body", "stream_events"]
 

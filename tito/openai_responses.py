@@ -37,6 +37,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from miles_env.tito.errors import bad_request
 from miles_env.tito.messages import ChatRequest, ChatResult, Message, ToolCall
 from miles_env.tito.parsers import reasoning_of
@@ -47,7 +49,6 @@ from miles_env.tito.wire import (
     encode_reasoning,
     sse,
 )
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["ResponsesRequest", "ToolKinds", "to_core", "response_body", "stream_events", "new_reply_id"]
 

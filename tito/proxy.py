@@ -35,6 +35,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
+
+from miles_env.engines.base import Engine, EngineInfo, Generation, SamplingParams
+from miles_env.errors import EngineRefused
+from miles_env.harness import Endpoint
 from miles_env.tito.config import Budget, TitoConfig
 from miles_env.tito.errors import (
     bad_request,
@@ -70,10 +74,6 @@ from miles_env.tito.plan import (
 from miles_env.tito.render import Renderer, TemplateRefused
 from miles_env.tito.session import Session, SessionInfo
 from miles_env.tito.store import Journal, load_sessions
-
-from miles_env.engines.base import Engine, EngineInfo, Generation, SamplingParams
-from miles_env.errors import EngineRefused
-from miles_env.harness import Endpoint
 from miles_env.types import Trajectory
 
 __all__ = ["TitoProxy", "SessionHandle"]

@@ -19,11 +19,12 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Literal
 
-from miles_env.tito import anthropic_messages as am
-from miles_env.tito.errors import ProxyError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
+
+from miles_env.tito import anthropic_messages as am
+from miles_env.tito.errors import ProxyError
 
 __all__ = ["Dialect", "dialect_of", "error_response", "guard", "event_stream", "log"]
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, assert_never
 
 import anyio
+
 from miles_env.tito.config import Budget
 from miles_env.tito.journal import (
     AuxEvent,
@@ -40,7 +41,6 @@ from miles_env.tito.journal import (
     TruncatedEvent,
     TurnEvent,
 )
-
 from miles_env.types import Trajectory, Turn
 
 __all__ = ["Branch", "Session", "SessionInfo"]

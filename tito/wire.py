@@ -22,8 +22,9 @@ import json
 import re
 from typing import Annotated, Any, TypeVar
 
-from miles_env.tito import strictjson
 from pydantic import Field
+
+from miles_env.tito import strictjson
 
 __all__ = [
     "Items",

@@ -14,11 +14,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from miles_env.trainer.loop import TrainerBackend
 from pydantic import ValidationError
 
 from miles_env.errors import ConfigError
 from miles_env.plugins import PluginTable
+from miles_env.trainer.loop import TrainerBackend
 
 __all__ = ["BACKENDS", "build_trainer"]
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from miles_env.trainer.config import AdvantageKind, LossAgg
 
 __all__ = [

@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+
+from miles_env.models import resolve_model
 from miles_env.trainer.checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
 from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.losses import group_advantages, microbatch_loss, token_logprobs
-
-from miles_env.models import resolve_model
 from miles_env.types import Episode, Trajectory
 
 __all__ = ["TorchTrainer", "Sample", "flatten_groups", "pack_microbatches"]

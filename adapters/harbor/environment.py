@@ -35,7 +35,6 @@ from miles_env.adapters.harbor.dockerfile import (
     static_env,
 )
 from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward
-
 from miles_env.environment import Environment, Transcript
 from miles_env.errors import TaskError
 from miles_env.harness import Endpoint, HarnessResult

@@ -34,6 +34,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from pydantic import Field
+
+from miles_env.models import resolve_model
 from miles_env.trainer.checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
 from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.losses import token_logprobs
@@ -49,9 +52,6 @@ from miles_env.trainer.megatron.parallel import (
     reduce_grads,
 )
 from miles_env.trainer.torch_backend import Sample, TorchTrainer
-from pydantic import Field
-
-from miles_env.models import resolve_model
 from miles_env.types import Episode, Trajectory
 
 __all__ = ["MegatronTrainer", "MegatronTrainerConfig"]

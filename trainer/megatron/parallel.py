@@ -27,10 +27,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from miles_env.trainer.losses import microbatch_loss
 from miles_env.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, shard, unshard
 from miles_env.trainer.torch_backend import Sample, _Metrics, flatten_groups, pack_microbatches
-
 from miles_env.types import Episode
 
 if TYPE_CHECKING:
@@ -100,6 +100,7 @@ def distributed_optimizer(tr: MegatronTrainer) -> tuple[Any, Any]:
     on every parameter as in the torch backend."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
     from miles_env.trainer.megatron.cpu_shims import apply_optimizer_shims
 
     apply_optimizer_shims()
