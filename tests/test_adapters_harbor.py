@@ -12,35 +12,7 @@ from miles_env.harnesses.builtin import BuiltinHarness
 from miles_env.oracle import run_solution
 from miles_env.registry import load_environment, validate_environment
 from miles_env.types import Status
-
-TEST_SH = """#!/bin/bash
-mkdir -p /logs/verifier
-if [ "$(cat /app/out/hello.txt 2>/dev/null)" = "hello harbor" ] && grep -q seed /app/data/seed.txt; then
-  echo 1 > /logs/verifier/reward.txt
-else
-  echo 0 > /logs/verifier/reward.txt
-fi
-"""
-
-
-def make_task(root: Path, name: str = "hello") -> Path:
-    d = root / name
-    (d / "environment" / "data").mkdir(parents=True)
-    (d / "tests").mkdir()
-    (d / "solution").mkdir()
-    (d / "task.toml").write_text(
-        'version = "1.0"\n[metadata]\ndifficulty = "easy"\n[verifier]\ntimeout_sec = 30.0\n'
-        "[agent]\ntimeout_sec = 30.0\n[environment]\nmemory_mb = 512\n"
-    )
-    (d / "instruction.md").write_text("Write 'hello harbor' to /app/out/hello.txt.\n")
-    (d / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\nCOPY data/ /app/data/\n")
-    (d / "environment" / "data" / "seed.txt").write_text("seed\n")
-    (d / "tests" / "test.sh").write_text(TEST_SH)
-    (d / "solution" / "solve.sh").write_text(
-        "#!/bin/bash\nmkdir -p /app/out\ncat /solution/msg.txt > /app/out/hello.txt\n"
-    )
-    (d / "solution" / "msg.txt").write_text("hello harbor\n")
-    return d
+from tests.harbor_support import make_task
 
 
 def test_rebase_and_reward_files() -> None:

@@ -14,10 +14,10 @@ from typing import Any
 
 import anyio
 import pytest
-from test_adapters_harbor import make_task
 
 from miles_env.registry import load_environment
 from miles_env.types import Status
+from tests.harbor_support import make_task
 
 pytestmark = [
     pytest.mark.slow,
