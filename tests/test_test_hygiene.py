@@ -25,8 +25,6 @@ KNOWN: dict[str, set[str]] = {
     "tests/test_megatron_tp.py": {"test_megatron"},
     "tests/test_megatron_torchrun_train.py": {"test_train_e2e"},
     "tests/test_megatron_train.py": {"test_train_e2e"},
-    "tests/test_trainer_crash.py": {"test_trainer"},
-    "tests/test_trainer_loop.py": {"test_trainer"},
 }
 
 

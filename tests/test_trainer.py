@@ -9,70 +9,13 @@ import torch
 
 from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.torch_backend import TorchTrainer
-from miles_env.types import Episode, Reward, Status, Trajectory, Turn
-
-VOCAB = 96
-
-
-def make_tiny_model(path: Path, seed: int = 0) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(str(path))
-    return path
-
-
-@torch.no_grad()
-def sample_trajectory(
-    model, prompt: list[int], n: int, temperature: float, seed: int, version: int = 0
-) -> Trajectory:
-    """A plain HF forward loop; logprob convention log_softmax(logits / T) of the sampled id."""
-    gen = torch.Generator().manual_seed(seed)
-    ids, lps = list(prompt), []
-    for _ in range(n):
-        logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-        lp = torch.log_softmax(logits / temperature, dim=-1)
-        tok = int(torch.multinomial(lp.exp(), 1, generator=gen))
-        ids.append(tok)
-        lps.append(float(lp[tok]))
-    p = len(prompt)
-    return Trajectory(
-        token_ids=ids,
-        loss_mask=[0] * p + [1] * n,
-        logprobs=[0.0] * p + lps,
-        turns=[Turn(start=p, prompt_len=p, completion_len=n, finish_reason="length", weight_version=version)],
-    )
-
-
-def episode(eid: str, group: str, traj: Trajectory, score: float) -> Episode:
-    return Episode(
-        id=eid, task_id=group, env="toy", group_id=group, status=Status.COMPLETED,
-        reward=Reward(score=score), samples=[traj],
-    )  # fmt: skip
+from miles_env.types import Trajectory
+from tests.trainer_support import episode, make_tiny_model, rollouts
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-def rollouts(model_dir: Path, temperature: float = 1.0) -> tuple[Trajectory, Trajectory]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    a = sample_trajectory(model, [1, 2, 3, 4, 5], 12, temperature, seed=1)
-    b = sample_trajectory(model, [1, 2, 3, 4, 5], 9, temperature, seed=2)
-    return a, b
 
 
 def masked_sum(lp: torch.Tensor, traj: Trajectory) -> float:

@@ -101,7 +101,7 @@ def run_child(script: Path, run: Path, model: Path, phase: str, kill_at: int) ->
 def test_sigkill_then_resume_trains_each_episode_once(
     tmp_path: Path, phase: str, kill_at: int, resume_at: int
 ) -> None:
-    from test_trainer import make_tiny_model
+    from tests.trainer_support import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model")
     run = tmp_path / "run"

@@ -14,7 +14,6 @@ from typing import Any
 
 import anyio
 import pytest
-from test_trainer import episode, make_tiny_model, rollouts  # type: ignore[import-not-found]
 
 from miles_env.errors import ConfigError
 from miles_env.queue import SqliteReplayQueue
@@ -23,6 +22,7 @@ from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.loop import LoopConfig, StepHooks, StepResult, TrainLoop
 from miles_env.trainer.torch_backend import TorchTrainer
 from miles_env.types import Trajectory
+from tests.trainer_support import episode, make_tiny_model, rollouts
 
 
 @pytest.fixture(scope="module")
