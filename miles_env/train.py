@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import anyio.to_thread
@@ -102,8 +102,8 @@ def _build_syncer(cfg: RunConfig, engine: Engine) -> WeightSyncer | None:
 
     from miles_env.trainer.weight_sync import WeightSyncer
 
-    dtype = engine.model.dtype if isinstance(engine, InProcessWeights) else torch.float32
-    transport = "disk" if cfg.weight_sync == "delta_disk" else "in_process"
+    dtype = next(engine.model.parameters()).dtype if isinstance(engine, InProcessWeights) else torch.float32
+    transport: Literal["in_process", "disk"] = "disk" if cfg.weight_sync == "delta_disk" else "in_process"
     return WeightSyncer(mode="delta", transport=transport, dtype=dtype, workdir=cfg.run_dir / "weights")
 
 

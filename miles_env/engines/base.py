@@ -97,7 +97,9 @@ class InProcessWeights(Protocol):
 
     model: torch.nn.Module  # its dtype is the one a delta is computed in
 
-    async def update_weights(self, state_dict: Mapping[str, Any], weight_version: int | None = None) -> int: ...
+    async def update_weights(
+        self, state_dict: Mapping[str, Any], weight_version: int | None = None
+    ) -> int: ...
 
     async def apply_weight_delta(self, delta: Any) -> int: ...
 
