@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from miles_env.errors import ConfigError
@@ -42,3 +44,32 @@ def test_registry_of_harnesses() -> None:
         get_harness("nope")
     with pytest.raises(ValueError, match="max_turns"):
         get_harness("builtin", max_turns=0)
+
+
+def test_an_episode_records_each_command_as_the_sandbox_ran_it() -> None:
+    """ScriptedEngine -> TITO -> builtin harness -> a real local sandbox: `metadata.harness.execs`
+    holds each command with its exit code, duration and output (what `miles-env view` shows)."""
+    import anyio
+
+    from miles_env.engines.scripted import ScriptedEngine
+    from miles_env.models import load_tokenizer
+    from miles_env.registry import load_environment
+    from miles_env.rollout import run_episode
+    from miles_env.stack import StackConfig, open_stack
+
+    env = load_environment("terminal-basics")
+    task = env.tasks("train")[0]
+    replies = ["```sh\nfalse\n```", "```sh\nsleep 0.2; echo hi\n```", "DONE"]
+
+    async def main() -> Any:
+        engine = ScriptedEngine(load_tokenizer("smollm2"), replies)
+        async with open_stack(StackConfig(), engine=engine) as stack:
+            return await run_episode(stack.rollout_context(env, BuiltinHarness()), task)
+
+    ep = anyio.run(main)
+    execs = ep.metadata["harness"]["execs"]
+    assert [(e["command"], e["exit_code"], e["output"]) for e in execs] == [
+        ("false", 1, ""),
+        ("sleep 0.2; echo hi", 0, "hi"),
+    ]
+    assert execs[1]["duration_s"] >= 0.2 and ep.metadata["harness"]["commands"] == 2

@@ -57,6 +57,18 @@ def format_observation(result: ExecResult, limit: int) -> str:
     return f"{status}\nOutput:\n{out or '(none)'}"
 
 
+def _exec_record(command: str, result: ExecResult, limit: int) -> dict[str, Any]:
+    output = (result.stdout + result.stderr).strip()
+    return {
+        "command": command,
+        "exit_code": result.exit_code,
+        "duration_s": round(result.duration_s, 4),
+        "output": output[:limit],  # what the model was shown, at most
+        "timed_out": result.timed_out,
+        "killed_by_limit": result.killed_by_limit,
+    }
+
+
 class BuiltinHarness:
     name = "builtin"
 
@@ -79,7 +91,11 @@ class BuiltinHarness:
             base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0, timeout=cfg.request_timeout_s
         )
         messages = self._initial_messages(task)
-        commands = 0
+        execs: list[dict[str, Any]] = []  # what ran, as the sandbox reported it (the viewer shows it)
+
+        def meta() -> dict[str, Any]:
+            return {"commands": len(execs), "execs": execs}
+
         try:
             for _ in range(cfg.max_turns):
                 try:
@@ -91,25 +107,21 @@ class BuiltinHarness:
                         top_p=cfg.top_p,
                     )
                 except openai.BadRequestError as e:  # a session budget (context, tokens, turns) was hit
-                    return HarnessResult(
-                        Status.TRUNCATED, messages, f"budget: {e.message}", {"commands": commands}
-                    )
+                    return HarnessResult(Status.TRUNCATED, messages, f"budget: {e.message}", meta())
                 except (
                     openai.APIError
                 ) as e:  # engine died or stalled: the episode is aborted, the run goes on
-                    return HarnessResult(
-                        Status.ABORTED, messages, f"model call failed: {e}", {"commands": commands}
-                    )
+                    return HarnessResult(Status.ABORTED, messages, f"model call failed: {e}", meta())
                 content = resp.choices[0].message.content or ""
                 messages.append({"role": "assistant", "content": content})
                 command = parse_command(content)
                 if command is None:
-                    return HarnessResult(Status.COMPLETED, messages, None, {"commands": commands})
+                    return HarnessResult(Status.COMPLETED, messages, None, meta())
                 result = await sandbox.exec(command, timeout=cfg.command_timeout_s)
-                commands += 1
+                execs.append(_exec_record(command, result, cfg.observation_chars))
                 messages.append(
                     {"role": "user", "content": format_observation(result, cfg.observation_chars)}
                 )
-            return HarnessResult(Status.TRUNCATED, messages, "max turns reached", {"commands": commands})
+            return HarnessResult(Status.TRUNCATED, messages, "max turns reached", meta())
         finally:
             await client.close()
