@@ -11,48 +11,9 @@ import torch
 
 from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, model_shape, shard, unshard
-from miles_env.types import Episode, Reward, Status, Trajectory, Turn
+from tests.megatron_support import groups, tiny_model
 
 pytest.importorskip("megatron.core")
-
-
-def tiny_model(path: Path, kind: str = "llama", seed: int = 0) -> Path:
-    import transformers
-
-    torch.manual_seed(seed)
-    common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=kind == "llama")  # fmt: skip
-    if kind == "llama":
-        cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
-    elif kind == "qwen2":
-        cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
-    else:
-        cfg, cls = transformers.Qwen3Config(head_dim=8, **common), transformers.Qwen3ForCausalLM
-    model = cls(cfg)
-    with torch.no_grad():  # HF inits norms to 1 and biases to 0: perturb so the test sees every tensor
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(str(path))
-    return path
-
-
-def groups(seed: int = 0, vocab: int = 96) -> list[list[Episode]]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for gi in range(2):
-        group = []
-        for i, score in enumerate([1.0, 0.0, 0.5]):
-            p, n = 5, 8 + 3 * i
-            ids = torch.randint(0, vocab, (p + n,), generator=g).tolist()
-            lps = (-torch.rand(n, generator=g) * 3).tolist()
-            traj = Trajectory(token_ids=ids, loss_mask=[0] * p + [1] * n, logprobs=[0.0] * p + lps,
-                              turns=[Turn(start=p, prompt_len=p, completion_len=n, finish_reason="length",
-                                          weight_version=0)])  # fmt: skip
-            group.append(Episode(id=f"e{gi}{i}", task_id=f"t{gi}", env="toy", group_id=f"g{gi}",
-                                 status=Status.COMPLETED, reward=Reward(score=score), samples=[traj]))  # fmt: skip
-        out.append(group)
-    return out
 
 
 def _hf_state(path: Path) -> dict[str, torch.Tensor]:

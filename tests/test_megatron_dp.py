@@ -7,13 +7,11 @@ after two, and the losses must match the single-process run."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_megatron_pp import assert_same_run, run_torchrun  # type: ignore[import-not-found]  # noqa: E402
+from tests.megatron_support import PP_WORKER, assert_same_run, run_torchrun, tiny_model
 
 pytest.importorskip("megatron.core")
 
@@ -23,11 +21,8 @@ pytest.importorskip("megatron.core")
 @pytest.mark.parametrize(("nproc", "pp", "tp"), [(2, 1, 1), (4, 2, 1), (4, 2, 2)])
 def test_dp_same_step_as_single_process(tmp_path: Path, nproc: int, pp: int, tp: int, dist_opt: bool) -> None:
     """(4, 2, 2) is tp=2 x pp=2 without data parallel: every axis at once but dp."""
-    import test_megatron_pp  # type: ignore[import-not-found]
-    from test_megatron import tiny_model  # type: ignore[import-not-found]
-
     model = tiny_model(tmp_path / "m")
-    script = test_megatron_pp.__file__
+    script = str(PP_WORKER)
     one = run_torchrun(tmp_path / "one", 1, str(model), "1", "0.1", script=script)
     many = run_torchrun(
         tmp_path / "many", nproc, str(model), str(pp), "0.1", str(int(dist_opt)), script=script

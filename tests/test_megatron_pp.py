@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # torchrun runs this file as a script
+from tests.megatron_support import assert_same_run, groups, run_torchrun, tiny_model  # noqa: E402
 
 pytest.importorskip("megatron.core")
 
@@ -24,9 +26,6 @@ def _worker(out: Path, model_dir: Path, pp: int, kl: float, dist_opt: bool = Fal
     import torch
 
     from miles_env.trainer.megatron.backend import MegatronTrainer, MegatronTrainerConfig
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_megatron import groups  # type: ignore[import-not-found]
 
     cfg = MegatronTrainerConfig(tp=tp, pp=pp, lr=1e-3, fused_adamw=False, kl_coef=kl, max_tokens_per_microbatch=40,
                                 distributed_optimizer=dist_opt)  # fmt: skip
@@ -61,60 +60,9 @@ def _adam_state_numel(optimizer: Any) -> int:
     return total
 
 
-def run_torchrun(out: Path, nproc: int, *args: str, script: str = __file__) -> list[dict[str, float]]:
-    """`torchrun --nproc_per_node nproc script out *args` (niced); the metrics rank 0 wrote."""
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = ["nice", "-n", "10", sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(29500 + os.getpid() % 400 + nproc), script, str(out), *args]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((out / "metrics.json").read_text())  # type: ignore[no-any-return]
-
-
-def assert_same_run(
-    one: Path, two: Path, m1: list[dict[str, float]], m2: list[dict[str, float]], lr: float
-) -> None:
-    """Same loss and grad norm on step 1, same exported weights after it, same loss on step 2."""
-    import torch
-    from safetensors.torch import load_file
-
-    for key in (
-        "loss",
-        "pg_loss",
-        "kl",
-        "clip_frac",
-        "tis_mean",
-        "tokens",
-        "loss_tokens",
-        "logprob_diff_mean",
-    ):
-        assert m2[0][key] == pytest.approx(m1[0][key], rel=1e-5, abs=1e-7), key
-    assert m2[0]["grad_norm"] == pytest.approx(m1[0]["grad_norm"], rel=1e-5)
-    assert m2[1]["loss"] == pytest.approx(m1[1]["loss"], rel=1e-3, abs=1e-6)
-    assert m2[1]["logprobs_len"] == m1[1]["logprobs_len"]
-    for m in (m1, m2):
-        assert m[1]["resumed_loss"] == m[1]["loss"] and m[1]["resumed_max_diff"] == 0.0
-    assert m2[1]["logprobs_sum"] == pytest.approx(m1[1]["logprobs_sum"], rel=1e-4)
-    a, b = (
-        load_file(str(one / "export" / "model.safetensors")),
-        load_file(str(two / "export" / "model.safetensors")),
-    )
-    assert set(a) == set(b)
-    for k in a:  # Adam's first step is ~lr * sign(grad): only elements with a ~0 grad may differ
-        agree = torch.isclose(a[k], b[k], rtol=0, atol=lr * 1e-3).float().mean()
-        assert agree > 0.999, (k, float(agree))
-        assert (a[k] - b[k]).abs().max() <= 2.5 * lr, k
-    sa, sb = torch.load(one / "state.pt"), torch.load(two / "state.pt")
-    assert set(sa) == set(sb)  # after step 2, gathered from both stages
-    for k in sa:
-        assert (sa[k] - sb[k]).abs().max() <= 5 * lr, k
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kl", [0.0, 0.1])
 def test_pp2_same_step_as_pp1(tmp_path: Path, kl: float) -> None:
-    from test_megatron import tiny_model  # type: ignore[import-not-found]
-
     model = tiny_model(tmp_path / "m")
     m1 = run_torchrun(tmp_path / "pp1", 1, str(model), "1", str(kl))
     m2 = run_torchrun(tmp_path / "pp2", 2, str(model), "2", str(kl))

@@ -17,8 +17,8 @@ import pytest
 def _worker(out: Path, model_dir: Path) -> None:
     from miles_env.trainer.megatron.backend import MegatronTrainer, MegatronTrainerConfig
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_megatron import groups  # type: ignore[import-not-found]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run by torchrun as a script
+    from tests.megatron_support import groups
 
     tp = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = MegatronTrainer(model_dir, MegatronTrainerConfig(tp=tp, lr=1e-3, fused_adamw=False))
@@ -34,7 +34,7 @@ def _worker(out: Path, model_dir: Path) -> None:
 @pytest.mark.slow
 def test_tp2_same_loss_as_tp1(tmp_path: Path) -> None:
     pytest.importorskip("megatron.core")
-    from test_megatron import tiny_model  # type: ignore[import-not-found]
+    from tests.megatron_support import tiny_model
 
     model = tiny_model(tmp_path / "m")
     results = {}

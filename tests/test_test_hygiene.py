@@ -20,9 +20,6 @@ TESTS = Path(__file__).resolve().parent
 # editing them at the time: move the helpers to a helpers module and delete the entry. The list
 # may only shrink: an entry that no longer matches fails too.
 KNOWN: dict[str, set[str]] = {
-    "tests/test_megatron_dp.py": {"test_megatron_pp", "test_megatron"},
-    "tests/test_megatron_pp.py": {"test_megatron"},
-    "tests/test_megatron_tp.py": {"test_megatron"},
     "tests/test_megatron_torchrun_train.py": {"test_train_e2e"},
     "tests/test_megatron_train.py": {"test_train_e2e"},
 }
