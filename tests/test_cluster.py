@@ -11,6 +11,8 @@ journal passes `tito audit`; and a node removed mid-run loses nothing and trains
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -194,3 +196,35 @@ def test_fully_async_producers_dispatch_to_the_workers(
     assert stats.acked_groups == 4 and not stats.episodes.get("leased"), stats
     placed = json.loads((run_dir / "cluster.json").read_text())
     assert sum(w["groups"] for w in placed["workers"]) >= 4 and placed["workers_lost"] == 0, placed
+
+
+@pytest.mark.slow
+def test_a_driver_killed_mid_run_resumes_on_the_cluster(
+    tmp_path: Path, tiny_model: Path, ray_cluster: Any
+) -> None:
+    # SIGKILL of `miles-env train` (the driver): Ray reaps its workers (their owner died); the restart
+    # from the same run directory recovers the Redis queue and dispatches to new workers
+    from tests.redis_server import RedisServer
+
+    run_dir = tmp_path / "run"
+    with RedisServer(tmp_path / "redis") as server:
+        argv = _train(run_dir, tiny_model, 4, ray_cluster, server.url)
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / "step_00000002").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never reached step 2"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        before = e2e._trained_ids(run_dir)
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        stats = _queue_stats(server.url)
+    assert "resumed at step" in out.stdout
+    trained = e2e._trained_ids(run_dir)
+    assert len(trained) == len(set(trained)) == 16  # 4 steps x 2 groups x 2 episodes, none twice
+    assert trained[: len(before)] == before
+    assert stats.episodes.get("acked") == 16 and not stats.episodes.get("leased"), stats
+    assert [r["step"] for r in e2e._rows(run_dir, "train")][-2:] == [3, 4]
