@@ -1,10 +1,12 @@
-"""Shared test configuration: offline, quiet, the `slow` marker, and no silent skips in CI."""
+"""Shared test configuration: offline, quiet, the `slow` marker, and no silent skips in CI; the
+`tiny_model` fixture the end-to-end training runs share (a tiny random Llama with the SmolLM2 tokenizer)."""
 
 from __future__ import annotations
 
 import os
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +53,26 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
     outcome = yield
     _fail_unexpected_skip(outcome.get_result())
+
+
+# -- shared fixtures ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (2 layers, hidden 32) with the real SmolLM2 tokenizer, so `miles-env train`
+    runs its real engine, proxy and trainer in seconds (tests/train_support.py drives it)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from miles_env.models import load_tokenizer
+
+    tok = load_tokenizer("smollm2")
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+    )  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    return path

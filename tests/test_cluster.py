@@ -24,9 +24,7 @@ import pytest
 
 from miles_env.config import load_config
 from miles_env.errors import ConfigError
-from tests import test_train_e2e as e2e
-
-tiny_model = e2e.tiny_model  # the module fixture: a tiny random Llama with the SmolLM2 tokenizer
+from tests import train_support as e2e  # tiny_model: the fixture of conftest.py
 
 MB = 1024 * 1024
 
@@ -112,11 +110,11 @@ def test_train_with_rollouts_on_two_ray_nodes(tmp_path: Path, tiny_model: Path, 
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         stats = _queue_stats(server.url)
     print(f"2-step cluster run: {time.monotonic() - t0:.1f}s")
-    assert [r["step"] for r in e2e._rows(run_dir, "train")] == [1, 2]
-    assert all(r["episodes"] == 4 for r in e2e._rows(run_dir, "train"))
+    assert [r["step"] for r in e2e.rows(run_dir, "train")] == [1, 2]
+    assert all(r["episodes"] == 4 for r in e2e.rows(run_dir, "train"))
     assert stats.acked_groups == 4 and stats.episodes.get("acked") == 8, stats
     assert not stats.episodes.get("leased"), stats
-    trained = e2e._trained_ids(run_dir)
+    trained = e2e.trained_ids(run_dir)
     assert len(trained) == 8 and len(set(trained)) == 8
     placed = json.loads((run_dir / "cluster.json").read_text())
     assert {w["node_id"] for w in placed["workers"]} == rollout_nodes  # one worker on each rollout node
@@ -162,12 +160,12 @@ def test_a_rollout_node_removed_mid_run_loses_nothing_and_trains_nothing_twice(
         assert proc.returncode == 0, out[-4000:]
         stats = _queue_stats(server.url)
     print(f"run finished {time.monotonic() - placed_before:.1f}s after the node was removed")
-    assert [r["step"] for r in e2e._rows(run_dir, "train")] == [1, 2, 3]
+    assert [r["step"] for r in e2e.rows(run_dir, "train")] == [1, 2, 3]
     placed = json.loads((run_dir / "cluster.json").read_text())
     assert placed["workers_lost"] == 1 and placed["groups_redispatched"] >= 1, placed
     lost = next(w for w in placed["workers"] if not w["alive"])
     assert lost["node_id"] == node.node_id
-    trained = e2e._trained_ids(run_dir)
+    trained = e2e.trained_ids(run_dir)
     assert len(trained) == 12 and len(set(trained)) == 12  # 3 steps x 2 groups x 2: none twice
     assert stats.acked_groups == 6 and stats.episodes.get("acked") == 12, stats
     assert not stats.episodes.get("leased"), stats
@@ -192,7 +190,7 @@ def test_fully_async_producers_dispatch_to_the_workers(
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         stats = _queue_stats(server.url)
-    assert [r["step"] for r in e2e._rows(run_dir, "train")] == [1, 2]
+    assert [r["step"] for r in e2e.rows(run_dir, "train")] == [1, 2]
     assert stats.acked_groups == 4 and not stats.episodes.get("leased"), stats
     placed = json.loads((run_dir / "cluster.json").read_text())
     assert sum(w["groups"] for w in placed["workers"]) >= 4 and placed["workers_lost"] == 0, placed
@@ -218,13 +216,13 @@ def test_a_driver_killed_mid_run_resumes_on_the_cluster(
             time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        before = e2e._trained_ids(run_dir)
+        before = e2e.trained_ids(run_dir)
         out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         stats = _queue_stats(server.url)
     assert "resumed at step" in out.stdout
-    trained = e2e._trained_ids(run_dir)
+    trained = e2e.trained_ids(run_dir)
     assert len(trained) == len(set(trained)) == 16  # 4 steps x 2 groups x 2 episodes, none twice
     assert trained[: len(before)] == before
     assert stats.episodes.get("acked") == 16 and not stats.episodes.get("leased"), stats
-    assert [r["step"] for r in e2e._rows(run_dir, "train")][-2:] == [3, 4]
+    assert [r["step"] for r in e2e.rows(run_dir, "train")][-2:] == [3, 4]

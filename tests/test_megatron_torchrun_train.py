@@ -8,25 +8,26 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_train_e2e import _args, _rows, tiny_model  # type: ignore[import-not-found]  # noqa: F401
+
+from tests.train_support import rows, train_args
 
 pytest.importorskip("megatron.core")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["trainer.tp=2", "trainer.distributed_optimizer=true"])
-def test_train_under_torchrun_two_ranks(tmp_path: Path, tiny_model: Path, layout: str) -> None:  # noqa: F811
+def test_train_under_torchrun_two_ranks(tmp_path: Path, tiny_model: Path, layout: str) -> None:
     import subprocess
 
     run_dir = tmp_path / "run"
-    args = _args(run_dir, tiny_model, 2, "trainer.backend=megatron", layout, "eval.enabled=false")
+    args = train_args(run_dir, tiny_model, 2, "trainer.backend=megatron", layout, "eval.enabled=false")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     argv = [*torchrun, "-m", *args[2:]]  # args = [python, -m, miles_env.cli.main, train, ...]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     out = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, out
     assert "rank 1: made" in proc.stdout, out  # the follower made rank 0's calls and stopped
-    train = _rows(run_dir, "train")
+    train = rows(run_dir, "train")
     assert [r["step"] for r in train] == [1, 2]
     for r in train:
         assert r["samples"] >= 4

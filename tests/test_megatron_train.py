@@ -1,5 +1,5 @@
 """`miles-env train` with trainer.backend=megatron and delta weight sync, end to end on the tiny
-random Llama of test_train_e2e (real engine, proxy, sandboxes, queue): the megatron trainer
+random Llama of the e2e tests (real engine, proxy, sandboxes, queue): the megatron trainer
 reproduces the engine's logprobs (zero-KL check) and every sync after the first is a delta the
 engine accepts."""
 
@@ -10,20 +10,21 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_train_e2e import _args, _rows, tiny_model  # type: ignore[import-not-found]  # noqa: F401
+
+from tests.train_support import rows, train_args
 
 pytest.importorskip("megatron.core")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sync", ["delta", "delta_disk"])
-def test_train_megatron_backend_with_delta_sync(tmp_path: Path, tiny_model: Path, sync: str) -> None:  # noqa: F811
+def test_train_megatron_backend_with_delta_sync(tmp_path: Path, tiny_model: Path, sync: str) -> None:
     run_dir = tmp_path / "run"
-    args = _args(run_dir, tiny_model, 2, "trainer.backend=megatron", f"weight_sync={sync}",
-                 "trainer.skip_zero_advantage=false", "eval.enabled=false")  # fmt: skip
+    args = train_args(run_dir, tiny_model, 2, "trainer.backend=megatron", f"weight_sync={sync}",
+                      "trainer.skip_zero_advantage=false", "eval.enabled=false")  # fmt: skip
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    train = _rows(run_dir, "train")
+    train = rows(run_dir, "train")
     assert [r["step"] for r in train] == [1, 2]
     for r in train:
         assert r["samples"] >= 4

@@ -4,7 +4,8 @@ Real parts throughout (hf engine, TITO proxy over HTTP, bubblewrap sandboxes, sq
 torch trainer); only the model is tiny so the loop runs in seconds. Includes the crash tests:
 SIGKILL mid-run (and between two checkpoints, with leases held), restart from the run directory,
 nothing lost and nothing trained twice. Every checkpoint is kept (trainer.keep_checkpoints), so the
-lineage of the final model is the concatenation of their `trained_episode_ids`.
+lineage of the final model is the concatenation of their `trained_episode_ids`. The run's command line
+and readers are tests/train_support.py, the tiny model the `tiny_model` fixture of conftest.py.
 """
 
 from __future__ import annotations
@@ -21,73 +22,25 @@ from pathlib import Path
 import pytest
 
 from miles_env.queue import SqliteReplayQueue
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from miles_env.models import load_tokenizer
-
-    tok = load_tokenizer("smollm2")
-    path = tmp_path_factory.mktemp("tiny") / "model"
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
-        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-    )  # fmt: skip
-    LlamaForCausalLM(cfg).save_pretrained(str(path))
-    tok.save_pretrained(str(path))
-    return path
-
-
-def _args(run_dir: Path, model: Path, steps: int, *extra: str) -> list[str]:
-    sets = [
-        f"run_dir={run_dir}", f"engine.model={model}", f"trainer.steps={steps}", "rollout.group_size=2",
-        "rollout.groups_per_step=2", "rollout.concurrency=4", "harness.max_tokens=8", "harness.max_turns=1",
-        "eval.rollouts=1", "eval.tiers=[1]", "trainer.lr=1e-3", "trainer.skip_zero_advantage=false",
-        "trainer.keep_checkpoints=100", *extra,
-    ]  # fmt: skip
-    out = [sys.executable, "-m", "miles_env.cli.main", "train", str(ROOT / "examples/terminal-cpu.yaml")]
-    for s in sets:
-        out += ["--set", s]
-    return out
-
-
-def _rows(run_dir: Path, kind: str) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    return [r for r in rows if r["kind"] == kind]
-
-
-def _trained_ids(run_dir: Path) -> list[str]:
-    """The episode ids the newest checkpoint's model trained on, in order: each checkpoint holds
-    those trained since the previous one (the loop resumes from the newest, so none is stale)."""
-    ids: list[str] = []
-    for ckpt in sorted((run_dir / "checkpoints").glob("step_*")):
-        ids += json.loads((ckpt / "trainer.json").read_text())["extra"]["trained_episode_ids"]
-    return ids
+from tests.train_support import rows, train_args, trained_ids
 
 
 def _episode_states(run_dir: Path) -> dict[str, str]:
     """episode id -> the state of its group, read from queue.db with plain sqlite3."""
     with sqlite3.connect(run_dir / "queue.db") as db:
-        rows = db.execute("SELECT e.id, g.state FROM episodes e JOIN groups g ON g.group_id = e.group_id")
-        return dict(rows.fetchall())
+        cursor = db.execute("SELECT e.id, g.state FROM episodes e JOIN groups g ON g.group_id = e.group_id")
+        return dict(cursor.fetchall())
 
 
 @pytest.mark.slow
 def test_train_runs_and_leaves_a_complete_run_dir(tmp_path: Path, tiny_model: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.run(_args(run_dir, tiny_model, 2), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(train_args(run_dir, tiny_model, 2), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in ("config.yaml", "metrics.jsonl", "reward_curve.png", "queue.db", "summary.json"):
         assert (run_dir / name).is_file(), name
     assert any((run_dir / "tensorboard").iterdir())
-    train = _rows(run_dir, "train")
+    train = rows(run_dir, "train")
     assert [r["step"] for r in train] == [1, 2]
     for r in train:
         assert r["episodes"] == 4 and r["samples"] >= 4
@@ -95,10 +48,10 @@ def test_train_runs_and_leaves_a_complete_run_dir(tmp_path: Path, tiny_model: Pa
         assert r["logprob_diff_mean"] < 1e-4  # zero-KL check: trainer recomputes the engine's logprobs
         assert r["prefix_cache_requests"] >= 4 and r["prefix_cache_prompt_tokens"] > 0  # this step's turns
         assert 0.0 <= r["prefix_cache_hit_rate"] <= 1.0
-    assert [r["step"] for r in _rows(run_dir, "eval")] == [0, 2]
+    assert [r["step"] for r in rows(run_dir, "eval")] == [0, 2]
     stats = SqliteReplayQueue(run_dir / "queue.db").stats()
     assert stats.acked_groups == 4 and stats.episodes.get("acked") == 8
-    ids = _trained_ids(run_dir)
+    ids = trained_ids(run_dir)
     assert len(ids) == 8 and len(set(ids)) == 8
     # the weights moved and the engine served them: step-2 episodes were sampled at version 1
     versions = set()
@@ -115,29 +68,31 @@ def test_checkpoint_every_acks_the_leases_taken_between_checkpoints(tmp_path: Pa
     # Step 1 trains without a checkpoint; its leases must be acked with step 2's checkpoint, not
     # left leased (a 24 h lease would put them back into play in a long run).
     run_dir = tmp_path / "run"
-    args = _args(run_dir, tiny_model, 2, "trainer.checkpoint_every=2", "eval.enabled=false")
+    args = train_args(run_dir, tiny_model, 2, "trainer.checkpoint_every=2", "eval.enabled=false")
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [p.name for p in sorted((run_dir / "checkpoints").glob("step_*"))] == ["step_00000002"]
     stats = SqliteReplayQueue(run_dir / "queue.db").stats()
     assert stats.acked_groups == 4 and stats.episodes.get("acked") == 8, stats
     assert not stats.episodes.get("leased"), stats
-    assert len(set(_trained_ids(run_dir))) == 8
+    assert len(set(trained_ids(run_dir))) == 8
 
 
 @pytest.mark.slow
 def test_fully_async_trains_through_the_same_loop(tmp_path: Path, tiny_model: Path) -> None:
     # Producers run beside the trainer (no in-line rollout phase), throttled by the queue.
     run_dir = tmp_path / "run"
-    args = _args(run_dir, tiny_model, 2, "mode=fully_async", "rollout.max_staleness=1", "eval.enabled=false")
+    args = train_args(
+        run_dir, tiny_model, 2, "mode=fully_async", "rollout.max_staleness=1", "eval.enabled=false"
+    )
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    train = _rows(run_dir, "train")
+    train = rows(run_dir, "train")
     assert [r["step"] for r in train] == [1, 2]
     for r in train:
         assert "rollout_s" not in r and r["rollout_wait_s"] >= 0 and r["episodes"] == 4
         assert 0 <= r["staleness_mean"] <= 1 and r["logprob_diff_mean"] < 1e-4
-    ids = _trained_ids(run_dir)
+    ids = trained_ids(run_dir)
     assert len(ids) == len(set(ids)) == 8
     states = _episode_states(run_dir)
     assert {eid for eid, state in states.items() if state == "acked"} == set(ids)
@@ -166,7 +121,7 @@ def test_sigkill_mid_run_then_resume_loses_nothing_and_trains_nothing_twice(
     tmp_path: Path, tiny_model: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    args = _args(run_dir, tiny_model, 4, "eval.enabled=false")
+    args = train_args(run_dir, tiny_model, 4, "eval.enabled=false")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 300
     while time.time() < deadline:  # kill once step 2 is checkpointed (mid-run, step 3 under way)
@@ -178,20 +133,20 @@ def test_sigkill_mid_run_then_resume_loses_nothing_and_trains_nothing_twice(
         pytest.fail("the run never reached step 2")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    before = _trained_ids(run_dir)
+    before = trained_ids(run_dir)
     assert len(before) >= 8
 
     out = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "resumed at step" in out.stdout
-    ids = _trained_ids(run_dir)
+    ids = trained_ids(run_dir)
     assert len(ids) == len(set(ids)) == 16  # 4 steps x 2 groups x 2 episodes, none twice
     assert ids[: len(before)] == before
     stats = SqliteReplayQueue(run_dir / "queue.db").stats()
     # every episode ever produced is in the queue: trained ones acked, the rest pending or stale
     assert stats.episodes.get("acked", 0) == 16
     assert stats.episodes.get("leased", 0) == 0
-    assert [r["step"] for r in _rows(run_dir, "train")][-2:] == [3, 4]
+    assert [r["step"] for r in rows(run_dir, "train")][-2:] == [3, 4]
 
 
 @pytest.mark.slow
@@ -202,11 +157,11 @@ def test_sigkill_between_checkpoints_then_resume_acks_each_trained_episode_once(
     # groups are then trained but in no checkpoint: they must still be leased (not acked), go back to
     # the queue on restart and be trained again by the resumed model, exactly once in its lineage.
     run_dir = tmp_path / "run"
-    args = _args(run_dir, tiny_model, 4, "trainer.checkpoint_every=2", "eval.enabled=false")
+    args = train_args(run_dir, tiny_model, 4, "trainer.checkpoint_every=2", "eval.enabled=false")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        if (run_dir / "metrics.jsonl").is_file() and 3 in [r["step"] for r in _rows(run_dir, "train")]:
+        if (run_dir / "metrics.jsonl").is_file() and 3 in [r["step"] for r in rows(run_dir, "train")]:
             break
         time.sleep(0.05)
     else:
@@ -216,7 +171,7 @@ def test_sigkill_between_checkpoints_then_resume_acks_each_trained_episode_once(
     proc.wait()
     assert [p.name for p in sorted((run_dir / "checkpoints").glob("step_*"))] == ["step_00000002"]
     states = _episode_states(run_dir)
-    in_checkpoint = set(_trained_ids(run_dir))
+    in_checkpoint = set(trained_ids(run_dir))
     held = {eid for eid, state in states.items() if state == "leased"}
     assert len(in_checkpoint) == 8 and len(held) == 4  # steps 1-2 checkpointed; step 3 trained, held
     assert {eid for eid, state in states.items() if state == "acked"} == in_checkpoint
@@ -224,14 +179,14 @@ def test_sigkill_between_checkpoints_then_resume_acks_each_trained_episode_once(
     out = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "resumed at step 2" in out.stdout and "2 returned to the queue" in out.stdout, out.stdout
-    lineage = _trained_ids(run_dir)
+    lineage = trained_ids(run_dir)
     assert len(lineage) == len(set(lineage)) == 16, "an episode was trained twice"  # 4 steps x 2 x 2
     states = _episode_states(run_dir)
     acked = {eid for eid, state in states.items() if state == "acked"}
     assert acked == set(lineage), "acked and trained differ"  # each trained episode acked, nothing else
     assert held <= acked, "a group trained only by the killed process was lost"
     assert "leased" not in states.values()
-    assert [r["step"] for r in _rows(run_dir, "train")] == [1, 2, 3, 3, 4]
+    assert [r["step"] for r in rows(run_dir, "train")] == [1, 2, 3, 3, 4]
 
 
 @pytest.mark.slow
@@ -245,7 +200,7 @@ def test_train_on_a_redis_queue(tmp_path: Path, tiny_model: Path) -> None:
     with RedisServer(tmp_path / "redis") as server:
         sets = ("queue.kind=redis", f"queue.url={server.url}", "queue.prefix=e2e", "eval.enabled=false")
         proc = subprocess.run(
-            _args(run_dir, tiny_model, 2, *sets), capture_output=True, text=True, timeout=600
+            train_args(run_dir, tiny_model, 2, *sets), capture_output=True, text=True, timeout=600
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert not (run_dir / "queue.db").exists()
@@ -260,4 +215,4 @@ def test_train_on_a_redis_queue(tmp_path: Path, tiny_model: Path) -> None:
         assert json.loads(shown.stdout) == json.loads(stats.model_dump_json())
     assert stats.acked_groups == 4 and stats.episodes.get("acked") == 8, stats
     assert not stats.episodes.get("leased"), stats
-    assert len(set(_trained_ids(run_dir))) == 8
+    assert len(set(trained_ids(run_dir))) == 8
