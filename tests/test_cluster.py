@@ -94,6 +94,21 @@ def _audit(store: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
+def test_workers_the_cluster_cannot_place_fail_the_run_with_what_they_need(
+    tmp_path: Path, tiny_model: Path, ray_cluster: Any
+) -> None:
+    from tests.redis_server import RedisServer
+
+    with RedisServer(tmp_path / "redis") as server:
+        extra = ("cluster.worker_resources={tpu: 1}", "cluster.start_timeout_s=3")
+        argv = _train(tmp_path / "run", tiny_model, 1, ray_cluster, server.url, *extra)
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "error: cluster.rollout_workers=2: not all started within" in proc.stderr, proc.stderr[-2000:]
+    assert "'tpu': 1.0" in proc.stderr
+
+
+@pytest.mark.slow
 def test_train_with_rollouts_on_two_ray_nodes(tmp_path: Path, tiny_model: Path, ray_cluster: Any) -> None:
     from tests.redis_server import RedisServer
 

@@ -34,4 +34,7 @@ class ClusterConfig(BaseModel):
         description="address the driver serves an in-process engine on for the workers "
         "(default: this node's IP as Ray sees it)",
     )
+    start_timeout_s: float = Field(
+        300.0, gt=0, description="how long the workers may take to be placed and open their stacks"
+    )
     max_attempts: int = Field(3, ge=1, description="workers a group is tried on before the run fails")

@@ -162,8 +162,18 @@ async def _start_workers(cfg: RunConfig, engine_cfg: SGLangEngineConfig) -> list
         spec = WorkerSpec(name=f"worker-{i}", run=cfg, engine=engine_cfg)
         workers.append(_Worker(spec.name, actor_cls.remote(spec.model_dump_json())))
     started = [w.actor.start.remote() for w in workers]  # concurrently; a failed start fails the run
-    for w, ref in zip(workers, started, strict=True):
-        w.node_id = await ref
+    try:
+        with anyio.fail_after(c.start_timeout_s):
+            for w, ref in zip(workers, started, strict=True):
+                w.node_id = await ref
+    except TimeoutError:
+        for w in workers:
+            ray.kill(w.actor, no_restart=True)
+        need = {"CPU": c.worker_cpus, **c.worker_resources}
+        raise ClusterError(
+            f"cluster.rollout_workers={c.rollout_workers}: not all started within "
+            f"cluster.start_timeout_s={c.start_timeout_s:g}; does the cluster offer {need} to each?"
+        ) from None
     return workers
 
 

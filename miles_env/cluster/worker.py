@@ -118,10 +118,9 @@ class RolloutWorker:
                 )
                 self._ready.set()
                 await self._stop.wait()
-        except BaseException as e:  # reported by start(); the actor stays up to say why
+        except Exception as e:  # a failed start (or close) is start()'s error, on the driver
             self._failure = e
             self._ready.set()
-            raise
         finally:
             self._ctx = self._queue = None
             if queue_sync is not None:
