@@ -181,6 +181,8 @@ class _Job(StepHooks):
         metrics["staleness_mean"] = sum(result.step - 1 - ep.min_weight_version for ep in episodes) / max(
             1, len(episodes)
         )
+        if self.dispatch is not None:  # cluster: nodes that rolled this step out (cluster/worker.py)
+            metrics["rollout_nodes"] = float(len({str(ep.metadata.get("cluster")) for ep in episodes}))
         if isinstance(self.engine, PrefixCacheCounter):  # turns finished since the last report
             now = self.engine.prefix_cache_stats()
             metrics.update((now - self.cache_seen).metrics())

@@ -126,7 +126,8 @@ def test_train_with_rollouts_on_two_ray_nodes(tmp_path: Path, tiny_model: Path, 
         stats = _queue_stats(server.url)
     print(f"2-step cluster run: {time.monotonic() - t0:.1f}s")
     assert [r["step"] for r in e2e.rows(run_dir, "train")] == [1, 2]
-    assert all(r["episodes"] == 4 for r in e2e.rows(run_dir, "train"))
+    # each step's 2 groups went one to each worker, stamped with its node on the way through Redis
+    assert all(r["episodes"] == 4 and r["rollout_nodes"] == 2 for r in e2e.rows(run_dir, "train"))
     assert stats.acked_groups == 4 and stats.episodes.get("acked") == 8, stats
     assert not stats.episodes.get("leased"), stats
     trained = e2e.trained_ids(run_dir)
