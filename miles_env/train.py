@@ -182,7 +182,8 @@ class _Job(StepHooks):
             1, len(episodes)
         )
         if self.dispatch is not None:  # cluster: nodes that rolled this step out (cluster/worker.py)
-            metrics["rollout_nodes"] = float(len({str(ep.metadata.get("cluster")) for ep in episodes}))
+            nodes = {(ep.metadata.get("cluster") or {}).get("node_id") for ep in episodes}
+            metrics["rollout_nodes"] = float(len(nodes))
         if isinstance(self.engine, PrefixCacheCounter):  # turns finished since the last report
             now = self.engine.prefix_cache_stats()
             metrics.update((now - self.cache_seen).metrics())
