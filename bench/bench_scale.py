@@ -1,6 +1,6 @@
 """Scale-out throughput: episodes per minute with 1, 2 and 4 Ray rollout workers (issue 17).
 
-    python bench/bench_scale.py [--workers 1,2,4] [--groups 16] [--group-size 4] [--rounds 2]
+    python bench/bench_scale.py [--workers 1,2,4] [--groups 16] [--group-size 4] [--rounds 2] [--extras]
 
 The real cluster path of `miles-env train` with `cluster.address` set, less the trainer: a local
 multi-node Ray cluster (`ray.cluster_utils.Cluster`, a head of 0 CPUs and max(workers) worker
@@ -12,7 +12,8 @@ and bubblewrap sandboxes, rolls groups of terminal-basics out and puts them into
 training step is replaced by a consumer on the driver that takes each group as soon as it is
 complete and acks it (the loop's take/ack, no gradient step), so a run's time is dispatch ->
 rollout -> put -> take -> ack of a fixed number of groups, from the first dispatch to the last
-ack. Worker start-up (Ray placement, stack open) is excluded; each configuration is one
+ack. Worker start-up (Ray placement, stack open) and a first group per worker (first sandbox,
+first request, first put: warm-up) are excluded; each configuration is one
 `cluster_rollouts` session, rounds alternate the order of the configurations.
 
 Each episode: sandbox create + task setup, a turn that answers one shell command (`ls -la`,
@@ -23,6 +24,10 @@ children reaped by a process count for it, so a worker's bubblewrap sandboxes co
 worker's; "not this bench" is the machine's busy CPU time less those), the machine's busy fraction over the window and the 1-minute load average after it.
 
 Output: one line per run, then a table of medians with efficiency = rate(n) / (n * rate(1)).
+`--extras` then runs the issue's two other figures briefly, each through its own benchmark:
+bench_router.py (latency the sglang-router adds per turn) and bench_queue.py --backends (put +
+take + ack of 4k-token episodes, SQLite vs Redis); their full runs are bench/results/router.md
+and bench/results/queue_backends.md.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +47,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from miles_env.cluster.driver import cluster_rollouts  # noqa: E402
+from miles_env.cluster.driver import ClusterRollouts, cluster_rollouts  # noqa: E402
 from miles_env.config import RunConfig, load_config  # noqa: E402
 from miles_env.engines.scripted import PolicyRule, ScriptedEngine, ScriptedPolicy  # noqa: E402
 from miles_env.models import load_tokenizer  # noqa: E402
@@ -136,24 +142,32 @@ async def _consume(cfg: RunConfig, groups: int) -> int:
     return episodes
 
 
+async def _drive(cfg: RunConfig, dispatch: ClusterRollouts, tasks: list[Task]) -> int:
+    """Dispatch `tasks` while the consumer takes and acks their groups; episodes acked."""
+    result: list[int] = []
+
+    async def consumer() -> None:
+        result.append(await _consume(cfg, len(tasks)))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consumer)
+        await dispatch(tasks)
+    return result[0]
+
+
 async def _one(cfg: RunConfig, engine: ScriptedEngine, tasks: list[Task], redis_pid: int) -> Run:
     async with cluster_rollouts(cfg, engine) as dispatch:
+        # warm-up, untimed: one group per worker (first sandbox, first request, first put)
+        await _drive(cfg, dispatch, tasks[: cfg.cluster.rollout_workers])
         before, cpu0, t0 = _cpu_snapshot(redis_pid), psutil.cpu_times(), time.perf_counter()
-        result: list[int] = []
-
-        async def consumer() -> None:
-            result.append(await _consume(cfg, len(tasks)))
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(consumer)
-            await dispatch(tasks)
+        episodes = await _drive(cfg, dispatch, tasks)
         wall = time.perf_counter() - t0
         cpu1, after = psutil.cpu_times(), _cpu_snapshot(redis_pid)
     total = sum(cpu1) - sum(cpu0)
     busy_s = total - (cpu1.idle - cpu0.idle + cpu1.iowait - cpu0.iowait)
     cpu_s = _cpu_delta(before, after)
     cpu_s["not this bench"] = max(0.0, busy_s - sum(cpu_s.values()))  # the machine's busy rest
-    return Run(cfg.cluster.rollout_workers, result[0], wall, cpu_s, busy_s / total if total else 0.0,
+    return Run(cfg.cluster.rollout_workers, episodes, wall, cpu_s, busy_s / total if total else 0.0,
                os.getloadavg()[0])  # fmt: skip
 
 
@@ -207,6 +221,19 @@ async def _main(a: argparse.Namespace) -> None:
     print(f"\n{a.groups} groups x {a.group_size} episodes per run, rollout.concurrency={a.concurrency} "
           f"per worker, {a.rounds} rounds, {os.cpu_count()} cores")  # fmt: skip
     _report(runs, workers)
+    if a.extras:
+        _extras()
+
+
+def _extras() -> None:
+    """The issue's two other figures, short runs of their own benchmarks (full runs: bench/results)."""
+    here = Path(__file__).resolve().parent
+    for argv in (
+        ["bench_router.py", "--rounds", "2", "--sessions", "8"],  # one turn at a time, 1k prompts
+        ["bench_queue.py", "--backends", "--rounds", "1", "--episodes", "256", "--tokens", "4096"],
+    ):
+        print(f"\n$ python bench/{' '.join(argv)}", flush=True)
+        subprocess.run([sys.executable, str(here / argv[0]), *argv[1:]], check=True, timeout=600)  # noqa: S603
 
 
 def main() -> None:
@@ -216,6 +243,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=8, help="episodes at once on one worker")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--extras", action="store_true", help="then short router and queue-backend runs")
     anyio.run(_main, ap.parse_args())
 
 
