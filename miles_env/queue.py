@@ -58,6 +58,7 @@ from miles_env.types import Episode
 __all__ = [
     "QueueError",
     "Lease",
+    "OpenGroup",
     "QueueStats",
     "SqliteReplayQueue",
     "AsyncReplayQueue",
@@ -98,6 +99,16 @@ class Lease:
     @property
     def episode_ids(self) -> list[str]:
         return [e.id for e in self.episodes]
+
+
+@dataclass(frozen=True, slots=True)
+class OpenGroup:
+    """A group with fewer than group_size episodes stored (its producer died between two puts):
+    `n_have` episodes of task `task_id`; putting the missing ones under `group_id` completes it."""
+
+    group_id: str
+    task_id: str
+    n_have: int
 
 
 class QueueStats(BaseModel):
@@ -435,6 +446,17 @@ class SqliteReplayQueue:
         return acked, released
 
     # -- introspection ---------------------------------------------------------------------------
+
+    def open_groups(self) -> list[OpenGroup]:
+        """Every open group, by group id, with its task (read from its first episode)."""
+        with self._db.errors():
+            cursor = self._conn().execute(
+                "SELECT g.group_id, json_extract(e.meta, '$.task_id'), g.n FROM groups g JOIN episodes e "
+                "ON e.group_id = g.group_id AND e.seq = 1 WHERE g.state=? ORDER BY g.group_id",
+                (GroupState.OPEN,),
+            )
+            rows = cursor.fetchall()
+        return [OpenGroup(str(gid), str(task), int(n)) for gid, task, n in rows]
 
     def stats(self) -> QueueStats:
         conn = self._conn()

@@ -17,7 +17,7 @@ import anyio.to_thread
 from miles_env.types import Episode
 
 if TYPE_CHECKING:
-    from miles_env.queue import Lease, QueueStats
+    from miles_env.queue import Lease, OpenGroup, QueueStats
     from miles_env.queue_contract import ReplayQueue
 
 __all__ = ["AsyncReplayQueue", "POLL_S"]
@@ -70,3 +70,6 @@ class AsyncReplayQueue:
 
     async def stats(self) -> QueueStats:
         return await anyio.to_thread.run_sync(self.sync.stats)
+
+    async def open_groups(self) -> list[OpenGroup]:
+        return await anyio.to_thread.run_sync(self.sync.open_groups)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 from miles_env.types import Episode
 
 if TYPE_CHECKING:
-    from miles_env.queue import Lease, QueueStats
+    from miles_env.queue import Lease, OpenGroup, QueueStats
     from miles_env.queue_aio import AsyncReplayQueue
 
 __all__ = ["ReplayQueue"]
@@ -56,6 +56,8 @@ class ReplayQueue(Protocol):
     def recover(self, trained_episode_ids: Iterable[str]) -> tuple[int, int]: ...
 
     def stats(self) -> QueueStats: ...
+
+    def open_groups(self) -> list[OpenGroup]: ...
 
     def close(self) -> None: ...
 

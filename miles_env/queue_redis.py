@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from miles_env import queue_redis_scripts as lua
 from miles_env.episode_codec import decode_episode, encode_episode, payload_checksum
-from miles_env.queue import GroupState, Lease, QueueError, QueueStats
+from miles_env.queue import GroupState, Lease, OpenGroup, QueueError, QueueStats
 from miles_env.queue_aio import POLL_S, AsyncReplayQueue
 from miles_env.types import Episode
 
@@ -303,6 +303,26 @@ class RedisReplayQueue:
         return int(acked), int(released)
 
     # -- introspection ---------------------------------------------------------------------------
+
+    def open_groups(self) -> list[OpenGroup]:
+        """Every open group, by group id, with its task (read from its first episode). A SCAN of
+        the group keys: meant for a restart, not for every step."""
+
+        def scan() -> list[OpenGroup]:
+            found = []
+            for key in self._redis.scan_iter(match=f"{self._p}:g:*", count=1000):
+                state, n = self._redis.hmget(key, "state", "n")
+                if state != b"open" or not isinstance(n, bytes):
+                    continue
+                gid = (key.decode() if isinstance(key, bytes) else key)[len(self._p) + 3 :]
+                first = self._redis.lindex(f"{self._p}:ge:{gid}", 0)
+                eid = first.decode() if isinstance(first, bytes) else first
+                meta = self._redis.hget(f"{self._p}:e:{eid}", "meta") if eid else None
+                task = json.loads(meta)["task_id"] if meta else ""
+                found.append(OpenGroup(gid, str(task), int(n)))
+            return sorted(found, key=lambda g: g.group_id)
+
+        return self._call(scan)
 
     def stats(self) -> QueueStats:
         def snapshot() -> list[Any]:

@@ -91,6 +91,23 @@ class QueueContract:
         with pytest.raises(QueueError, match="already has group_size=3"):
             q.put(make_episode("g-3", "g"), block=False)
 
+    def test_open_groups_lists_what_a_restart_must_complete(self, backend: QueueBackend) -> None:
+        q = backend.open(group_size=3)
+        fill(q, "b:1", 2)
+        fill(q, "a:2", 1)
+        fill(q, "done", 3)  # complete: pending, not open
+        assert [(g.group_id, g.task_id, g.n_have) for g in q.open_groups()] == [
+            ("a:2", "t-a:2", 1),
+            ("b:1", "t-b:1", 2),
+        ]
+        q.close()
+        q = backend.open()  # durable: a restarted job reads them back
+        assert [g.group_id for g in q.open_groups()] == ["a:2", "b:1"]
+        q.put(make_episode("a:2-1", "a:2"), block=False)
+        q.put(make_episode("a:2-2", "a:2"), block=False)  # completed under its own group id
+        assert [g.group_id for g in q.open_groups()] == ["b:1"]
+        assert q.stats().open_groups == 1 and q.stats().pending_groups == 2
+
     def test_duplicate_put_is_noop_even_after_ack(self, backend: QueueBackend) -> None:
         q = backend.open(group_size=2)
         e = make_episode("a", "g")
