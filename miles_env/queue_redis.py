@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from miles_env import queue_redis_scripts as lua
 from miles_env.episode_codec import decode_episode, encode_episode, payload_checksum
+from miles_env.jsonio import dumps
 from miles_env.queue import GroupState, Lease, OpenGroup, QueueError, QueueStats
 from miles_env.queue_aio import POLL_S, AsyncReplayQueue
 from miles_env.types import Episode
@@ -260,7 +261,7 @@ class RedisReplayQueue:
             return Lease(lease_id, group_id, tuple(episodes), expires_at)
         now = time.time()
         records = [
-            (bad_id, json.dumps({"group_id": group_id, "reason": why, "at": now})) for bad_id, why in bad
+            (bad_id, dumps({"group_id": group_id, "reason": why, "at": now})) for bad_id, why in bad
         ]
         if self._script("QUARANTINE", group_id, lease_id, *[x for pair in records for x in pair]):
             for bad_id, why in bad:  # logged once: only the take that quarantined it gets here
