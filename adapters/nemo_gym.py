@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from miles_env.adapters.harness import FRAMEWORK_ROLE
+from miles_env.adapters.framework_harness import FRAMEWORK_ROLE
 from miles_env.adapters.worker_env import WorkerEnvironment
 from miles_env.harness import Endpoint, HarnessResult
 from miles_env.types import Status, Task

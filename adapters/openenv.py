@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from miles_env.adapters.harness import FRAMEWORK_ROLE
+from miles_env.adapters.framework_harness import FRAMEWORK_ROLE
 from miles_env.adapters.worker_client import WorkerClient
 from miles_env.adapters.worker_env import WorkerEnvironment
 from miles_env.harness import Endpoint, HarnessResult

@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 
 from miles_env.adapters import ADAPTERS
-from miles_env.adapters.harness import _POOL, close_workers
+from miles_env.adapters.framework_harness import _POOL, close_workers
 from miles_env.adapters.worker_client import WORKERS_DIR, WorkerClient
 from miles_env.adapters.worker_env import WorkerEnvironment
 from miles_env.environment import Environment

@@ -15,7 +15,7 @@ from adapter_contract import AdapterCase, AdapterContract
 
 import miles_env.adapters as adapters_pkg
 from miles_env.adapters import ADAPTERS, is_adapter_name, load_adapter_environment
-from miles_env.adapters.harness import FrameworkHarness
+from miles_env.adapters.framework_harness import FrameworkHarness
 from miles_env.adapters.venv import FRAMEWORKS
 from miles_env.adapters.worker_client import WORKERS_DIR
 from miles_env.adapters.worker_env import WorkerEnvironment

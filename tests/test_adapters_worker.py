@@ -8,7 +8,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from miles_env.adapters.harness import _POOL, FrameworkHarness
+from miles_env.adapters.framework_harness import _POOL, FrameworkHarness
 from miles_env.adapters.worker_client import WORKERS_DIR, WorkerClient, WorkerError, call_once
 from miles_env.types import Status, Task
 

@@ -27,6 +27,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from miles_env.adapters.framework_harness import FRAMEWORK_ROLE, framework_reward
 from miles_env.adapters.harbor.dockerfile import (
     Step,
     final_stage,
@@ -34,7 +35,6 @@ from miles_env.adapters.harbor.dockerfile import (
     run_setup,
     static_env,
 )
-from miles_env.adapters.harness import FRAMEWORK_ROLE, framework_reward
 from miles_env.environment import Environment, Transcript
 from miles_env.errors import TaskError
 from miles_env.harness import Endpoint, HarnessResult

@@ -28,8 +28,8 @@ from typing import Any
 
 import anyio
 
+from miles_env.adapters.framework_harness import FRAMEWORK_ROLE, worker_for
 from miles_env.adapters.harbor.environment import HarborTasksEnvironment
-from miles_env.adapters.harness import FRAMEWORK_ROLE, worker_for
 from miles_env.errors import SandboxError
 from miles_env.harness import Endpoint, HarnessResult
 from miles_env.sandbox import Sandbox, SandboxProvider

@@ -26,7 +26,7 @@ HARNESSES = PluginTable(
         "codex": "miles_env.harnesses.codex:CodexHarness",  # the real Codex CLI
         "opencode": "miles_env.harnesses.opencode:OpencodeHarness",  # the real opencode CLI
         "mini-swe-agent": "miles_env.harnesses.mini_swe_agent:MiniSweAgentHarness",  # mini-swe-agent (pip)
-        "framework": "miles_env.adapters.harness:FrameworkHarness",  # a framework adapter's own agent loop
+        "framework": "miles_env.adapters.framework_harness:FrameworkHarness",  # a framework adapter's own agent loop
     },
 )
 

@@ -152,7 +152,7 @@ class MiniSweAgentConfig(_Options):
 
 
 class FrameworkConfig(BaseModel):
-    """A framework adapter's own agent loop (adapters/harness.py): `isolation` here; any other key is
+    """A framework adapter's own agent loop (adapters/framework_harness.py): `isolation` here; any other key is
     the adapter's (harbor's `agent`, `max_turns`...), forwarded to its `run_episode`, checked there."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
