@@ -100,9 +100,12 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
     )
 
 
-async def run_group(ctx: RolloutContext, task: Task, size: int) -> list[Episode]:
-    """`size` episodes of one task, concurrently, sharing one GRPO group id."""
-    group_id = f"{task.id}:{uuid.uuid4().hex[:8]}"
+async def run_group(
+    ctx: RolloutContext, task: Task, size: int, *, group_id: str | None = None
+) -> list[Episode]:
+    """`size` episodes of one task, concurrently, sharing one GRPO group id: a new one, or
+    `group_id` to complete a group left open in the queue (a restart's missing episodes)."""
+    group_id = group_id or f"{task.id}:{uuid.uuid4().hex[:8]}"
     out: list[Episode | None] = [None] * size
 
     async def one(i: int) -> None:

@@ -10,6 +10,9 @@ loop; the trainer's step runs in a worker thread so rollouts keep flowing.
 
 A restart from the same run directory resumes from the last checkpoint: what it trained is acked,
 what it had leased goes back to the queue; nothing is lost or trained twice (trainer/loop.py).
+A group the killed job left open (fewer than group_size episodes put) is completed on resume with
+its missing episodes, under its own group id, then trained like any other
+(`groups_completed_on_resume` in the next step's metrics).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -28,7 +32,13 @@ import anyio.to_thread
 import yaml
 
 from miles_env.config import Mode, RunConfig
-from miles_env.engines.base import Engine, InProcessWeights, PrefixCacheCounter, PrefixCacheStats
+from miles_env.engines.base import (
+    Engine,
+    InProcessWeights,
+    PerServerSync,
+    PrefixCacheCounter,
+    PrefixCacheStats,
+)
 from miles_env.environment import Environment
 from miles_env.errors import ConfigError
 from miles_env.harness import Harness
@@ -107,6 +117,20 @@ def _build_syncer(cfg: RunConfig, engine: Engine) -> WeightSyncer | None:
     return WeightSyncer(mode="delta", transport=transport, dtype=dtype, workdir=cfg.run_dir / "weights")
 
 
+def _per_server(engine: Engine, metrics: dict[str, float]) -> dict[str, float]:
+    """An engine over several servers (PerServerSync) adds `sync_engines` and, for server i (its
+    order in the engine's live URLs), `sync_s_engine{i}` (its load, timed by the engine) and
+    `sync_bytes_engine{i}` (what it read: every server loads the whole update)."""
+    if not isinstance(engine, PerServerSync) or not engine.last_sync():
+        return metrics
+    parts = engine.last_sync()
+    out = {**metrics, "sync_engines": float(len(parts))}
+    for i, part in enumerate(parts):
+        out[f"sync_s_engine{i}"] = part.seconds
+        out[f"sync_bytes_engine{i}"] = metrics["sync_bytes"]
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class _Plan:
     """What the run config resolves to before anything heavy is built."""
@@ -146,6 +170,7 @@ class _Job(StepHooks):
         self.progress: Progress | None = None  # while the loop runs
         self.bar: TaskID | None = None
         self.cache_seen = PrefixCacheStats()  # the engine's prefix-cache counters at the last report
+        self.completed_on_resume = 0  # open groups completed by a restart; in the next step's metrics
 
     # -- StepHooks ---------------------------------------------------------------------------------
     async def produce(self, n_groups: int) -> None:
@@ -172,12 +197,38 @@ class _Job(StepHooks):
             version, internal, gauss = extra["rng"]
             self.rng.setstate((version, tuple(internal), gauss))
 
+    async def complete_open_groups(self) -> int:
+        """On resume: run the missing episodes of every group the killed job left open (fewer than
+        group_size put), under its own group id and task, so it is completed and trained, not
+        skipped. Not on a cluster: there a lost worker's task is re-run whole and its short group
+        stays open (INVARIANTS.md). Puts without waiting for capacity: the trainer is not taking yet."""
+        if self.dispatch is not None:
+            return 0
+        tasks = {t.id: t for t in self.plan.train_tasks}
+        size = self.cfg.rollout.group_size
+
+        async def one(task: Task, group_id: str, missing: int) -> None:
+            async with self.limiter:
+                group = await run_group(self.ctx, task, missing, group_id=group_id)
+            for ep in group:
+                await anyio.to_thread.run_sync(partial(self.queue.sync.put, ep, block=False))
+
+        todo = [(tasks[g.task_id], g) for g in await self.queue.open_groups() if g.task_id in tasks]
+        async with anyio.create_task_group() as tg:
+            for task, g in todo:
+                tg.start_soon(one, task, g.group_id, size - g.n_have)
+        self.completed_on_resume = len(todo)
+        return len(todo)
+
     async def after_step(self, step: int) -> dict[str, float]:
         return await self.sync_weights(step)
 
     async def report(self, result: StepResult) -> None:
         episodes = [ep for g in result.groups for ep in g]
         metrics = {**result.metrics, **_episode_stats(episodes)}
+        if self.completed_on_resume:  # once, in the first step after the restart that completed them
+            metrics["groups_completed_on_resume"] = float(self.completed_on_resume)
+            self.completed_on_resume = 0
         metrics["staleness_mean"] = sum(result.step - 1 - ep.min_weight_version for ep in episodes) / max(
             1, len(episodes)
         )
@@ -205,10 +256,11 @@ class _Job(StepHooks):
 
     # -- the job's own -----------------------------------------------------------------------------
     async def sync_weights(self, step: int) -> dict[str, float]:
-        """Engine version := trainer step. Returns sync_s, sync_bytes (moved) and, for delta, more."""
+        """Engine version := trainer step. Returns sync_s, sync_bytes (moved) and, for delta, more;
+        with several servers, each one's too (`_per_server`)."""
         if self.syncer is not None:
             state = await anyio.to_thread.run_sync(self.trainer.state_dict)
-            return dict(await self.syncer.sync(self.engine, state, step))
+            return _per_server(self.engine, dict(await self.syncer.sync(self.engine, state, step)))
         t0 = time.perf_counter()
         # A remote engine (vllm, sglang) is not InProcessWeights: it always syncs through disk.
         if self.cfg.weight_sync == "in_process" and isinstance(self.engine, InProcessWeights):
@@ -217,7 +269,9 @@ class _Job(StepHooks):
         else:
             path = await anyio.to_thread.run_sync(self.trainer.export_weights, self.cfg.run_dir / "weights")
             await self.engine.update_weights_from_disk(path, weight_version=step)
-        return {"sync_s": time.perf_counter() - t0, "sync_bytes": float(_nbytes(self.trainer))}
+        return _per_server(
+            self.engine, {"sync_s": time.perf_counter() - t0, "sync_bytes": float(_nbytes(self.trainer))}
+        )
 
     async def run_eval(self, step: int) -> dict[str, float]:
         ev = self.cfg.eval
@@ -375,6 +429,8 @@ async def _run(job: _Job, loop: TrainLoop) -> dict[str, Any]:
             f"{resumed.released} returned to the queue"
         )
         await job.sync_weights(resumed.step)  # the engine must serve the weights the trainer resumed with
+        if completed := await job.complete_open_groups():
+            job.console.print(f"completed {completed} groups the previous run left open")
     elif (
         job.syncer is not None
     ):  # both loaded one model; if they differ, the first delta is refused, repaired

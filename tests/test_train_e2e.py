@@ -189,6 +189,76 @@ def test_sigkill_between_checkpoints_then_resume_acks_each_trained_episode_once(
     assert [r["step"] for r in rows(run_dir, "train")] == [1, 2, 3, 3, 4]
 
 
+def _half_put(run_dir: Path) -> tuple[str, str]:
+    """Leave one group that no checkpoint trained (pending, or leased by the killed step) as a kill
+    between its two puts would: its second episode never stored, the group open and unleased.
+    Returns (group id, the surviving episode id)."""
+    trained = set(trained_ids(run_dir))
+    with sqlite3.connect(run_dir / "queue.db") as db:
+        groups = db.execute(
+            "SELECT g.group_id, MIN(e.id), MAX(e.id) FROM groups g JOIN episodes e USING (group_id) "
+            "WHERE g.state IN ('pending', 'leased') GROUP BY g.group_id ORDER BY g.group_id"
+        ).fetchall()
+        gid, keep, drop = next(g for g in groups if not {g[1], g[2]} & trained)
+        db.execute("DELETE FROM episodes WHERE id=?", (drop,))
+        db.execute("UPDATE episodes SET seq=1 WHERE id=?", (keep,))
+        db.execute(
+            "UPDATE groups SET n=1, state='open', completed_at=NULL, lease_id=NULL, lease_expires=NULL "
+            "WHERE group_id=?",
+            (gid,),
+        )
+    return gid, keep
+
+
+def _produced_after_checkpoint(run_dir: Path) -> bool:
+    states = _episode_states(run_dir) if (run_dir / "queue.db").is_file() else {}
+    return (run_dir / "checkpoints" / "step_00000002").is_dir() and bool(
+        {"pending", "leased"} & set(states.values())
+    )
+
+
+@pytest.mark.slow
+def test_sigkill_with_a_group_half_put_then_resume_completes_and_trains_it(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    args = train_args(run_dir, tiny_model, 6, "eval.enabled=false")
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:  # kill once step 2 is checkpointed, step 3 put
+        if _produced_after_checkpoint(run_dir):
+            break
+        time.sleep(0.05)
+    else:
+        proc.kill()
+        pytest.fail("the run never reached step 2 with a group put after it")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    gid, kept = _half_put(run_dir)
+    opened = [g.group_id for g in SqliteReplayQueue(run_dir / "queue.db").open_groups()]
+    assert gid in opened  # with any the kill itself left half put
+    before = trained_ids(run_dir)
+
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"completed {len(opened)} groups the previous run left open" in out.stdout, out.stdout
+    with sqlite3.connect(run_dir / "queue.db") as db:
+        members = [r[0] for r in db.execute("SELECT id FROM episodes WHERE group_id=? ORDER BY seq", (gid,))]
+        marks = "?" * len(opened)
+        states = db.execute(
+            f"SELECT state, n FROM groups WHERE group_id IN ({','.join(marks)})", opened
+        ).fetchall()
+    assert len(members) == 2 and members[0] == kept  # completed under its own group id
+    assert states == [("acked", 2)] * len(opened)  # each completed and trained
+    lineage = trained_ids(run_dir)
+    assert len(lineage) == len(set(lineage)) == 24, "an episode was trained twice"  # 6 steps x 2 x 2
+    assert lineage[: len(before)] == before and set(members) <= set(lineage)
+    queue = SqliteReplayQueue(run_dir / "queue.db")
+    assert queue.open_groups() == [] and queue.stats().episodes.get("leased", 0) == 0
+    completed = [r.get("groups_completed_on_resume") for r in rows(run_dir, "train")]
+    assert [c for c in completed if c is not None] == [float(len(opened))]
+
+
 @pytest.mark.slow
 def test_train_on_a_redis_queue(tmp_path: Path, tiny_model: Path) -> None:
     # `queue: {kind: redis}` through the real job: episodes go to redis-server (AOF on), none to

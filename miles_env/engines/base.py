@@ -38,6 +38,8 @@ __all__ = [
     "InProcessWeights",
     "PrefixCacheStats",
     "PrefixCacheCounter",
+    "ServerSync",
+    "PerServerSync",
 ]
 
 
@@ -146,3 +148,19 @@ class PrefixCacheCounter(Protocol):
     scripted). A job reads it once per step and logs `(now - before).metrics()`."""
 
     def prefix_cache_stats(self) -> PrefixCacheStats: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSync:
+    """One server's part of the last weight update: its URL and the seconds its load took."""
+
+    url: str
+    seconds: float
+
+
+@runtime_checkable
+class PerServerSync(Protocol):
+    """Optional capability of an engine over several servers (sglang): the last weight update, timed
+    per server (all of them updated in parallel). A job logs them as `sync_s_engine{i}`."""
+
+    def last_sync(self) -> tuple[ServerSync, ...]: ...

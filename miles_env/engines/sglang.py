@@ -21,7 +21,12 @@ or HTTP failure becomes an EngineError naming the URL: the turn in flight fails,
 recorded. A server that then fails its `/health` probe leaves the ring (its
 sessions move to the next server on it) and the weight updates and flushes
 (which go to every worker, bypassing a router); the engine fails only when every
-server is down. Each Generation's `cached_tokens` is summed (`prefix_cache_stats`).
+server is down. A weight update goes to every server in parallel, each timed
+(`last_sync()`); a live server that fails the load is an EngineError naming it.
+Requests in flight during an update finish on the old weights and report the
+old version: SGLang's `/update_weights_from_disk` takes its model-update lock as
+writer, so it waits for running requests (readers) unless `abort_all_requests`;
+our embedded server's hf engine drains the same way. Each Generation's `cached_tokens` is summed (`prefix_cache_stats`).
 
 Lifecycle: one httpx.AsyncClient per engine; `close()` closes it, and stops
 the servers `launch_sglang` started (managed subprocesses, `_launch.py`).
@@ -32,6 +37,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import itertools
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,7 +47,7 @@ import httpx
 
 from miles_env.engines._http import request
 from miles_env.engines._model_dir import local_model_dir, model_eos_ids
-from miles_env.engines.base import EngineInfo, Generation, PrefixCacheStats, SamplingParams
+from miles_env.engines.base import EngineInfo, Generation, PrefixCacheStats, SamplingParams, ServerSync
 from miles_env.engines.router import ROUTING_KEY_HEADER
 from miles_env.errors import ConfigError, EngineError, EngineRefused
 
@@ -111,6 +117,8 @@ class SGLangEngine:
         if not self.urls:
             raise ConfigError("sglang engine: urls is empty")
         self.down: list[str] = []  # servers dropped after a failed health probe
+        self.down_reasons: dict[str, str] = {}  # and why
+        self._last_sync: tuple[ServerSync, ...] = ()
         self._ring = HashRing(self.urls)
         self._rotation = itertools.cycle(self.urls)
         self._cache = PrefixCacheStats()
@@ -133,11 +141,12 @@ class SGLangEngine:
             return True
         return False
 
-    async def _drop_if_down(self, base: str) -> None:
+    async def _drop_if_down(self, base: str, reason: str = "a request failed") -> None:
         """After a failed request: a server that fails its health probe leaves the ring."""
         if base in self.urls and len(self.urls) > 1 and await self._is_down(base):
             self.urls = [u for u in self.urls if u != base]
             self.down.append(base)
+            self.down_reasons[base] = f"{reason}; /health failed"
             self._ring = HashRing(self.urls)
             self._rotation = itertools.cycle(self.urls)
 
@@ -238,15 +247,46 @@ class SGLangEngine:
         return out
 
     async def update_weights_from_disk(self, path: str | Path, weight_version: int | None = None) -> int:
-        """Ask every server to load `path`; SGLang bumps nothing by itself, so the version is sent along."""
+        """Ask every server, in parallel, to load `path`; SGLang bumps nothing by itself, so the
+        version is sent along. A server that fails and then fails its health probe leaves the ring
+        (`down_reasons` says why); one that answers but fails the load is an EngineError naming it,
+        since the servers would otherwise serve two versions under one number."""
         version = weight_version if weight_version is not None else self.weight_version + 1
         payload = {"model_path": str(path), "weight_version": str(version)}
-        for resp in await self._each_server("POST", "/update_weights_from_disk", json=payload):
-            body = resp.json()
-            if not body.get("success", False):
-                raise EngineError(f"sglang {resp.request.url}: {body.get('message')}")
+        timed: dict[str, float] = {}
+        failed: dict[str, EngineError] = {}
+
+        async def one(base: str) -> None:
+            t0 = time.perf_counter()
+            try:
+                body = (await self._request("POST", f"{base}/update_weights_from_disk", json=payload)).json()
+                if not body.get("success", False):
+                    raise EngineRefused(str(body.get("message")), "invalid_request")
+            except EngineRefused as e:  # alive, and it said no: the message with the server's URL
+                failed[base] = EngineRefused(
+                    f"sglang {base}/update_weights_from_disk: {e}", "invalid_request"
+                )
+                return
+            except EngineError as e:
+                failed[base] = e
+                return
+            timed[base] = time.perf_counter() - t0
+
+        async with anyio.create_task_group() as tg:
+            for base in list(self.urls):
+                tg.start_soon(one, base)
+        for base, err in failed.items():  # one at a time: the last live server is never dropped
+            if not isinstance(err, EngineRefused):
+                await self._drop_if_down(base, reason=f"update_weights_from_disk: {err}")
+            if base in self.urls:
+                raise err
+        self._last_sync = tuple(ServerSync(u, timed[u]) for u in self.urls)
         self.weight_version = version
         return version
+
+    def last_sync(self) -> tuple[ServerSync, ...]:
+        """Each live server's seconds in the last weight update (PerServerSync)."""
+        return self._last_sync
 
     async def flush_cache(self) -> None:
         await self._each_server("POST", "/flush_cache")
