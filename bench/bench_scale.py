@@ -180,8 +180,11 @@ def _print_run(r: Run) -> None:
 def _report(runs: list[Run], workers: list[int]) -> None:
     med = {n: statistics.median(r.per_min for r in runs if r.workers == n) for n in workers}
     base = med[workers[0]] / workers[0]
-    print("\n| rollout workers | episodes/min (median) | linear | efficiency | busy | "
-          + " | ".join(f"CPU s/episode: {f}" for f in FAMILIES) + " |")
+    print(
+        "\n| rollout workers | episodes/min (median) | linear | efficiency | busy | "
+        + " | ".join(f"CPU s/episode: {f}" for f in FAMILIES)
+        + " |"
+    )
     print("|---:|---:|---:|---:|---:|" + "---:|" * len(FAMILIES))
     for n in workers:
         mine = [r for r in runs if r.workers == n]

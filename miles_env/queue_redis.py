@@ -260,9 +260,7 @@ class RedisReplayQueue:
         if not bad:
             return Lease(lease_id, group_id, tuple(episodes), expires_at)
         now = time.time()
-        records = [
-            (bad_id, dumps({"group_id": group_id, "reason": why, "at": now})) for bad_id, why in bad
-        ]
+        records = [(bad_id, dumps({"group_id": group_id, "reason": why, "at": now})) for bad_id, why in bad]
         if self._script("QUARANTINE", group_id, lease_id, *[x for pair in records for x in pair]):
             for bad_id, why in bad:  # logged once: only the take that quarantined it gets here
                 log.error(

@@ -37,6 +37,7 @@ import httpx
 
 from miles_env.engines._launch import ManagedServer, ServerSpec, log_tail
 from miles_env.errors import ConfigError, EngineError
+from miles_env.http import free_port
 
 __all__ = ["ROUTING_KEY_HEADER", "router_spec", "start_router", "router_workers"]
 
@@ -63,6 +64,8 @@ def router_spec(
         "--health-failure-threshold", "1", "--health-success-threshold", "1",
         "--health-check-timeout-secs", "2",
         "--log-level", "warn",
+        # its metrics port defaults to 29000: two routers on one host (or one left closing) collide
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
         *extra_args,
     ]  # fmt: skip
     return ServerSpec(
