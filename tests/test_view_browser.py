@@ -217,21 +217,17 @@ def test_drift_is_marked_at_the_token_where_it_starts(train_run: Path, tmp_path:
 
 
 def test_live_update_picks_up_the_steps_a_running_train_writes(
-    train_run: Path, tiny_model: Path, page: Any
+    train_run: Path, tiny_model: Path, page: Any, tmp_path: Path
 ) -> None:
     before = len(queue_episodes(train_run))
     with viewer(train_run) as url:
         page.goto(f"{url}/#/run")
         page.wait_for_function("document.querySelector('[data-testid=step]')?.textContent == '2'")
-        train = subprocess.Popen(
-            train_args(train_run, tiny_model, 4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-        )
+        log = (tmp_path / "train.log").open("w")  # a file, not an unread pipe that could fill and block it
+        train = subprocess.Popen(train_args(train_run, tiny_model, 4), stdout=log, stderr=subprocess.STDOUT)
         try:  # resumes at step 2 and writes steps 3 and 4 while the page is open
-            page.wait_for_function(
-                "document.querySelector('[data-testid=step]')?.textContent == '3'", timeout=600_000
-            )
-            assert train.wait(timeout=600) == 0
-            page.wait_for_function(
+            assert train.wait(timeout=500) == 0, (tmp_path / "train.log").read_text()[-3000:]
+            page.wait_for_function(  # no reload: the page's own polling shows the new steps
                 "document.querySelector('[data-testid=step]')?.textContent == '4'", timeout=30_000
             )
         finally:
