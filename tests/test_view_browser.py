@@ -90,26 +90,6 @@ def shot(page: Any, name: str) -> None:
 # -- the runs -------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from miles_env.models import load_tokenizer
-
-    tok = load_tokenizer("smollm2")
-    path = tmp_path_factory.mktemp("tiny") / "model"
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
-        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-    )  # fmt: skip
-    LlamaForCausalLM(cfg).save_pretrained(str(path))
-    tok.save_pretrained(str(path))
-    return path
-
-
 def train_args(run_dir: Path, model: Path, steps: int) -> list[str]:
     sets = [
         f"run_dir={run_dir}", f"engine.model={model}", f"trainer.steps={steps}", "rollout.group_size=2",
