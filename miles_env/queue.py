@@ -52,6 +52,7 @@ from pydantic import BaseModel, ConfigDict
 from miles_env.episode_codec import decode_episode, encode_episode, payload_checksum
 from miles_env.errors import MilesEnvError
 from miles_env.queue_aio import POLL_S, AsyncReplayQueue
+from miles_env.queue_contract import wait_for_capacity
 from miles_env.sqlite_db import SqliteFile
 from miles_env.types import Episode
 
@@ -273,12 +274,7 @@ class SqliteReplayQueue:
 
     def wait_for_capacity(self, timeout: float | None = None) -> bool:
         """Block while max_pending_groups complete groups are waiting; False on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.has_capacity():
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(POLL_S)
-        return True
+        return wait_for_capacity(self, timeout, POLL_S)
 
     # -- consumer side ---------------------------------------------------------------------------
 

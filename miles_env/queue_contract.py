@@ -14,6 +14,7 @@ releases every other lease.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from miles_env.queue import Lease, OpenGroup, QueueStats
     from miles_env.queue_aio import AsyncReplayQueue
 
-__all__ = ["ReplayQueue"]
+__all__ = ["ReplayQueue", "wait_for_capacity"]
 
 
 class ReplayQueue(Protocol):
@@ -63,3 +64,13 @@ class ReplayQueue(Protocol):
 
     @property
     def aio(self) -> AsyncReplayQueue: ...
+
+
+def wait_for_capacity(queue: ReplayQueue, timeout: float | None, poll_s: float) -> bool:
+    """Block while `queue` holds max_pending_groups complete groups; False on timeout (both backends)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not queue.has_capacity():
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True

@@ -50,6 +50,7 @@ from miles_env.episode_codec import decode_episode, encode_episode, payload_chec
 from miles_env.jsonio import dumps
 from miles_env.queue import GroupState, Lease, OpenGroup, QueueError, QueueStats
 from miles_env.queue_aio import POLL_S, AsyncReplayQueue
+from miles_env.queue_contract import wait_for_capacity
 from miles_env.types import Episode
 
 if TYPE_CHECKING:
@@ -209,12 +210,7 @@ class RedisReplayQueue:
 
     def wait_for_capacity(self, timeout: float | None = None) -> bool:
         """Block while max_pending_groups complete groups are waiting; False on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.has_capacity():
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(POLL_S)
-        return True
+        return wait_for_capacity(self, timeout, POLL_S)
 
     # -- consumer side ---------------------------------------------------------------------------
 
