@@ -28,7 +28,9 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from miles_env.cluster.config import ClusterConfig
 from miles_env.engines.configs import EngineConfig, HFEngineConfig
 from miles_env.errors import ConfigError
+from miles_env.evals.config import EvalMode, ExternalEvalConfig
 from miles_env.harnesses.configs import BuiltinConfig, HarnessConfig
+from miles_env.limits import LimitsOverride
 from miles_env.queue_config import QueueConfig, SqliteQueueConfig
 from miles_env.runlog import LoggingConfig
 from miles_env.tito.config import TitoConfig
@@ -75,6 +77,10 @@ class RolloutConfig(_Strict):
     concurrency: int = Field(16, ge=1, description="episodes running at once")
     max_staleness: int = Field(1, ge=0, description="weight versions a group may lag (fully_async)")
     episode_timeout_s: float = Field(300.0, gt=0)
+    limits: LimitsOverride = Field(
+        default_factory=LimitsOverride,
+        description="ceilings over every task's own limits: a stricter value applies, a looser one is ignored",
+    )
     tiers: list[int] | None = Field(None, description="only train on tasks whose metadata tier is listed")
 
 
@@ -85,6 +91,24 @@ class EvalConfig(_Strict):
     temperature: float | None = Field(None, ge=0.0, description="None: the harness's temperature")
     tiers: list[int] | None = None
     enabled: bool = True
+    # shared: on the rollout engines | dedicated: on `engine` | external: `external` on each export
+    mode: EvalMode = "shared"
+    engine: EngineConfig | None = Field(None, description="dedicated: the eval engine (default: the run's)")
+    external: ExternalEvalConfig | None = None
+
+    @model_validator(mode="after")
+    def _mode_sections(self) -> Self:
+        """`engine` belongs to dedicated, `external` to external (which needs it)."""
+        if self.mode == "external" and self.external is None:
+            msg = "eval.mode=external needs external.command or external.url"
+            raise _invalid("EvalConfig", [(("external",), "missing_external", msg, None)])
+        if self.external is not None and self.mode != "external":
+            msg = f"external is read by eval.mode=external, not {self.mode}"
+            raise _invalid("EvalConfig", [(("external",), "unused_external", msg, None)])
+        if self.engine is not None and self.mode != "dedicated":
+            msg = f"engine is read by eval.mode=dedicated, not {self.mode}"
+            raise _invalid("EvalConfig", [(("engine",), "unused_engine", msg, None)])
+        return self
 
 
 class TrainSectionConfig(BaseModel):
@@ -158,6 +182,8 @@ class RunConfig(_Strict):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)  # tensorboard, wandb
     queue: QueueConfig = Field(default_factory=SqliteQueueConfig)  # sqlite (run_dir) | redis (shared)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # address null: one process
+    # Written by the job into run_dir/config.yaml: the env's distribution {name, version}; not an input.
+    env_dist: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _cluster_queue(self) -> Self:

@@ -43,6 +43,7 @@ from miles_env.environment import Environment
 from miles_env.errors import ConfigError
 from miles_env.harness import Harness
 from miles_env.jsonio import dumps, write_json
+from miles_env.provenance import env_distribution
 from miles_env.queue import AsyncReplayQueue
 from miles_env.rollout import RolloutContext, run_group, run_many
 from miles_env.runlog import RunLog
@@ -305,9 +306,9 @@ def _progress(console: Console) -> Progress:
     return Progress(*columns, console=console)
 
 
-def _write_resolved(cfg: RunConfig) -> None:
+def _write_resolved(cfg: RunConfig, env: Environment) -> None:
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    data = json.loads(cfg.model_dump_json())
+    data = json.loads(cfg.model_copy(update={"env_dist": env_distribution(env)}).model_dump_json())
     (cfg.run_dir / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
 
 
@@ -364,6 +365,18 @@ def _rollouts(cfg: RunConfig, engine: Engine) -> AbstractAsyncContextManager[Dis
     return cluster_rollouts(cfg, engine)
 
 
+async def _engine(cfg: RunConfig, plan: _Plan) -> Engine:
+    """The job's engine: with `cluster.engines`, a client of engine actors Ray placed
+    (cluster/engines.py); else built in this process."""
+    if cfg.cluster.address is not None and cfg.cluster.engines is not None:
+        from miles_env.cluster.engines import placed_engines
+
+        return await placed_engines(cfg, plan.engine_cfg, plan.model_path)
+    from miles_env.engines import build_engine
+
+    return await build_engine(plan.engine_cfg)
+
+
 async def _follow(cfg: RunConfig, rank: int) -> dict[str, Any]:
     """A torchrun rank > 0: build the same trainer and repeat rank 0's calls (trainer/ranks.py)."""
     from miles_env.models import resolve_model
@@ -376,7 +389,6 @@ async def _follow(cfg: RunConfig, rank: int) -> dict[str, Any]:
 
 async def run_training(cfg: RunConfig, console: Console) -> dict[str, Any]:
     """Run (or resume) the job described by `cfg`; return the final summary."""
-    from miles_env.engines import build_engine
     from miles_env.queue_config import build_queue
     from miles_env.stack import open_stack
     from miles_env.trainer.ranks import Leader, torchrun_rank
@@ -387,8 +399,8 @@ async def run_training(cfg: RunConfig, console: Console) -> dict[str, Any]:
         raise ConfigError(f"torchrun with {world} processes: only trainer.backend=megatron shards a model")
     if rank > 0:
         return await _follow(cfg, rank)
-    _write_resolved(cfg)
     plan = _plan(cfg)
+    _write_resolved(cfg, plan.env)
     log = RunLog(cfg.run_dir, config=cfg.logging)
     trainer = await anyio.to_thread.run_sync(_build_trainer, cfg, plan.model_path)
     if world > 1:
@@ -399,11 +411,12 @@ async def run_training(cfg: RunConfig, console: Console) -> dict[str, Any]:
         group_size=cfg.rollout.group_size,
         max_pending_groups=2 * cfg.rollout.groups_per_step,
     )
-    engine = await build_engine(plan.engine_cfg)
+    engine = await _engine(cfg, plan)
     try:
         async with open_stack(plan.stack_cfg, engine=engine) as stack, _rollouts(cfg, engine) as dispatch:
-            ctx = stack.rollout_context(plan.env, plan.harness, cfg.rollout.episode_timeout_s)
-            eval_ctx = stack.rollout_context(plan.env, plan.eval_harness, cfg.rollout.episode_timeout_s)
+            timeout_s, limits = cfg.rollout.episode_timeout_s, cfg.rollout.limits
+            ctx = stack.rollout_context(plan.env, plan.harness, timeout_s, limits)
+            eval_ctx = stack.rollout_context(plan.env, plan.eval_harness, timeout_s, limits)
             queue = queue_sync.aio
             job = _Job(cfg, plan, contexts=(ctx, eval_ctx), queue=queue, trainer=trainer, engine=engine,
                        log=log, console=console, dispatch=dispatch)  # fmt: skip

@@ -18,6 +18,14 @@ import anyio
 from miles_env.environment import Environment
 from miles_env.errors import MilesEnvError
 from miles_env.harness import Harness, HarnessResult, SessionRecorder
+from miles_env.limits import (
+    DEFAULT_VERIFIER_TIMEOUT_S,
+    LimitsOverride,
+    agent_timeout_s,
+    effective_spec,
+    verifier_timeout_s,
+)
+from miles_env.provenance import env_distribution
 from miles_env.sandbox import SandboxProvider
 from miles_env.types import Episode, Reward, Status, Task
 
@@ -32,6 +40,8 @@ class RolloutContext:
     proxy: SessionRecorder  # miles_env.tito.TitoProxy
     proxy_url: str  # where the proxy's HTTP app listens (host side)
     episode_timeout_s: float = 600.0
+    limits: LimitsOverride | None = None  # rollout.limits: can only tighten a task's own (limits.py)
+    verifier_timeout_s: float = DEFAULT_VERIFIER_TIMEOUT_S  # for tasks that declare none
 
 
 async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None = None) -> Episode:
@@ -48,23 +58,27 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
     status, error = Status.FAILED, None
     t0 = time.perf_counter()
     try:
-        sandbox = await ctx.provider.create(ctx.env.sandbox_spec(task))
+        spec = effective_spec(ctx.env.sandbox_spec(task), ctx.limits)
+        sandbox = await ctx.provider.create(spec)
         async with sandbox:
             timings["sandbox_create_s"] = time.perf_counter() - t0
             await ctx.env.setup(task, sandbox)
             t1 = time.perf_counter()
-            with anyio.move_on_after(ctx.episode_timeout_s) as scope:
+            agent_s = agent_timeout_s(spec.resources, ctx.episode_timeout_s)
+            with anyio.move_on_after(agent_s) as scope:
                 result = await ctx.harness.run(task, sandbox, endpoint)
             timings["harness_s"] = time.perf_counter() - t1
             if scope.cancelled_caught:
-                result = HarnessResult(
-                    Status.TRUNCATED, [], f"episode wall time {ctx.episode_timeout_s}s exceeded"
-                )
+                result = HarnessResult(Status.TRUNCATED, [], f"agent timeout {agent_s:g}s exceeded")
             assert result is not None
             status, error = result.status, result.error
             t2 = time.perf_counter()
-            reward = await ctx.env.verify(task, sandbox, result.transcript)
+            verify_s = verifier_timeout_s(spec.resources, ctx.verifier_timeout_s)
+            with anyio.move_on_after(verify_s) as verify_scope:
+                reward = await ctx.env.verify(task, sandbox, result.transcript)
             timings["verify_s"] = time.perf_counter() - t2
+            if verify_scope.cancelled_caught:  # no reward: a verifier cut short is not a score of 0
+                status, error = Status.FAILED, f"verifier timeout {verify_s:g}s exceeded"
     except anyio.get_cancelled_exc_class():
         raise
     except (MilesEnvError, OSError) as e:
@@ -96,6 +110,7 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
             "session_id": handle.session_id,
             "harness": result.metadata if result else {},
             "transcript": result.transcript if result else [],
+            "env_dist": env_distribution(ctx.env),  # {name, version} of the env's package
         },
     )
 

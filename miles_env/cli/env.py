@@ -216,3 +216,27 @@ def eval_command(
         _print_report(report)
     if report.failures or not report.results:
         raise typer.Exit(1)
+
+
+@app.command("validate")
+def validate_command(
+    name: Annotated[
+        str, typer.Argument(help="Environment name, 'module.path:attr', 'harbor:/path' or a task dir.")
+    ],
+    quick: Annotated[bool, typer.Option("--quick", help="Skip only the 2-step GRPO run.")] = False,
+    provider: Annotated[str, typer.Option(help="Sandbox provider: local or docker.")] = "local",
+    report: Annotated[
+        Path | None, typer.Option("--report", help="Also write the report as JSON here.")
+    ] = None,
+    concurrency: Annotated[int, typer.Option(min=1, help="Sandboxes at once.")] = 4,
+) -> None:
+    """The registration gate: schema, oracle = 1, do-nothing = 0, verifier determinism, 2-step GRPO."""
+    from miles_env.jsonio import write_json
+    from miles_env.validate import validate_env
+
+    result = validate_env(name, provider=provider, quick=quick, concurrency=concurrency)
+    print(result.render())
+    if report is not None:
+        write_json(report, result.to_dict())
+    if not result.passed:
+        raise typer.Exit(1)
