@@ -15,17 +15,25 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 
 from miles_env.environment import Environment
-from miles_env.sandbox import SandboxProvider
+from miles_env.sandbox import Sandbox, SandboxProvider
 from miles_env.types import Task
 
-__all__ = ["OracleResult", "OracleReport", "run_oracle", "run_solution"]
+__all__ = ["OracleResult", "OracleReport", "StagesSolution", "run_oracle", "run_solution"]
 
 _SOLUTION_TIMEOUT_S = 60.0
+
+
+@runtime_checkable
+class StagesSolution(Protocol):
+    """An environment whose reference solution needs files a shell script cannot carry (binary,
+    large): uploaded after setup, before the task's own solution runs (Harbor's solution/)."""
+
+    async def stage_solution(self, task: Task, sandbox: Sandbox) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +112,8 @@ async def run_solution(
     try:
         async with await provider.create(env.sandbox_spec(task)) as sb:
             await env.setup(task, sb)
+            if solution is None and isinstance(env, StagesSolution):
+                await env.stage_solution(task, sb)
             res = await sb.exec(["bash", "-c", script], timeout=_SOLUTION_TIMEOUT_S)
             reward = await env.verify(task, sb, [])
     except Exception as e:  # a bad rollout is data: record it, keep going

@@ -36,7 +36,7 @@ def test_task_dir_is_read(tmp_path: Path) -> None:
     (task,) = env.tasks("test")
     assert task.id == "hello" and task.sandbox.workdir == "/app"
     assert task.sandbox.files == {}  # the Dockerfile's COPY runs in env.setup (test_adapters_harbor_setup.py)
-    assert "/tmp/harbor/solution/msg.txt" in (task.solution or "")
+    assert "bash /tmp/harbor/solution/solve.sh" in (task.solution or "")
     assert "test.sh" not in str(task.sandbox.files)  # tests are uploaded only at verify time
 
 

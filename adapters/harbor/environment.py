@@ -21,7 +21,6 @@ Lifecycle: stateless; task directories are re-read on each `tasks()` call.
 from __future__ import annotations
 
 import json
-import re
 import shlex
 import tomllib
 from pathlib import Path
@@ -35,6 +34,7 @@ from miles_env.adapters.harbor.dockerfile import (
     run_setup,
     static_env,
 )
+from miles_env.adapters.harbor.files import HARBOR_ROOT, embed_script, read_tree, rebase_paths, upload
 from miles_env.environment import Environment, Transcript
 from miles_env.errors import TaskError
 from miles_env.harness import Endpoint, HarnessResult
@@ -50,15 +50,6 @@ __all__ = [
     "find_task_dirs",
 ]
 
-HARBOR_ROOT = "/tmp/harbor"
-_ABS = re.compile(r"(?<![\w.~/-])/(logs|tests|solution)(?=/|\b)")
-_TEXT_LIMIT = 1 << 20
-
-
-def rebase_paths(text: str, root: str = HARBOR_ROOT) -> str:
-    """`/logs/x` -> `/tmp/harbor/logs/x` (and /tests, /solution), leaving other paths alone."""
-    return _ABS.sub(lambda m: f"{root}/{m.group(1)}", text)
-
 
 def find_task_dirs(path: Path) -> list[Path]:
     if (path / "task.toml").is_file():
@@ -71,20 +62,6 @@ def find_task_dirs(path: Path) -> list[Path]:
     return dirs
 
 
-def _read_text_tree(root: Path) -> dict[str, str]:
-    """Relative path -> text for every UTF-8 file under root (binary files are skipped)."""
-    out: dict[str, str] = {}
-    if not root.is_dir():
-        return out
-    for p in sorted(root.rglob("*")):
-        if p.is_file() and p.stat().st_size <= _TEXT_LIMIT:
-            try:
-                out[str(p.relative_to(root))] = p.read_text()
-            except UnicodeDecodeError:
-                continue
-    return out
-
-
 def _workdir(steps: list[Step]) -> str:
     """The final stage's last WORKDIR (Harbor's default /app)."""
     workdir = "/app"
@@ -92,15 +69,6 @@ def _workdir(steps: list[Step]) -> str:
         if step.op == "WORKDIR" and step.args:
             workdir = step.args if step.args.startswith("/") else f"{workdir.rstrip('/')}/{step.args}"
     return workdir
-
-
-def _heredocs(base: str, files: dict[str, str]) -> str:
-    lines = []
-    for rel, text in files.items():
-        target = f"{base}/{rel}"
-        lines.append(f"mkdir -p {shlex.quote(str(Path(target).parent))}")
-        lines.append(f"cat > {shlex.quote(target)} <<'MILES_ENV_EOF'\n{text.rstrip(chr(10))}\nMILES_ENV_EOF")
-    return "\n".join(lines)
 
 
 def read_task_dir(task_dir: Path, env_name: str) -> Task:
@@ -123,13 +91,7 @@ def read_task_dir(task_dir: Path, env_name: str) -> Task:
             "timeout_s": float(agent_cfg.get("timeout_sec", 60.0)),
         }
     )
-    solution_files = {k: rebase_paths(v) for k, v in _read_text_tree(task_dir / "solution").items()}
-    solution = None
-    if "solve.sh" in solution_files:
-        sol_dir = f"{HARBOR_ROOT}/solution"
-        solution = (
-            f"{_heredocs(sol_dir, solution_files)}\ncd {shlex.quote(workdir)} && bash {sol_dir}/solve.sh"
-        )
+    solution = _solution_script(task_dir / "solution", workdir)
     return Task(
         id=task_dir.name,
         env=env_name,
@@ -145,6 +107,22 @@ def read_task_dir(task_dir: Path, env_name: str) -> Task:
             "harbor": {"metadata": cfg.get("metadata", {}), "version": cfg.get("version")},
         },
     )
+
+
+def _solution_script(sol_root: Path, workdir: str) -> str | None:
+    """`bash solve.sh` in the workdir, its files embedded (or staged by the oracle when too large)."""
+    files = read_tree(sol_root)
+    if not any(f.rel == "solve.sh" for f in files):
+        return None
+    sol_dir = f"{HARBOR_ROOT}/solution"
+    embedded = embed_script(sol_dir, files)
+    if embedded is None:
+        size = sum(len(f.data) for f in files)
+        embedded = (
+            f"test -f {sol_dir}/solve.sh || {{ echo 'harbor: the solution files ({size} bytes) are too "
+            "large for a script; the oracle runner uploads them (stage_solution)' >&2; exit 1; }"
+        )
+    return f"{embedded}\ncd {shlex.quote(workdir)} && bash {sol_dir}/solve.sh"
 
 
 def parse_reward(txt: str | None, js: str | None) -> tuple[float, dict[str, Any]]:
@@ -193,19 +171,28 @@ class HarborTasksEnvironment(Environment):
         except TaskError as e:
             raise TaskError(f"task {task.id!r}: {e}") from e
 
+    async def stage_solution(self, task: Task, sandbox: Sandbox) -> None:
+        """The oracle's step before `task.solution`: solution/ uploaded byte for byte (any size)."""
+        await upload(
+            sandbox, f"{HARBOR_ROOT}/solution", read_tree(Path(task.verifier["task_dir"]) / "solution")
+        )
+
     async def verify(self, task: Task, sandbox: Sandbox, transcript: Transcript) -> Reward:
         if any(m.get("role") == FRAMEWORK_ROLE for m in transcript):  # Harbor's own verifier already ran
             return framework_reward(task, transcript)
-        tests = {
-            k: rebase_paths(v) for k, v in _read_text_tree(Path(task.verifier["task_dir"]) / "tests").items()
-        }
         script = (
             f"rm -rf {HARBOR_ROOT}/logs {HARBOR_ROOT}/tests && mkdir -p {HARBOR_ROOT}/logs/verifier "
-            f"{HARBOR_ROOT}/logs/agent\n{_heredocs(HARBOR_ROOT + '/tests', tests)}\n"
+            f"{HARBOR_ROOT}/logs/agent"
         )
         prep = await sandbox.exec(script, timeout=60)
-        if not prep.ok:
-            raise TaskError(f"task {task.id!r}: could not upload tests: {prep.stderr[-500:]}")
+        try:
+            if not prep.ok:
+                raise TaskError(prep.stderr.strip()[-500:])
+            await upload(
+                sandbox, f"{HARBOR_ROOT}/tests", read_tree(Path(task.verifier["task_dir"]) / "tests")
+            )
+        except TaskError as e:
+            raise TaskError(f"task {task.id!r}: could not upload tests: {e}") from e
         res = await sandbox.exec(
             f"bash {HARBOR_ROOT}/tests/test.sh",
             timeout=task.verifier.get("timeout_s", 120.0),

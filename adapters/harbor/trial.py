@@ -96,6 +96,10 @@ async def _write(params: dict[str, Any]) -> bool:
     sb, path = _sandbox(params), params["path"]
     await sb.exec(f"mkdir -p {shlex.quote(str(Path(path).parent))}", timeout=30)
     await sb.write_file(path, base64.b64decode(params["data"]))
+    if params.get("mode") is not None:  # the source file's permission bits (an executable stays one)
+        res = await sb.exec(f"chmod {int(params['mode']):o} {shlex.quote(path)}", timeout=30)
+        if not res.ok:
+            raise SandboxError(f"chmod {path}: {res.stderr.strip()[-300:]}")
     return True
 
 

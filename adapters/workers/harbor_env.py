@@ -6,7 +6,8 @@ the worker protocol's callbacks (`sandbox.exec`, `sandbox.write`, `sandbox.read`
 sandbox to use is the context variable CURRENT_SANDBOX, set by the worker's `trial`
 handler. Harbor's absolute `/logs`, `/tests`, `/solution`, `/installed-agent` and
 `/oracle` paths are rebased under `/tmp/harbor` (the local sandbox's root is read-only),
-in commands and in uploaded text files alike.
+in commands and in uploaded text files (UTF-8, at most 1 MiB) alike; every other file is
+uploaded byte for byte, and every file keeps its permission bits (as `docker cp` does).
 
 Each of our execs may be its own process namespace (the local sandbox: a fresh
 bwrap per exec), so a tmux server started by one exec would die with it. A command
@@ -28,6 +29,7 @@ from harbor.environments.base import BaseEnvironment, ExecResult
 
 CURRENT_SANDBOX: contextvars.ContextVar[str] = contextvars.ContextVar("miles_sandbox")
 ROOT = "/tmp/harbor"
+_REBASE_LIMIT = 1 << 20
 _ABS = re.compile(r"(?<![\w.~/-])/(logs|tests|solution|installed-agent|oracle)(?=/|\b)")
 
 
@@ -57,10 +59,14 @@ class MilesSandboxEnvironment(BaseEnvironment):
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
         data = Path(source_path).read_bytes()
         try:
-            data = rebase(data.decode()).encode()
+            if len(data) <= _REBASE_LIMIT:
+                data = rebase(data.decode()).encode()
         except UnicodeDecodeError:
             pass
-        await self._call("sandbox.write", path=rebase(target_path), data=base64.b64encode(data).decode())
+        mode = Path(source_path).stat().st_mode & 0o7777
+        await self._call(
+            "sandbox.write", path=rebase(target_path), data=base64.b64encode(data).decode(), mode=mode
+        )
 
     async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
         for p in sorted(Path(source_dir).rglob("*")):
