@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-__all__ = ["TEST_SH", "make_task", "make_binary_task", "BINARY_SIZE"]
+__all__ = ["TEST_SH", "make_task", "make_binary_task", "make_features_task", "BINARY_SIZE"]
 
 BINARY_SIZE = 5 * 1024 * 1024
 
@@ -74,4 +74,97 @@ def make_binary_task(root: Path, name: str = "binary") -> Path:
     (d / "solution" / "solve.sh").write_text(
         "#!/bin/bash\ncp /solution/payload.bin /app/out.bin\n/solution/tool\n"
     )
+    return d
+
+
+FEATURES_DOCKERFILE = """# syntax=docker/dockerfile:1
+FROM ubuntu:24.04
+ARG GREETING=hi
+ENV APP=/app
+WORKDIR /app
+COPY --chmod=755 bin/tool.sh bin/tool
+COPY --chmod=640 --link data/secret.txt secret.txt
+COPY bin/keep.sh bin/
+ADD pkg.tar.gz pkg/
+ADD pkg.tar.bz2 bz/
+ADD pkg.tar.xz xz/
+ADD bundle.data plain/
+ADD note.txt.gz ./
+RUN <<EOF
+echo "one $APP" > h1.txt
+echo two >> h1.txt
+EOF
+RUN <<EOF
+#!/usr/bin/env python3
+open("/app/h2.txt", "w").write("from python\\n")
+EOF
+RUN cat <<EOF > h3.txt && echo after >> h3.txt
+$GREETING from heredoc
+EOF
+RUN <<-EOF
+\techo tabbed > h4.txt
+\tEOF
+COPY <<EOF conf.txt
+greeting=${GREETING}
+EOF
+COPY <<"EOF" raw.txt
+greeting=${GREETING}
+EOF
+SHELL ["/bin/bash", "-c"]
+RUN [[ -x bin/tool ]] && echo bash > shell.txt
+USER root
+CMD ["bash"]
+"""
+
+FEATURES_TEST_SH = """#!/bin/bash
+cd /app
+ok=1
+check() { if ! eval "$1"; then echo "FAILED: $1"; ok=0; fi; }
+check '[ "$(bin/tool)" = "tool ok" ]'
+check '[ "$(stat -c %a secret.txt)" = 640 ] && [ "$(stat -c %a bin/keep.sh)" = 750 ]'
+check '[ "$(cat pkg/lib/a.txt bz/lib/a.txt xz/lib/a.txt plain/lib/a.txt)" = "$(printf "a\\na\\na\\na")" ]'
+check '[ "$(stat -c %a pkg/lib/run.sh)" = 755 ] && [ ! -e pkg.tar.gz ]'
+check '[ "$(gzip -dc note.txt.gz)" = "just a gzip" ]'
+check '[ "$(cat h1.txt)" = "$(printf "one /app\\ntwo")" ] && [ "$(cat h2.txt)" = "from python" ]'
+check '[ "$(cat h3.txt)" = "$(printf "hi from heredoc\\nafter")" ] && [ "$(cat h4.txt)" = tabbed ]'
+check '[ "$(cat conf.txt)" = "greeting=hi" ] && [ "$(cat raw.txt)" = "greeting=\\${GREETING}" ]'
+check '[ "$(cat shell.txt)" = bash ] && [ -f done ]'
+mkdir -p /logs/verifier
+echo $ok > /logs/verifier/reward.txt
+"""
+
+
+def _tar(path: Path, mode: str, members: Path) -> None:
+    import tarfile
+
+    with tarfile.open(path, mode) as tf:
+        tf.add(members, arcname="lib")
+
+
+def make_features_task(root: Path, name: str = "features") -> Path:
+    """A task whose environment needs COPY --chmod, ADD archive unpacking, heredocs and SHELL."""
+    import gzip
+
+    d = root / name
+    env = d / "environment"
+    for sub in ("bin", "data", "src/lib"):
+        (env / sub).mkdir(parents=True)
+    (d / "tests").mkdir()
+    (d / "solution").mkdir()
+    (d / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 60.0\n')
+    (d / "instruction.md").write_text("Create /app/done.\n")
+    (env / "Dockerfile").write_text(FEATURES_DOCKERFILE)
+    (env / "bin" / "tool.sh").write_text("#!/bin/sh\necho tool ok\n")  # 644 here: --chmod makes it 755
+    (env / "bin" / "keep.sh").write_text("#!/bin/sh\n")
+    (env / "bin" / "keep.sh").chmod(0o750)
+    (env / "data" / "secret.txt").write_text("s3cret\n")
+    (env / "src" / "lib" / "a.txt").write_text("a\n")
+    (env / "src" / "lib" / "run.sh").write_text("#!/bin/sh\n")
+    (env / "src" / "lib" / "run.sh").chmod(0o755)
+    for archive, mode in (("pkg.tar.gz", "w:gz"), ("pkg.tar.bz2", "w:bz2"), ("pkg.tar.xz", "w:xz")):
+        _tar(env / archive, mode, env / "src" / "lib")
+    _tar(env / "bundle.data", "w", env / "src" / "lib")  # a plain tar, recognised by content
+    (env / "note.txt.gz").write_bytes(gzip.compress(b"just a gzip\n"))  # not a tar: copied as is
+    (d / "tests" / "test.sh").write_text(FEATURES_TEST_SH)
+    (d / "solution" / "solve.sh").write_text("#!/bin/bash\ntouch /app/done\n")
     return d

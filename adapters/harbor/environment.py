@@ -11,9 +11,9 @@ after the agent is done (the agent never sees tests or solution), runs
 Invariant: Harbor's absolute paths `/logs`, `/tests`, `/solution` are rebased
 under `/tmp/harbor` (the only absolute place every sandbox can write, since the
 local sandbox's root is read-only); the verifier clears `/tmp/harbor/logs`
-before it runs, so nothing the agent wrote there can fake a reward. From the
-Dockerfile only `WORKDIR` and `COPY`/`ADD` of text files are honoured; `RUN`
-steps are not executed (a docker-backed provider gets `docker_image` instead).
+before it runs, so nothing the agent wrote there can fake a reward. tests/ and
+solution/ arrive byte for byte with their modes (files.py). The Dockerfile is built
+by the docker provider and replayed by `setup` elsewhere (replay.py).
 
 Lifecycle: stateless; task directories are re-read on each `tasks()` call.
 """
@@ -26,18 +26,21 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from miles_env.adapters.framework_harness import FRAMEWORK_ROLE, framework_reward
 from miles_env.adapters.harbor.dockerfile import (
     Step,
     final_stage,
     parse_dockerfile,
-    run_setup,
     static_env,
 )
 from miles_env.adapters.harbor.files import HARBOR_ROOT, embed_script, read_tree, rebase_paths, upload
+from miles_env.adapters.harbor.replay import run_setup
 from miles_env.environment import Environment, Transcript
-from miles_env.errors import TaskError
+from miles_env.errors import ConfigError, TaskError
 from miles_env.harness import Endpoint, HarnessResult
+from miles_env.limits import parse_size_mb
 from miles_env.sandbox import Sandbox
 from miles_env.types import Resources, Reward, SandboxSpec, Task
 
@@ -71,6 +74,31 @@ def _workdir(steps: list[Step]) -> str:
     return workdir
 
 
+def _resources(
+    task_dir: Path, env_cfg: dict[str, Any], agent_cfg: dict[str, Any], ver_cfg: dict[str, Any]
+) -> Resources:
+    """Harbor's task.toml limits as ours: [environment] cpus, memory_mb (or memory = "2G"),
+    storage_mb (or storage) -> disk_mb; [agent] timeout_sec -> agent_timeout_s (and the per-exec
+    default, as before); [verifier] timeout_sec -> verifier_timeout_s. Unset fields keep our defaults.
+    `allow_internet` (Harbor's default: true) is recorded in metadata; the sandbox stays offline."""
+    memory = env_cfg.get("memory_mb", env_cfg.get("memory"))
+    storage = env_cfg.get("storage_mb", env_cfg.get("storage"))
+    agent_s, verifier_s = agent_cfg.get("timeout_sec"), ver_cfg.get("timeout_sec")
+    fields: dict[str, Any] = {
+        "memory_mb": 1024 if memory is None else parse_size_mb(memory, "environment.memory_mb"),
+        "timeout_s": float(agent_s if agent_s is not None else 60.0),
+        "cpus": env_cfg.get("cpus"),
+        "agent_timeout_s": agent_s,
+        "verifier_timeout_s": verifier_s,
+    }
+    if storage is not None:
+        fields["disk_mb"] = parse_size_mb(storage, "environment.storage_mb")
+    try:
+        return Resources.model_validate(fields)
+    except (ValidationError, ConfigError) as e:
+        raise TaskError(f"{task_dir / 'task.toml'}: {e}") from e
+
+
 def read_task_dir(task_dir: Path, env_name: str) -> Task:
     try:
         cfg = tomllib.loads((task_dir / "task.toml").read_text())
@@ -85,12 +113,7 @@ def read_task_dir(task_dir: Path, env_name: str) -> Task:
     df = task_dir / "environment" / "Dockerfile"
     steps = parse_dockerfile(df.read_text()) if df.is_file() else []
     workdir = _workdir(steps)
-    resources = Resources.model_validate(
-        {
-            "memory_mb": int(env_cfg.get("memory_mb", 1024)),
-            "timeout_s": float(agent_cfg.get("timeout_sec", 60.0)),
-        }
-    )
+    resources = _resources(task_dir, env_cfg, agent_cfg, ver_cfg)
     solution = _solution_script(task_dir / "solution", workdir)
     return Task(
         id=task_dir.name,
@@ -104,7 +127,11 @@ def read_task_dir(task_dir: Path, env_name: str) -> Task:
         solution=solution,
         metadata={
             "adapter": "harbor",  # `--harness framework` runs Harbor's own agent (harbor/trial.py)
-            "harbor": {"metadata": cfg.get("metadata", {}), "version": cfg.get("version")},
+            "harbor": {
+                "metadata": cfg.get("metadata", {}),
+                "version": cfg.get("version"),
+                "allow_internet": bool(env_cfg.get("allow_internet", True)),
+            },
         },
     )
 

@@ -1,0 +1,89 @@
+"""Dockerfile replay on the local provider follows Docker's reference: COPY --chmod, ADD archives,
+here-documents, SHELL; every instruction or flag it cannot honour is refused by name and line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from miles_env.adapters.harbor.dockerfile import Heredoc, parse_dockerfile
+from miles_env.oracle import run_solution
+from miles_env.registry import load_environment
+from tests.harbor_support import make_features_task
+
+
+def _oracle(task_dir: Path, solution: str | None = None):  # type: ignore[no-untyped-def]
+    from miles_env.sandboxes import get_provider
+
+    env = load_environment(f"harbor:{task_dir}")
+    (task,) = env.tasks("test")
+    return anyio.run(run_solution, env, task, get_provider("local"), solution)
+
+
+def test_parse_heredocs() -> None:
+    steps = parse_dockerfile(
+        "FROM a\nRUN <<EOF\necho 1\n  EOF not yet\nEOF\nCOPY <<-'A' <<B /dst/\n\tx\n\tA\ny $V\nB\n"
+        'RUN ["<<EOF"]\nRUN python3 <<EOF > out\nprint(1)\nEOF\nENV X=1\n'
+    )
+    assert [s.op for s in steps] == ["FROM", "RUN", "COPY", "RUN", "RUN", "ENV"]
+    assert steps[1].heredocs == (Heredoc("EOF", "echo 1\n  EOF not yet\n", False, True),)
+    a, b = steps[2].heredocs
+    assert (a.content(), a.expand, b.content(), b.expand) == ("x\n", False, "y $V\n", True)
+    assert steps[3].heredocs == ()  # the exec form has no here-documents
+    assert steps[4].script() == "python3 <<EOF > out\nprint(1)\nEOF" and steps[5].line == 15
+
+
+@pytest.mark.parametrize(("solution", "score"), [(None, 1.0), ("true", 0.0)])  # oracle, nop
+def test_dockerfile_features_replayed(tmp_path: Path, solution: str | None, score: float) -> None:
+    """Before: --chmod dropped, archives copied not unpacked, heredoc bodies run as instructions."""
+    res = _oracle(make_features_task(tmp_path), solution)
+    assert res.error is None, res.error
+    assert res.score == score, res.details.get("test_output")
+
+
+@pytest.mark.parametrize(
+    ("line", "expect"),
+    [
+        ("ADD --checksum=sha256:00 data/words.txt /app/", "Dockerfile:3: ADD --checksum is not supported"),
+        ("RUN --mount=type=cache,target=/c true", "Dockerfile:3: RUN --mount is not supported"),
+        ("COPY --parents data/words.txt /app/", "Dockerfile:3: COPY --parents is not supported"),
+        ("COPY --exclude=*.md data/ /app/", "Dockerfile:3: COPY --exclude is not supported"),
+        ("USER agent", "Dockerfile:3: USER agent is not supported by the local provider"),
+        ("ADD https://example.com/x.tar.gz /app/", "Dockerfile:3: ADD of a URL is not supported"),
+        ("COPY --chown=4242:4242 data/words.txt /app/w", "Dockerfile:3: COPY --chown=4242:4242 is not supp"),
+        ("COPY --chmod=abc data/words.txt /app/w", "--chmod='abc' is not a file mode"),
+        ("FROBNICATE now", "Dockerfile:3: FROBNICATE is not supported by the local provider"),
+    ],
+)
+def test_refused_by_name(tmp_path: Path, line: str, expect: str) -> None:
+    from tests.test_adapters_harbor_setup import copy_task
+
+    d = copy_task(tmp_path, f"FROM ubuntu:24.04\nWORKDIR /app\n{line}\nRUN touch /app/after\n")
+    res = _oracle(d)
+    assert res.error is not None and expect in res.error, res.error
+    assert "use the docker provider" in res.error or "file mode" in res.error
+
+
+@pytest.mark.slow
+def test_parity_with_harbors_own_trial(tmp_path: Path) -> None:
+    """Harbor's own Trial (oracle, nop) on the replayed environment scores as our oracle does."""
+    from miles_env.adapters.framework_harness import close_workers
+    from miles_env.adapters.harbor import run_harbor_trial
+    from miles_env.adapters.venv import install
+    from miles_env.sandboxes import get_provider
+
+    install("harbor")
+    d = make_features_task(tmp_path)
+
+    async def main() -> list[dict]:
+        out = [await run_harbor_trial(d, agent, get_provider("local")) for agent in ("oracle", "nop")]
+        await close_workers()
+        return out
+
+    theirs = anyio.run(main)
+    ours = [_oracle(d).score, _oracle(d, "true").score]
+    assert (
+        [t["rewards"] for t in theirs] == [{"reward": s} for s in ours] == [{"reward": 1.0}, {"reward": 0.0}]
+    )
