@@ -81,15 +81,15 @@ def validate_env(
     t0 = time.monotonic()
     try:
         env = load_environment(name, validate=False)
-    except MilesEnvError as e:
-        failed = StageResult("schema", False, "the environment did not load", (str(e),))
+    except (MilesEnvError, ImportError) as e:
+        failed = StageResult("schema", False, "the environment did not load", (f"{type(e).__name__}: {e}",))
         return ValidationReport(name, provider, stages=(failed, *_skipped("schema", "not run")), quick=quick)
     schema, tasks = schema_stage(env)
     schema = StageResult(schema.name, schema.passed, schema.summary, schema.problems,
                          duration_s=time.monotonic() - t0)  # fmt: skip
     base = ValidationReport(name, provider, env_distribution(env), len(tasks), quick=quick)
     if not tasks:
-        return _with(base, schema, *_skipped("schema", "no tasks"))
+        return _with(base, schema, *_skipped("schema", "not run: no valid tasks"))
     try:
         checked = anyio.run(_sandbox_stages, env, tasks, provider, concurrency)
     except MilesEnvError as e:  # the provider itself could not be built
