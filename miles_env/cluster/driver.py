@@ -7,21 +7,25 @@ task to one of `cluster.rollout_workers` `RolloutWorker` actors (worker.py), pla
 SPREAD strategy (and `worker_resources`, e.g. {"rollout": 1} on rollout nodes). The workers put
 the episodes into the Redis queue themselves; the loop takes them from there as in one process.
 
-The engine every worker reaches: the user's SGLang servers (`engine.kind=sglang` with url/urls),
-attached to directly; any other engine (the embedded hf engine, a launched server bound to
+The engine every worker reaches: the engines Ray placed (`cluster.engines`, engines.py) or the
+user's SGLang servers (`engine.kind=sglang` with url/urls), attached to directly; any other engine (the embedded hf engine, a launched server bound to
 loopback) is the driver's own, served to the workers by the embedded SGLang-compatible server
 (engines/sglang_server.py) on this node's IP. Weight sync is unchanged: the driver updates its
 one engine after each step, and the workers' clients see the new version in every response.
 
 Eval runs on the driver, on its own stack, as in one process (the workers roll out train groups).
 
-Faults: a worker that dies (its node lost) fails the groups it had in flight with a RayActorError;
-each such task is re-run on the least busy living worker (at most `max_attempts` tries), so none
-is lost. Episodes the dead worker had put stay in the queue; a group it left short of
-`group_size` stays OPEN there and is never trained (counted: `queue stats` open groups). A group
-the worker finished just before dying is re-run too: an extra group, never the same episode twice.
-No worker left is a ClusterError. RUN_DIR/cluster.json records, per worker, its node, groups and
-episodes, and the losses and re-dispatches.
+Faults: a worker that dies (its process killed, its node lost) fails the groups it had in flight
+with a RayActorError; each such task is re-run on the least busy living worker (at most
+`max_attempts` tries), so none is lost. With `replace_workers` (the default) the first task that
+sees the death starts a new worker (`worker-{n}`, where Ray finds room: the dead one's resources
+are free again, or another node's) and re-runs there or elsewhere; tasks that find no worker
+alive wait for a replacement under way. Episodes the dead worker had put stay in the queue; a
+group it left short of `group_size` stays OPEN there and is never trained (counted: `queue stats`
+open groups). A group the worker finished just before dying is re-run too: an extra group, never
+the same episode twice. No worker left (none alive, none being started) is a ClusterError.
+RUN_DIR/cluster.json records, per worker, its node, groups, episodes and whom it replaced, and
+the losses, replacements and re-dispatches (and the placed engines, engines.py).
 
 Lifecycle: `async with cluster_rollouts(cfg, engine) as dispatch:` joins the cluster (ray.init),
 starts the engine server if needed and the workers; on exit cancels what is in flight, closes and
@@ -31,18 +35,19 @@ kills the workers, writes cluster.json and leaves the cluster (the cluster itsel
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
+from miles_env.cluster import session
 from miles_env.cluster.worker import GroupReport, RolloutWorker, WorkerSpec
 from miles_env.config import RunConfig
 from miles_env.engines.base import Engine
 from miles_env.engines.configs import SGLangEngineConfig
-from miles_env.errors import ClusterError, ConfigError
+from miles_env.errors import ClusterError
 from miles_env.jsonio import write_json
 from miles_env.types import Task
 
@@ -63,6 +68,10 @@ class _Worker:
     groups: int = 0
     episodes: int = 0
     lost_error: str | None = None
+    replaces: str | None = None  # the dead worker this one was started for
+
+
+Spawn = Callable[[str], Awaitable[_Worker]]  # start one more worker under this name (placed, open)
 
 
 @dataclass(slots=True)
@@ -71,31 +80,39 @@ class ClusterRollouts:
 
     workers: list[_Worker]
     max_attempts: int
+    spawn: Spawn | None = None  # None: a dead worker is not replaced
     redispatched: int = 0  # tasks re-run after their worker died under them
+    replaced: int = 0  # workers started for dead ones
     reports: list[GroupReport] = field(default_factory=list)
+    _starting: int = 0  # replacements under way
+    _changed: anyio.Event = field(default_factory=anyio.Event)  # set when one of them is done
 
     async def __call__(self, tasks: Sequence[Task]) -> None:
         async with anyio.create_task_group() as tg:
             for task in tasks:
                 tg.start_soon(self._run, task)
 
-    def _pick(self) -> _Worker:
-        living = [w for w in self.workers if w.alive]
-        if not living:
-            lost = "; ".join(f"{w.name}: {w.lost_error}" for w in self.workers)
-            raise ClusterError(f"every rollout worker died ({lost})")
-        return min(living, key=lambda w: w.in_flight)
+    async def _pick(self) -> _Worker:
+        while True:
+            living = [w for w in self.workers if w.alive]
+            if living:
+                return min(living, key=lambda w: w.in_flight)
+            if not self._starting:
+                lost = "; ".join(f"{w.name}: {w.lost_error}" for w in self.workers)
+                raise ClusterError(f"every rollout worker died ({lost})")
+            await self._changed.wait()  # a replacement is being placed
 
     async def _run(self, task: Task) -> None:
         from ray.exceptions import RayActorError
 
         for attempt in range(self.max_attempts):
-            worker = self._pick()
+            worker = await self._pick()
             worker.in_flight += 1
             try:
                 report: GroupReport = await _call(worker.actor.run_group, task)
             except RayActorError as e:
-                self._lose(worker, e)
+                if self._lose(worker, e):
+                    await self._replace(worker)
                 if attempt + 1 < self.max_attempts:
                     self.redispatched += 1
                 continue
@@ -107,19 +124,42 @@ class ClusterRollouts:
             return
         raise ClusterError(f"task {task.id!r}: its worker died on each of {self.max_attempts} attempts")
 
-    def _lose(self, worker: _Worker, error: Exception) -> None:
-        if worker.alive:
-            worker.alive = False
-            worker.lost_error = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-            log.warning(
-                "rollout worker %s (node %s) lost: %s", worker.name, worker.node_id, worker.lost_error
-            )
+    def _lose(self, worker: _Worker, error: Exception) -> bool:
+        """Mark `worker` dead; True for the first caller that saw it die."""
+        if not worker.alive:
+            return False
+        worker.alive = False
+        worker.lost_error = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        log.warning("rollout worker %s (node %s) lost: %s", worker.name, worker.node_id, worker.lost_error)
+        return True
+
+    async def _replace(self, dead: _Worker) -> None:
+        """Start a worker for `dead`; one that cannot be placed leaves the run on the others."""
+        if self.spawn is None:
+            return
+        self._starting += 1
+        try:
+            new = await self.spawn(f"worker-{len(self.workers) + self._starting - 1}")
+        except Exception as e:  # recorded; the living workers carry on
+            log.warning("rollout worker %s not replaced: %s", dead.name, e)
+        else:
+            new.replaces = dead.name
+            self.workers.append(new)
+            self.replaced += 1
+            log.warning("rollout worker %s replaced by %s (node %s)", dead.name, new.name, new.node_id)
+        finally:
+            self._starting -= 1
+            self._changed.set()
+            self._changed = anyio.Event()
 
     def summary(self) -> dict[str, Any]:
-        keys = ("name", "node_id", "alive", "groups", "episodes", "lost_error")
+        keys = ("name", "node_id", "alive", "groups", "episodes", "lost_error", "replaces")
         workers = [{k: getattr(w, k) for k in keys} for w in self.workers]
         lost = sum(1 for w in self.workers if not w.alive)
-        return {"workers": workers, "workers_lost": lost, "groups_redispatched": self.redispatched}
+        return {
+            "workers": workers, "workers_lost": lost, "workers_replaced": self.replaced,
+            "groups_redispatched": self.redispatched,
+        }  # fmt: skip
 
 
 async def _call(method: Any, *args: Any) -> Any:
@@ -138,7 +178,11 @@ async def _workers_engine(cfg: RunConfig, engine: Engine, stack: AsyncExitStack)
     """The engine config each worker builds its client from (see the module docstring)."""
     import ray
 
+    from miles_env.cluster.engines import PlacedEngines
+
     own = cfg.engine
+    if isinstance(engine, PlacedEngines):  # the engine actors, each reached directly
+        return SGLangEngineConfig(urls=engine.engine_urls, model=own.model)
     if isinstance(own, SGLangEngineConfig) and not own.launch and (own.url or own.urls):
         return own.model_copy(update={"router": "ring"})  # one router per worker would be one too many
     from miles_env.engines.sglang_server import running_server
@@ -149,7 +193,8 @@ async def _workers_engine(cfg: RunConfig, engine: Engine, stack: AsyncExitStack)
     return SGLangEngineConfig(url=url, model=own.model)
 
 
-async def _start_workers(cfg: RunConfig, engine_cfg: SGLangEngineConfig) -> list[_Worker]:
+def _spawner(cfg: RunConfig, engine_cfg: SGLangEngineConfig) -> Spawn:
+    """Start one worker actor (placed by SPREAD and `worker_resources`) and wait for its stack."""
     import ray
 
     c = cfg.cluster
@@ -157,24 +202,53 @@ async def _start_workers(cfg: RunConfig, engine_cfg: SGLangEngineConfig) -> list
         num_cpus=c.worker_cpus, resources=dict(c.worker_resources), scheduling_strategy="SPREAD",
         max_restarts=0, max_task_retries=0,
     )  # fmt: skip
-    workers = []
-    for i in range(c.rollout_workers):
-        spec = WorkerSpec(name=f"worker-{i}", run=cfg, engine=engine_cfg)
-        workers.append(_Worker(spec.name, actor_cls.remote(spec.model_dump_json())))
-    started = [w.actor.start.remote() for w in workers]  # concurrently; a failed start fails the run
-    try:
-        with anyio.fail_after(c.start_timeout_s):
-            for w, ref in zip(workers, started, strict=True):
-                w.node_id = await ref
-    except TimeoutError:
-        for w in workers:
-            ray.kill(w.actor, no_restart=True)
-        need = {"CPU": c.worker_cpus, **c.worker_resources}
-        raise ClusterError(
-            f"cluster.rollout_workers={c.rollout_workers}: not all started within "
-            f"cluster.start_timeout_s={c.start_timeout_s:g}; does the cluster offer {need} to each?"
-        ) from None
-    return workers
+
+    async def spawn(name: str) -> _Worker:
+        spec = WorkerSpec(name=name, run=cfg, engine=engine_cfg)
+        worker = _Worker(name, actor_cls.remote(spec.model_dump_json()))
+        try:
+            with anyio.fail_after(c.start_timeout_s):
+                worker.node_id = await worker.actor.start.remote()
+        except BaseException as e:
+            ray.kill(worker.actor, no_restart=True)
+            if isinstance(e, TimeoutError):
+                need = {"CPU": c.worker_cpus, **c.worker_resources}
+                raise ClusterError(
+                    f"cluster.rollout_workers: {name} not started within "
+                    f"cluster.start_timeout_s={c.start_timeout_s:g}; does the cluster offer {need}?"
+                ) from None
+            raise
+        return worker
+
+    return spawn
+
+
+async def _start_workers(cfg: RunConfig, spawn: Spawn) -> list[_Worker]:
+    """The first `rollout_workers`, started concurrently; one that fails fails the run."""
+    c = cfg.cluster
+    workers: list[_Worker | None] = [None] * c.rollout_workers
+    failures: list[BaseException] = []
+
+    async def one(i: int) -> None:
+        try:
+            workers[i] = await spawn(f"worker-{i}")
+        except Exception as e:
+            failures.append(e)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(c.rollout_workers):
+            tg.start_soon(one, i)
+    started = [w for w in workers if w is not None]
+    if failures:
+        await _stop_workers(started)
+        if isinstance(failures[0], ClusterError):
+            need = {"CPU": c.worker_cpus, **c.worker_resources}
+            raise ClusterError(
+                f"cluster.rollout_workers={c.rollout_workers}: not all started within "
+                f"cluster.start_timeout_s={c.start_timeout_s:g}; does the cluster offer {need} to each?"
+            ) from None
+        raise failures[0]
+    return started
 
 
 async def _stop_workers(workers: list[_Worker]) -> None:
@@ -190,37 +264,34 @@ async def _stop_workers(workers: list[_Worker]) -> None:
         ray.kill(w.actor, no_restart=True)
 
 
+async def _finish(cfg: RunConfig, engine: Engine, rollouts: ClusterRollouts) -> None:
+    """Write RUN_DIR/cluster.json (workers, and the placed engines' versions), stop the workers."""
+    from miles_env.cluster.engines import PlacedEngines
+
+    summary = rollouts.summary()
+    if isinstance(engine, PlacedEngines):
+        summary["engines"] = await engine.summary()
+    write_json(cfg.run_dir / "cluster.json", summary)
+    await _stop_workers(rollouts.workers)
+
+
 @asynccontextmanager
 async def cluster_rollouts(cfg: RunConfig, engine: Engine) -> AsyncIterator[ClusterRollouts]:
     """Join the Ray cluster at `cfg.cluster.address` and run the rollouts there (module docstring)."""
-    try:
-        import ray
-    except ImportError as e:
-        raise ConfigError(
-            f"cluster.address: Ray is not installed ({e}); pip install 'miles-env[scale]'"
-        ) from e
-
-    try:
-        ray.init(address=cfg.cluster.address, log_to_driver=False, logging_level=logging.WARNING)
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        raise ClusterError(
-            f"cluster.address={cfg.cluster.address!r}: cannot join the Ray cluster: {e}"
-        ) from e
+    assert cfg.cluster.address is not None
+    joined = session.join(cfg.cluster.address)
     cfg = cfg.model_copy(update={"run_dir": cfg.run_dir.resolve()})  # the workers' cwd is not ours
-    workers: list[_Worker] = []
     try:
         async with AsyncExitStack() as stack:
             engine_cfg = await _workers_engine(cfg, engine, stack)
-            workers = await _start_workers(cfg, engine_cfg)
-            rollouts = ClusterRollouts(workers, cfg.cluster.max_attempts)
+            spawn = _spawner(cfg, engine_cfg)
+            workers = await _start_workers(cfg, spawn)
+            rollouts = ClusterRollouts(workers, cfg.cluster.max_attempts,
+                                       spawn if cfg.cluster.replace_workers else None)  # fmt: skip
             try:
                 yield rollouts
             finally:
-                write_json(cfg.run_dir / "cluster.json", rollouts.summary())
                 with anyio.CancelScope(shield=True):
-                    await _stop_workers(workers)
-                workers = []
+                    await _finish(cfg, engine, rollouts)
     finally:
-        for w in workers:  # a start that failed half way
-            ray.kill(w.actor, no_restart=True)
-        ray.shutdown()
+        session.leave(joined)
