@@ -8,6 +8,12 @@ message, the model's reply fills the action's first string field, until `done`
 or `max_turns`. The reward is the sum of the env's own step rewards.
 
 Tasks are seeds: `seed-0` .. `seed-{n-1}` (n = 4 unless `?n=` is appended).
+
+A `path/file.py:attr` target is served as openenv's own server would serve it: from
+its project root (the nearest folder at or above the file, up to 3 levels, holding
+`openenv.yaml`, as `openenv init` lays it out; else the file's folder), that root
+mounted and first on sys.path, the file imported by its dotted name (`server.app`),
+so `from models import ...` and `from server.x import ...` resolve.
 """
 
 from __future__ import annotations
@@ -23,7 +29,17 @@ from miles_env.adapters.worker_env import WorkerEnvironment
 from miles_env.harness import Endpoint, HarnessResult
 from miles_env.types import Status, Task
 
-__all__ = ["OpenEnvEnvironment", "action_field"]
+__all__ = ["OpenEnvEnvironment", "action_field", "project_root"]
+
+_ROOT_MARKER, _ROOT_LEVELS = "openenv.yaml", 3  # the worker applies the same rule (openenv_worker.py)
+
+
+def project_root(file: Path) -> Path:
+    """The folder openenv serves `file` from: the nearest ancestor with openenv.yaml, else its folder."""
+    for folder in list(file.parents)[:_ROOT_LEVELS]:
+        if (folder / _ROOT_MARKER).is_file():
+            return folder
+    return file.parent
 
 
 def action_field(schema: dict[str, Any]) -> str:
@@ -79,7 +95,7 @@ class OpenEnvEnvironment(WorkerEnvironment):
     @classmethod
     def mounts(cls, args: tuple[str, ...]) -> list[str]:
         file, sep, _ = args[0].rpartition(":")
-        return [str(Path(file).parent)] if sep and file.endswith(".py") else []
+        return [str(project_root(Path(file)))] if sep and file.endswith(".py") else []
 
     @classmethod
     async def drive(

@@ -108,3 +108,65 @@ def test_broken_worker_fails_its_episode_and_the_run_goes_on(tmp_path: Path) -> 
     assert eps["broken"].score == 0.0
     assert eps["seed-1"].status is Status.COMPLETED, eps["seed-1"].error
     assert eps["seed-1"].score == 1.0
+
+
+def _init_layout(root: Path) -> Path:
+    """The `openenv init` layout: models.py at the root, server/app.py importing its siblings."""
+    src = GUESS.read_text()
+    models, _, env_part = src.partition("class GuessEnv(Environment):")
+    (root / "server").mkdir(parents=True)
+    (root / "openenv.yaml").write_text(
+        "spec_version: 1\nname: guess\ntype: space\nruntime: fastapi\napp: server.app:app\n"
+    )
+    (root / "__init__.py").write_text("")
+    (root / "server" / "__init__.py").write_text("")
+    (root / "models.py").write_text(models.split("def app()")[0])
+    (root / "server" / "guess_environment.py").write_text(
+        "from typing import Any\nfrom openenv.core.env_server.interfaces import Environment\n"
+        "from openenv.core.env_server.types import State\n"
+        "try:\n    from ..models import WORDS, GuessAction, GuessObservation\nexcept ImportError:\n"
+        "    from models import WORDS, GuessAction, GuessObservation\n\n\n"
+        "class GuessEnv(Environment):" + env_part.split("def app()")[0]
+    )
+    (root / "server" / "app.py").write_text(
+        "from openenv.core.env_server.http_server import create_app\n"
+        "try:\n    from ..models import GuessAction, GuessObservation\n"
+        "    from .guess_environment import GuessEnv\nexcept ImportError:\n"
+        "    from models import GuessAction, GuessObservation\n    from server.guess_environment import GuessEnv\n"
+        "app = create_app(GuessEnv, GuessAction, GuessObservation, env_name='guess', max_concurrent_envs=8)\n"
+    )
+    return root / "server" / "app.py"
+
+
+def test_project_root_of_the_init_layout(tmp_path: Path) -> None:
+    from miles_env.adapters.openenv import OpenEnvEnvironment, project_root
+
+    app = _init_layout(tmp_path / "guess")
+    assert project_root(app) == tmp_path / "guess"
+    assert OpenEnvEnvironment.mounts((f"{app}:app",)) == [str(tmp_path / "guess")]
+    assert project_root(GUESS) == GUESS.parent  # no openenv.yaml: the file's own folder
+
+
+@pytest.mark.slow
+def test_openenv_init_layout_imports_its_siblings(tmp_path: Path) -> None:
+    """Before: only server/ was mounted and nothing put on sys.path, so `from models import` failed."""
+    from miles_env.adapters.venv import install
+    from miles_env.engines.scripted import ScriptedEngine
+    from miles_env.models import load_tokenizer
+    from miles_env.rollout import run_episode
+    from miles_env.stack import StackConfig, open_stack
+
+    install("openenv")
+    env = load_environment(f"openenv:{_init_layout(tmp_path / 'guess')}:app")
+    task = {t.id: t for t in env.tasks()}["seed-1"]  # "river"
+
+    async def main():  # type: ignore[no-untyped-def]
+        engine = ScriptedEngine(load_tokenizer("smollm2"), ["river"])
+        async with open_stack(StackConfig(), engine=engine) as stack:
+            ep = await run_episode(stack.rollout_context(env, get_harness("framework")), task)
+        await close_workers()
+        return ep
+
+    ep = anyio.run(main)
+    assert ep.status is Status.COMPLETED, ep.error
+    assert ep.score == 1.0

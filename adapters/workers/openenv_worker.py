@@ -2,14 +2,16 @@
 
 Usage: python openenv_worker.py TARGET, TARGET is "http://host:port" (a running env
 server) or "module:attr" / "path/file.py:attr" naming a FastAPI app built with
-openenv's create_app (or a zero-argument function returning one).
+openenv's create_app (or a zero-argument function returning one). A file is imported as
+openenv's server would import it: from its project root (nearest folder, up to 3 levels up,
+with openenv.yaml; else its own folder) put first on sys.path, by its dotted module name
+(`server.app`), so its sibling modules import (the rule of adapters/openenv.py `project_root`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
-import importlib.util
 import socket
 import sys
 import time
@@ -23,14 +25,20 @@ _state: dict[str, Any] = {"url": None, "server": None}
 _clients: dict[str, Any] = {}
 
 
+def _project_root(file: Path) -> Path:
+    for folder in list(file.parents)[:3]:
+        if (folder / "openenv.yaml").is_file():
+            return folder
+    return file.parent
+
+
 def _load(target: str) -> Any:
     mod_name, _, attr = target.rpartition(":")
     if mod_name.endswith(".py"):
-        spec = importlib.util.spec_from_file_location(Path(mod_name).stem, mod_name)
-        assert spec is not None and spec.loader is not None, f"cannot import {mod_name}"
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
+        file = Path(mod_name).resolve()
+        root = _project_root(file)
+        sys.path.insert(0, str(root))
+        module = importlib.import_module(".".join(file.relative_to(root).with_suffix("").parts))
     else:
         module = importlib.import_module(mod_name)
     obj = getattr(module, attr)
