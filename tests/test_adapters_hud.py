@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import anyio
@@ -52,3 +53,63 @@ def test_hud_episode_reward_and_tokens() -> None:
         if m
     ]
     assert sampled and sampled == [t for g in engine.generations for t in g.output_ids]
+
+
+def _env_without_tasks(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "env.py").write_text(
+        "\n".join(line for line in SAY.read_text().splitlines() if not line.startswith("tasks = "))
+    )
+    return folder / "env.py"
+
+
+def _episode(env_file: Path, word: str, reply: str):  # type: ignore[no-untyped-def]
+    from miles_env.engines.scripted import ScriptedEngine
+    from miles_env.models import load_tokenizer
+    from miles_env.rollout import run_episode
+    from miles_env.stack import StackConfig, open_stack
+
+    env = load_environment(f"hud:{env_file}")
+    task = {t.metadata["args"]["word"]: t for t in env.tasks("test")}[word]
+
+    async def main():  # type: ignore[no-untyped-def]
+        engine = ScriptedEngine(load_tokenizer("smollm2"), [reply])
+        async with open_stack(StackConfig(), engine=engine) as stack:
+            ep = await run_episode(stack.rollout_context(env, get_harness("framework")), task)
+        await close_workers()
+        return ep
+
+    return env, anyio.run(main)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["sibling module", "tasks.json"])
+def test_tasks_defined_elsewhere_are_found(tmp_path: Path, where: str) -> None:
+    """Before: env.py without a Taskset of its own listed 0 tasks, silently."""
+    from miles_env.adapters.venv import install
+
+    install("hud")
+    env_file = _env_without_tasks(tmp_path / "say")
+    if where == "sibling module":
+        (tmp_path / "say" / "tasks.py").write_text(
+            "from env import say\nfrom hud.eval import Taskset\n\n"
+            "tasks = Taskset('say-word', [say(word=w) for w in ('apple', 'river', 'stone')])\n"
+        )
+    else:
+        rows = [{"env": "say-word", "id": "say", "args": {"word": w}} for w in ("apple", "river", "stone")]
+        (tmp_path / "say" / "tasks.json").write_text(json.dumps(rows))
+    env, ep = _episode(env_file, "river", "river")
+    assert len(env.tasks("test")) == 3
+    assert ep.status is Status.COMPLETED and ep.score == 1.0, ep.error
+
+
+@pytest.mark.slow
+def test_no_tasks_anywhere_says_where_it_looked(tmp_path: Path) -> None:
+    from miles_env.adapters.venv import install
+    from miles_env.errors import MilesEnvError
+
+    install("hud")
+    env_file = _env_without_tasks(tmp_path / "say")
+    with pytest.raises(MilesEnvError, match=r"no HUD tasks found: none in env.py's globals, no tasks\*.json"):
+        load_environment(f"hud:{env_file}").tasks("test")
+    anyio.run(close_workers)

@@ -5,6 +5,12 @@ Usage: python hud_worker.py ENV_FILE. ENV_FILE declares an `hud.Environment` wit
 level. Each `run` drives `hud.eval.rollout(task, OpenAIChatAgent, runtime=LocalRuntime(ENV_FILE))`
 with the agent's base URL set to the episode's TITO session; the reward is HUD's
 own grade (`run.reward`, what the template yields after the answer).
+
+Tasks are looked for where HUD's own tools look, in order: the globals of ENV_FILE
+(a Taskset, a Task, a list or tuple of Tasks); else task files beside it
+(`tasks*.json` / `tasks*.jsonl`, `hud eval`'s format, read by `Taskset.from_file`);
+else every module of its folder (`Taskset.from_module`, so a `tasks.py` that imports
+the env and declares the rows is found). None anywhere is an error saying where it looked.
 """
 
 from __future__ import annotations
@@ -23,24 +29,49 @@ os.environ.setdefault("HUD_TELEMETRY_ENABLED", "false")
 _state: dict[str, Any] = {}
 
 
+def _scan(module: Any) -> list[Any]:
+    from hud.eval import Task, Taskset
+
+    rows: list[Any] = []
+    for name, value in vars(module).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, Taskset):
+            ts = value.tasks
+            rows += list(ts.values()) if isinstance(ts, dict) else list(ts)
+        elif isinstance(value, Task):
+            rows.append(value)
+        elif isinstance(value, list | tuple) and value and all(isinstance(v, Task) for v in value):
+            rows += value
+    return rows
+
+
+def _elsewhere(folder: Path) -> list[Any]:
+    """Task files beside the env file, else every module of its folder (HUD's own loaders)."""
+    from hud.eval import Taskset
+
+    files = sorted([*folder.glob("tasks*.json"), *folder.glob("tasks*.jsonl")])
+    if files:
+        return [t for f in files for t in Taskset.from_file(f)]
+    return list(Taskset.from_module(folder))
+
+
 def _rows() -> list[Any]:
     if "rows" in _state:
         return _state["rows"]  # type: ignore[no-any-return]
-    from hud.eval import Task, Taskset
-
-    sys.path.insert(0, str(Path(ENV_FILE).parent))
+    folder = Path(ENV_FILE).parent
+    sys.path.insert(0, str(folder))
     spec = importlib.util.spec_from_file_location(Path(ENV_FILE).stem, ENV_FILE)
     assert spec is not None and spec.loader is not None, f"cannot import {ENV_FILE}"
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    rows: list[Any] = []
-    for value in vars(module).values():
-        if isinstance(value, Taskset):
-            ts = value.tasks
-            rows += list(ts.values()) if isinstance(ts, dict) else list(ts)
-        elif isinstance(value, list) and value and all(isinstance(v, Task) for v in value):
-            rows += value
+    rows = _scan(module) or _elsewhere(folder)
+    if not rows:
+        raise RuntimeError(
+            f"no HUD tasks found: none in {Path(ENV_FILE).name}'s globals, no tasks*.json(l) and no module "
+            f"declaring Tasks in {folder}; declare a Taskset (or a list of Tasks) in one of them"
+        )
     _state["rows"] = rows
     return rows
 
