@@ -41,14 +41,16 @@ from miles_env.engines.base import (
 )
 from miles_env.environment import Environment
 from miles_env.errors import ConfigError
+from miles_env.evals import build_evaluator
+from miles_env.evals.base import EvalSetup, episode_stats, filter_tiers
 from miles_env.harness import Harness
-from miles_env.jsonio import dumps, write_json
+from miles_env.jsonio import write_json
 from miles_env.provenance import env_distribution
 from miles_env.queue import AsyncReplayQueue
-from miles_env.rollout import RolloutContext, run_group, run_many
+from miles_env.rollout import RolloutContext, run_group
 from miles_env.runlog import RunLog
 from miles_env.trainer.loop import LoopConfig, StepHooks, StepResult, TrainerBackend, TrainLoop
-from miles_env.types import Episode, Task
+from miles_env.types import Task
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -64,24 +66,6 @@ __all__ = ["run_training"]
 Dispatch = Callable[[Sequence[Task]], Awaitable[None]]
 
 LEASE_S = 24 * 3600.0  # acked after the checkpoint; a restart recovers leases, not the lease timer
-
-
-def _filter_tiers(tasks: list[Task], tiers: list[int] | None) -> list[Task]:
-    if not tiers:
-        return tasks
-    return [t for t in tasks if t.metadata.get("tier") in tiers]
-
-
-def _episode_stats(episodes: list[Episode], prefix: str = "") -> dict[str, float]:
-    n = len(episodes) or 1
-    out = {
-        f"{prefix}reward_mean": sum(e.score for e in episodes) / n,
-        f"{prefix}pass_rate": sum(1 for e in episodes if e.reward is not None and e.reward.passed) / n,
-        f"{prefix}episodes": float(len(episodes)),
-        f"{prefix}failed": float(sum(1 for e in episodes if e.status.value in ("failed", "aborted"))),
-        f"{prefix}sampled_tokens": float(sum(s.n_sampled for e in episodes for s in e.samples)),
-    }
-    return out
 
 
 def _build_trainer(cfg: RunConfig, model_path: Path) -> TrainerBackend:
@@ -172,6 +156,10 @@ class _Job(StepHooks):
         self.bar: TaskID | None = None
         self.cache_seen = PrefixCacheStats()  # the engine's prefix-cache counters at the last report
         self.completed_on_resume = 0  # open groups completed by a restart; in the next step's metrics
+        setup = EvalSetup(
+            cfg, plan.env, self.eval_ctx, plan.engine_cfg, trainer, plan.model_path, log, self.say
+        )
+        self.evaluator = build_evaluator(setup)  # eval.mode; opened by run_training (miles_env/evals/)
 
     # -- StepHooks ---------------------------------------------------------------------------------
     async def produce(self, n_groups: int) -> None:
@@ -226,7 +214,7 @@ class _Job(StepHooks):
 
     async def report(self, result: StepResult) -> None:
         episodes = [ep for g in result.groups for ep in g]
-        metrics = {**result.metrics, **_episode_stats(episodes)}
+        metrics = {**result.metrics, **episode_stats(episodes)}
         if self.completed_on_resume:  # once, in the first step after the restart that completed them
             metrics["groups_completed_on_resume"] = float(self.completed_on_resume)
             self.completed_on_resume = 0
@@ -253,7 +241,7 @@ class _Job(StepHooks):
         )
 
     async def evaluate(self, step: int) -> None:
-        await self.run_eval(step)
+        await self.evaluator.evaluate(step)
 
     # -- the job's own -----------------------------------------------------------------------------
     async def sync_weights(self, step: int) -> dict[str, float]:
@@ -274,24 +262,8 @@ class _Job(StepHooks):
             self.engine, {"sync_s": time.perf_counter() - t0, "sync_bytes": float(_nbytes(self.trainer))}
         )
 
-    async def run_eval(self, step: int) -> dict[str, float]:
-        ev = self.cfg.eval
-        tasks = _filter_tiers(self.plan.env.tasks(ev.split), ev.tiers)
-        t0 = time.perf_counter()
-        episodes = await run_many(
-            self.eval_ctx, tasks, rollouts_per_task=ev.rollouts, concurrency=self.cfg.rollout.concurrency
-        )
-        stats = _episode_stats(episodes)
-        stats["eval_s"] = time.perf_counter() - t0
-        self.log.log(step, "eval", stats)
-        with (self.cfg.run_dir / "eval_episodes.jsonl").open("a") as fh:
-            for ep in episodes:
-                fh.write(dumps({"step": step, **json.loads(ep.model_dump_json(exclude={"samples"}))}) + "\n")
-        self.console.print(
-            f"[bold]eval[/] step {step}: pass rate {stats['pass_rate']:.3f}, mean reward {stats['reward_mean']:.3f} "
-            f"({len(episodes)} episodes, {stats['eval_s']:.0f}s)"
-        )
-        return stats
+    def say(self, line: str) -> None:
+        self.console.print(line)  # the progress bar's console while the loop runs
 
 
 def _progress(console: Console) -> Progress:
@@ -337,7 +309,7 @@ def _plan(cfg: RunConfig) -> _Plan:
     from miles_env.stack import StackConfig
 
     env = load_environment(cfg.env)
-    train_tasks = _filter_tiers(env.tasks("train"), cfg.rollout.tiers)
+    train_tasks = filter_tiers(env.tasks("train"), cfg.rollout.tiers)
     if not train_tasks:
         raise ConfigError(f"env={cfg.env!r} with rollout.tiers={cfg.rollout.tiers}: no train tasks")
     harness = build_harness(cfg.harness)
@@ -420,7 +392,8 @@ async def run_training(cfg: RunConfig, console: Console) -> dict[str, Any]:
             queue = queue_sync.aio
             job = _Job(cfg, plan, contexts=(ctx, eval_ctx), queue=queue, trainer=trainer, engine=engine,
                        log=log, console=console, dispatch=dispatch)  # fmt: skip
-            summary = await _run(job, TrainLoop(queue, trainer, _loop_config(cfg), job))
+            async with job.evaluator:  # what eval.mode owns (a dedicated engine) lives for the run
+                summary = await _run(job, TrainLoop(queue, trainer, _loop_config(cfg), job))
     finally:
         if isinstance(trainer, Leader):
             await anyio.to_thread.run_sync(trainer.close)
@@ -448,12 +421,19 @@ async def _run(job: _Job, loop: TrainLoop) -> dict[str, Any]:
         job.syncer is not None
     ):  # both loaded one model; if they differ, the first delta is refused, repaired
         job.syncer.assume(await anyio.to_thread.run_sync(trainer.state_dict), 0)
-    before = await job.run_eval(0) if cfg.eval.enabled and trainer.step == 0 else None
+    before = 0 if cfg.eval.enabled and trainer.step == 0 else None
+    if before is not None:
+        await job.evaluator.evaluate(before)
     with _progress(job.console) as progress:
         console = job.console
         job.progress, job.console = progress, progress.console
         job.bar = progress.add_task("train", total=cfg.trainer.steps, completed=trainer.step)
         await loop.run()
     job.progress, job.console = None, console
-    after = await job.run_eval(trainer.step) if cfg.eval.enabled else None
-    return {"steps": trainer.step, "eval_before": before, "eval_after": after}
+    if cfg.eval.enabled:
+        await job.evaluator.evaluate(trainer.step)
+    await job.evaluator.drain()  # evals still running in the background (dedicated, external)
+    results = job.evaluator.results
+    before_row = None if before is None else results.get(before)
+    after = results.get(trainer.step) if cfg.eval.enabled else None
+    return {"steps": trainer.step, "eval_before": before_row, "eval_after": after}
