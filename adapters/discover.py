@@ -9,6 +9,11 @@ Task counts come from the data file when there is one (nemo-gym), else from a
 small cache that each adapter environment's `tasks()` fills when it lists tasks
 through its worker; an environment never listed shows no count.
 
+A verifiers environment package that cannot load on the installed verifiers is
+listed as broken with the reason in one line (`error`), judged from files: its
+`Requires-Dist: verifiers<spec>` excludes the installed version, or its module
+exports no verifiers.v1 `Taskset` (a `load_environment()` package of the older API).
+
 Invariant: discovery costs file reads only (milliseconds) and never raises for a
 broken venv: what cannot be read is left out. The cache is keyed by environment
 name and a stamp (mtimes of the venv marker and of the environment's file), so a
@@ -42,6 +47,7 @@ class AdapterEnv:
     framework: str
     description: str
     n_tasks: dict[str, int] = field(default_factory=dict)  # empty: not counted yet
+    error: str | None = None  # why it cannot load here (shown as broken by `env list`)
 
 
 def _counts_file() -> Path:
@@ -102,10 +108,48 @@ def _requirement_name(line: str) -> str | None:
     return re.sub(r"[-_.]+", "-", m.group(1)).lower() if m else None
 
 
-def _verifiers_packages() -> list[str]:
-    """Top-level modules of installed distributions that require verifiers (environment packages)."""
-    out: list[str] = []
+def _installed_version(site: Path, dist: str) -> str | None:
+    for info in site.glob(f"{dist}-*.dist-info"):
+        return info.name[len(dist) + 1 : -len(".dist-info")]
+    return None
+
+
+def _version_problem(meta: str, installed_version: str | None) -> str | None:
+    """`requires verifiers>=0.5 (installed 0.4.0)` when the package's pin excludes what is installed."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    for line in meta.splitlines():
+        if _requirement_name(line) != "verifiers" or installed_version is None:
+            continue
+        try:
+            req = Requirement(line.split(":", 1)[1].strip())
+        except InvalidRequirement:
+            return f"unreadable requirement {line.split(':', 1)[1].strip()!r}"
+        if req.marker is None and req.specifier and not req.specifier.contains(installed_version, True):
+            return f"requires verifiers{req.specifier} (installed {installed_version})"
+    return None
+
+
+def _api_problem(site: Path, module: str) -> str | None:
+    """A module with no Taskset in its source cannot be a verifiers.v1 taskset (what the adapter runs)."""
+    pkg, single = site / module, site / f"{module}.py"
+    files = sorted(pkg.rglob("*.py"))[:50] if pkg.is_dir() else [single] if single.is_file() else []
+    if not files:
+        return None  # a compiled or namespace module: leave it to load time
+    text = "".join(f.read_text(errors="replace") for f in files if f.stat().st_size < 1 << 20)
+    if "Taskset" in text:
+        return None
+    older = (
+        " (it defines load_environment(), the older verifiers API)" if "def load_environment" in text else ""
+    )
+    return f"exports no verifiers.v1 Taskset{older}"
+
+
+def _verifiers_packages() -> list[tuple[str, str | None]]:
+    """(top-level module, why it cannot load or None) of distributions that require verifiers."""
+    out: list[tuple[str, str | None]] = []
     for site in _site_packages("verifiers"):
+        installed_version = _installed_version(site, "verifiers")
         for dist in sorted(site.glob("*.dist-info")):
             try:
                 meta = (dist / "METADATA").read_text(errors="replace")
@@ -115,7 +159,10 @@ def _verifiers_packages() -> list[str]:
                 continue
             top = dist / "top_level.txt"
             names = top.read_text().split() if top.is_file() else [dist.name.split("-", 1)[0]]
-            out += [n for n in names if not n.startswith("_")]
+            problem = _version_problem(meta, installed_version)
+            for n in names:
+                if not n.startswith("_"):
+                    out.append((n, problem or _api_problem(site, n)))
     return out
 
 
@@ -155,11 +202,10 @@ def discover() -> list[AdapterEnv]:
             counts = _openenv_counts(name) if fw == "openenv" else cached_counts(name)
             found.append(AdapterEnv(name, fw, f"{fw} example {example}", counts))
         if fw == "verifiers":
-            for module in _verifiers_packages():
+            for module, problem in _verifiers_packages():
                 name = f"verifiers:{module}"
-                found.append(
-                    AdapterEnv(name, fw, f"verifiers environment package {module}", cached_counts(name))
-                )
+                desc = f"verifiers environment package {module}"
+                found.append(AdapterEnv(name, fw, desc, cached_counts(name), problem))
         elif fw == "nemo-gym":
             found += _nemo_gym_servers()
     return found

@@ -200,7 +200,9 @@ def _adapter_infos() -> list[EnvInfo]:
     """Environments of installed adapter venvs, named from files only (no worker is started)."""
     from miles_env.adapters.discover import discover
 
-    return [EnvInfo(e.name, f"adapter:{e.framework}", e.description, dict(e.n_tasks)) for e in discover()]
+    return [
+        EnvInfo(e.name, f"adapter:{e.framework}", e.description, dict(e.n_tasks), e.error) for e in discover()
+    ]
 
 
 def list_environments(extra: Sequence[str] = (), *, adapters: bool = True) -> list[EnvInfo]:

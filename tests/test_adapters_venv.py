@@ -143,3 +143,36 @@ def test_env_list_shows_installed_adapter_envs(tmp_path: Path, monkeypatch: pyte
     marker = tmp_path / "adapters" / "verifiers" / venv.MARKER
     os.utime(marker, ns=(1, 1))  # a reinstall: the cached count is stale
     assert cached_counts("verifiers:my_env") == {}
+
+
+def test_env_list_shows_broken_verifiers_envs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: a package that cannot load on the installed verifiers was listed as fine (or not at all)."""
+    from miles_env.registry import list_environments
+
+    monkeypatch.setenv("MILES_ENV_CACHE", str(tmp_path))
+    _fake_venvs(tmp_path)
+    site = tmp_path / "adapters" / "verifiers" / "lib" / "python3.13" / "site-packages"
+    (site / "verifiers-0.4.0.dist-info").mkdir()
+    for dist, requires, source in [
+        ("new_env-1.0", "verifiers>=0.5", "from verifiers.v1 import Taskset\n"),
+        (
+            "old_env-0.3",
+            "verifiers",
+            "import verifiers as vf\ndef load_environment(**kw):\n    return vf.Environment()\n",
+        ),
+        ("ok_env-1.0", "verifiers>=0.4,<0.5", "from verifiers.v1 import Taskset\n__all__ = ['T']\n"),
+    ]:
+        name = dist.split("-")[0]
+        (site / f"{dist}.dist-info").mkdir()
+        (site / f"{dist}.dist-info" / "METADATA").write_text(f"Name: {name}\nRequires-Dist: {requires}\n")
+        (site / name).mkdir()
+        (site / name / "__init__.py").write_text(source)
+    by_name = {i.name: i for i in list_environments() if i.source == "adapter:verifiers"}
+    assert by_name["verifiers:new_env"].error == "requires verifiers>=0.5 (installed 0.4.0)"
+    assert by_name["verifiers:old_env"].error == (
+        "exports no verifiers.v1 Taskset (it defines load_environment(), the older verifiers API)"
+    )
+    assert by_name["verifiers:ok_env"].error is None
+    res = CliRunner().invoke(app, ["env", "list"])
+    assert res.exit_code == 0, res.output
+    assert "verifiers:new_env: requires verifiers>=0.5 (installed 0.4.0)" in " ".join(res.output.split())
