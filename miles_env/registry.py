@@ -21,7 +21,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
@@ -30,7 +30,8 @@ from pydantic import ValidationError
 
 from miles_env.checks import format_validation_error, parse_checks
 from miles_env.environment import Environment
-from miles_env.errors import RegistryError, TaskError
+from miles_env.errors import ConfigError, RegistryError, TaskError
+from miles_env.limits import TaskLimits, declare
 from miles_env.types import Task
 
 __all__ = [
@@ -179,10 +180,20 @@ def validate_environment(env: Environment) -> dict[str, int]:
     return counts
 
 
-def make_task(**fields: Any) -> Task:
-    """Build a Task; a bad field raises TaskError naming the task id and the field."""
+def make_task(*, limits: Mapping[str, Any] | None = None, **fields: Any) -> Task:
+    """Build a Task; a bad field raises TaskError naming the task id and the field.
+
+    `limits`: the task's own limits (miles_env.limits.TaskLimits: cpus, memory_mb or "2G",
+    disk_mb, max_procs, agent_timeout_s, verifier_timeout_s, network), set on its sandbox spec.
+    """
     try:
-        return Task(**fields)
+        task = Task(**fields)
+        if limits is None:
+            return task
+        declared = TaskLimits.model_validate(limits)
+        return task.model_copy(update={"sandbox": declare(task.sandbox, declared)})
+    except ConfigError as e:
+        raise TaskError(f"task {fields.get('id', '<no id>')!r}: limits.{e}") from None
     except ValidationError as e:
         raise TaskError(f"task {fields.get('id', '<no id>')!r}: {format_validation_error(e)}") from None
 

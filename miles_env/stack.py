@@ -22,6 +22,7 @@ from miles_env.engines.configs import EngineConfig, HFEngineConfig
 from miles_env.environment import Environment
 from miles_env.harness import Harness, SessionRecorder
 from miles_env.http import serve_app
+from miles_env.limits import LimitsOverride
 from miles_env.rollout import RolloutContext
 from miles_env.sandbox import AsyncClosable, SandboxProvider
 from miles_env.tito.config import TitoConfig
@@ -49,9 +50,15 @@ class Stack:
     tokenizer: Any
 
     def rollout_context(
-        self, env: Environment, harness: Harness, episode_timeout_s: float = 600.0
+        self,
+        env: Environment,
+        harness: Harness,
+        episode_timeout_s: float = 600.0,
+        limits: LimitsOverride | None = None,
     ) -> RolloutContext:
-        return RolloutContext(env, harness, self.provider, self.proxy, self.proxy_url, episode_timeout_s)
+        return RolloutContext(
+            env, harness, self.provider, self.proxy, self.proxy_url, episode_timeout_s, limits
+        )
 
 
 @asynccontextmanager

@@ -55,6 +55,15 @@ class Resources(_Model):
     output_bytes: int = Field(1 << 20, gt=0, description="per stream, per exec")
     timeout_s: float = Field(60.0, gt=0, description="default wall-clock limit per exec")
     disk_mb: int = Field(512, gt=0, description="largest file a process may write")
+    # The task's own limits (miles_env/limits.py tightens them by the run's override): None keeps
+    # the provider's default (docker's config.cpus, no quota locally) and the run's timeouts.
+    cpus: float | None = Field(None, gt=0, description="CPU quota in cores; None = the provider's default")
+    agent_timeout_s: float | None = Field(
+        None, gt=0, description="wall time of the agent phase; None = the run's rollout.episode_timeout_s"
+    )
+    verifier_timeout_s: float | None = Field(
+        None, gt=0, description="wall time of verify(); None = the run's default (600 s)"
+    )
 
 
 class SandboxSpec(_Model):

@@ -5,7 +5,8 @@ AgentEnv fronts several backends (modal, e2b, daytona, ...), chosen by name
 `agent_env.providers.sandbox_providers.build_sandbox_provider`; credentials are
 that backend's (AGENTENV_BACKEND picks it when config.backend is unset).
 Mapping: spec.image -> image_name; spec.env -> env; memory_mb -> memory (MiB);
-cpus -> cpu; TTL -> timeout; exec is `exec_with_output("sh", "-c", script)`.
+the task's cpus (else config.cpus) -> cpu; lifetime (sizing.py: TTL, at least the
+task's timeouts) -> timeout; exec is `exec_with_output("sh", "-c", script)`.
 AgentEnv has no label query, so reap() only sees sandboxes this process made.
 """
 
@@ -19,6 +20,7 @@ from miles_env.errors import SandboxUnavailable
 from miles_env.types import SandboxSpec
 
 from .cloud import CloudConfig, CloudSandboxProvider, env_credential
+from .sizing import sizing
 
 __all__ = ["AgentEnvSandboxConfig", "AgentEnvSandboxProvider", "AgentEnvAdapter"]
 
@@ -37,13 +39,14 @@ class AgentEnvAdapter:
         self.made: dict[str, tuple[Any, dict[str, str]]] = {}
 
     def create_params(self, spec: SandboxSpec) -> dict[str, Any]:
+        size = sizing(spec, self.config.cpus, self.config.ttl_s)
         return {
             "image_name": spec.image or self.config.image or "python:3.12-slim",
             "port": self.config.port,
             "env": dict(spec.env),
-            "cpu": self.config.cpus,
-            "memory": spec.resources.memory_mb,
-            "timeout": int(self.config.ttl_s),
+            "cpu": size.cpus,
+            "memory": size.memory_mb,
+            "timeout": int(size.lifetime_s),
         }
 
     async def create(self, spec: SandboxSpec, labels: dict[str, str]) -> Any:

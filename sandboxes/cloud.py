@@ -31,6 +31,7 @@ import anyio
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles_env.errors import ConfigError, SandboxError, SandboxThrottled, SandboxUnavailable
+from miles_env.limits import sandbox_lifetime_s
 from miles_env.sandbox import Command
 from miles_env.types import ExecResult, SandboxSpec
 
@@ -300,7 +301,8 @@ class CloudSandboxProvider:
             raise ConfigError(f"SandboxSpec.workdir={spec.workdir!r}: must be absolute")
         try:
             with anyio.fail_after(self.config.create_timeout_s):
-                handle = await self.adapter.create(spec, owner_labels(self.owner))
+                lifetime = sandbox_lifetime_s(spec.resources, self.owner.ttl_s)
+                handle = await self.adapter.create(spec, owner_labels(self.owner, lifetime))
         except TimeoutError as e:
             raise SandboxError(
                 f"{self.name}: create timed out after {self.config.create_timeout_s:g}s"

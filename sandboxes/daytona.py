@@ -3,8 +3,9 @@
 Credentials: DAYTONA_API_KEY (and optionally DAYTONA_API_URL, DAYTONA_TARGET).
 Mapping: spec.image -> CreateSandboxFromImageParams(image=...), else the default
 snapshot; ownership labels -> labels (the reaper lists by them); spec.env ->
-env_vars; network NONE -> network_block_all=True; memory_mb -> GiB (rounded
-up); TTL -> auto_stop_interval (minutes). Exec output is one combined stream on
+env_vars; network NONE -> network_block_all=True; the task's cpus (else
+config.cpus), memory_mb and disk_mb -> Resources(cpu, memory GiB, disk GiB; rounded
+up); lifetime (sizing.py: TTL, at least the task's timeouts) -> auto_stop_interval (minutes). Exec output is one combined stream on
 Daytona; the framing in cloud.py separates stdout and stderr again.
 """
 
@@ -19,6 +20,7 @@ from miles_env.errors import SandboxUnavailable
 from miles_env.types import NetworkPolicy, SandboxSpec
 
 from .cloud import CloudConfig, CloudSandboxProvider, env_credential
+from .sizing import sizing
 
 __all__ = ["DaytonaSandboxConfig", "DaytonaSandboxProvider", "DaytonaAdapter"]
 
@@ -47,17 +49,20 @@ class DaytonaAdapter:
         return self._client
 
     def create_params(self, spec: SandboxSpec, labels: dict[str, str]) -> Any:
+        size = sizing(spec, self.config.cpus, self.config.ttl_s)
         common: dict[str, Any] = {
             "labels": labels,
             "env_vars": dict(spec.env),
             "network_block_all": spec.network is NetworkPolicy.NONE,
-            "auto_stop_interval": max(1, math.ceil(self.config.ttl_s / 60)),
+            "auto_stop_interval": max(1, math.ceil(size.lifetime_s / 60)),
         }
         image = spec.image or self.config.image
         if image is None:
             return self.sdk.CreateSandboxFromSnapshotParams(**common)
         resources = self.sdk.Resources(
-            cpu=max(1, math.ceil(self.config.cpus)), memory=max(1, math.ceil(spec.resources.memory_mb / 1024))
+            cpu=max(1, math.ceil(size.cpus)),
+            memory=max(1, math.ceil(size.memory_mb / 1024)),
+            disk=max(1, math.ceil(size.disk_mb / 1024)),
         )
         return self.sdk.CreateSandboxFromImageParams(image=image, resources=resources, **common)
 

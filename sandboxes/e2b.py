@@ -4,7 +4,9 @@ Credentials: E2B_API_KEY (or config.api_key). The SDK is imported when the
 provider is built, so the rest of miles-env never needs it. Mapping: spec.image
 (else config.image, else E2B's "base" template) -> template; ownership labels ->
 metadata (listed and filtered by the reaper); spec.env -> envs; network NONE ->
-allow_internet_access=False; TTL -> the sandbox's own timeout. expose() needs
+allow_internet_access=False; lifetime (sizing.py: TTL, at least the task's timeouts)
+-> the sandbox's own timeout. CPU, memory and disk are the template's (E2B sizes at
+template build, not at create): pick a template sized for the task. expose() needs
 config.expose_url (E2B sandboxes cannot reach this host).
 """
 
@@ -18,6 +20,7 @@ from miles_env.errors import SandboxUnavailable
 from miles_env.types import NetworkPolicy, SandboxSpec
 
 from .cloud import CloudConfig, CloudSandboxProvider, env_credential
+from .sizing import sizing
 
 __all__ = ["E2BSandboxConfig", "E2BSandboxProvider", "E2BAdapter"]
 
@@ -36,7 +39,7 @@ class E2BAdapter:
     def create_params(self, spec: SandboxSpec, labels: dict[str, str]) -> dict[str, Any]:
         params: dict[str, Any] = {
             "template": spec.image or self.config.image or "base",
-            "timeout": int(self.config.ttl_s),
+            "timeout": int(sizing(spec, self.config.cpus, self.config.ttl_s).lifetime_s),
             "metadata": labels,
             "envs": dict(spec.env),
             "allow_internet_access": spec.network is NetworkPolicy.HOST,

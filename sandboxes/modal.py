@@ -2,8 +2,10 @@
 
 Credentials: MODAL_TOKEN_ID and MODAL_TOKEN_SECRET (or ~/.modal.toml).
 Mapping: spec.image (else config.image, else debian_slim) -> Image.from_registry;
-network NONE -> block_network=True; memory_mb -> memory (MiB); cpus -> cpu;
-TTL -> timeout; ownership labels -> sandbox tags (the reaper lists by them);
+network NONE -> block_network=True; memory_mb -> memory (MiB); the task's cpus
+(else config.cpus) -> cpu; lifetime (sizing.py: TTL, at least the task's timeouts) -> timeout;
+disk_mb has no create argument in the pinned SDK (the sandbox's own disk, capped per exec by
+RLIMIT_FSIZE); ownership labels -> sandbox tags (the reaper lists by them);
 the sandbox runs `sleep infinity` and each exec is `sb.exec("sh", "-c", ...)`.
 """
 
@@ -17,6 +19,7 @@ from miles_env.errors import SandboxUnavailable
 from miles_env.types import NetworkPolicy, SandboxSpec
 
 from .cloud import CloudConfig, CloudSandboxProvider, env_credential
+from .sizing import sizing
 
 __all__ = ["ModalSandboxConfig", "ModalSandboxProvider", "ModalAdapter"]
 
@@ -38,12 +41,13 @@ class ModalAdapter:
 
     def create_params(self, spec: SandboxSpec) -> dict[str, Any]:
         image = spec.image or self.config.image
+        size = sizing(spec, self.config.cpus, self.config.ttl_s)
         return {
             "image": self.sdk.Image.from_registry(image) if image else self.sdk.Image.debian_slim(),
             "block_network": spec.network is NetworkPolicy.NONE,
-            "timeout": int(self.config.ttl_s),
-            "cpu": self.config.cpus,
-            "memory": spec.resources.memory_mb,
+            "timeout": int(size.lifetime_s),
+            "cpu": size.cpus,
+            "memory": size.memory_mb,
             "env": dict(spec.env),
         }
 

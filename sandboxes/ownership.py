@@ -55,7 +55,10 @@ class Ownership:
         )
 
 
-def owner_labels(owner: Ownership, **extra: str) -> dict[str, str]:
+def owner_labels(owner: Ownership, lifetime_s: float | None = None, **extra: str) -> dict[str, str]:
+    """The labels of one sandbox; `lifetime_s` (its task's agent + verifier + margin, see
+    miles_env/limits.py) raises the TTL recorded for it above the owner's, never lowers it."""
+    ttl_s = owner.ttl_s if lifetime_s is None else max(owner.ttl_s, lifetime_s)
     labels = {
         "managed": "1",
         "run-id": owner.run_id,
@@ -63,7 +66,7 @@ def owner_labels(owner: Ownership, **extra: str) -> dict[str, str]:
         "owner-pid": str(owner.pid),
         "owner-start": owner.pid_start,
         "created-at": f"{time.time():.3f}",
-        "ttl-s": f"{owner.ttl_s:g}",
+        "ttl-s": f"{ttl_s:g}",
     }
     labels.update({k.replace("_", "-"): v for k, v in extra.items()})
     return {PREFIX + k: v for k, v in labels.items()}

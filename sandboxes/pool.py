@@ -36,6 +36,7 @@ from anyio.abc import TaskGroup
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles_env.errors import SandboxError, SandboxThrottled
+from miles_env.limits import sandbox_lifetime_s
 from miles_env.sandbox import Command, Reapable, Sandbox, SandboxProvider
 from miles_env.types import ExecResult, SandboxSpec
 
@@ -170,7 +171,7 @@ class SandboxPool:
             try:
                 # A cancellation pending since the provider's last await must not lose the sandbox.
                 await anyio.lowlevel.checkpoint_if_cancelled()
-                _mark_local_owner(sandbox, self.owner)
+                _mark_local_owner(sandbox, self.owner, spec)
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await sandbox.close()
@@ -269,13 +270,15 @@ class _HostWorkspace(Protocol):
     host_dir: Path
 
 
-def _mark_local_owner(sandbox: Sandbox, owner: Ownership) -> None:
-    """Local workspaces get the ownership labels as <host_dir>/owner.json (outside every bind)."""
+def _mark_local_owner(sandbox: Sandbox, owner: Ownership, spec: SandboxSpec) -> None:
+    """Local workspaces get the ownership labels as <host_dir>/owner.json (outside every bind); the
+    TTL there covers the task's agent + verifier timeouts, so the reaper never takes a live episode's."""
     if not isinstance(sandbox, _HostWorkspace):
         return
     host_dir = sandbox.host_dir
     if isinstance(host_dir, Path) and host_dir.is_dir():
-        (host_dir / "owner.json").write_text(json.dumps(owner_labels(owner)))
+        lifetime = sandbox_lifetime_s(spec.resources, owner.ttl_s)
+        (host_dir / "owner.json").write_text(json.dumps(owner_labels(owner, lifetime)))
 
 
 async def reap_provider(provider: SandboxProvider, ttl_s: float | None = None) -> list[str]:

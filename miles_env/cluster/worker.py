@@ -111,7 +111,9 @@ class RolloutWorker:
                 max_pending_groups=2 * cfg.rollout.groups_per_step,
             )  # fmt: skip
             async with open_stack(stack_cfg) as stack:
-                self._ctx = stack.rollout_context(env, harness, cfg.rollout.episode_timeout_s)
+                self._ctx = stack.rollout_context(
+                    env, harness, cfg.rollout.episode_timeout_s, cfg.rollout.limits
+                )
                 self._queue = queue_sync.aio
                 self._limiter = anyio.CapacityLimiter(
                     max(1, cfg.rollout.concurrency // cfg.rollout.group_size)

@@ -43,6 +43,7 @@ import docker
 import docker.errors
 
 from miles_env.errors import ConfigError, SandboxError, SandboxUnavailable
+from miles_env.limits import sandbox_lifetime_s
 from miles_env.types import NetworkPolicy, SandboxSpec
 
 from ..expose import FORWARDER, INNER_RUN
@@ -161,7 +162,7 @@ class DockerSandboxProvider:
             read_only=True,
             mem_limit=f"{res.memory_mb}m",
             memswap_limit=f"{res.memory_mb}m",
-            nano_cpus=int(self.config.cpus * 1e9),
+            nano_cpus=int((res.cpus or self.config.cpus) * 1e9),  # the task's, else the provider's
             pids_limit=res.max_procs,
             tmpfs={"/tmp": f"rw,nosuid,nodev,size={tmp_mb}m,nr_inodes={inodes},mode=1777"},
             shm_size=f"{min(64, res.disk_mb)}m",
@@ -201,7 +202,8 @@ class DockerSandboxProvider:
         sid = secrets.token_hex(6)
         name = f"miles-env-{sid}"
         run_dir = self.run_root / sid
-        labels = owner_labels(self.owner, run_dir=str(run_dir))
+        lifetime = sandbox_lifetime_s(spec.resources, self.owner.ttl_s)
+        labels = owner_labels(self.owner, lifetime, run_dir=str(run_dir))
         try:
             run_dir.mkdir(mode=0o755, parents=True)
             shutil.copyfile(FORWARDER, run_dir / "forwarder.py")

@@ -17,6 +17,7 @@ import errno
 import json
 import os
 import resource
+import shlex
 import signal
 import socket
 import subprocess
@@ -180,8 +181,9 @@ class Zygote:
 def start_zygote(python: str, cgroup: PidsCgroup | None) -> Zygote:
     """Start a zygote that has joined `cgroup` before it forks anything."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    join = 'echo $$ > "$0" || exit 125; ' if cgroup is not None else ""
-    argv = ["/bin/sh", "-c", join + 'exec "$@"', cgroup.procs_file if cgroup else "sh"]
+    joins = [f"echo $$ > {shlex.quote(f)}" for f in (cgroup.procs_files if cgroup else [])]
+    join = " && ".join(joins) + " || exit 125; " if joins else ""
+    argv = ["/bin/sh", "-c", join + 'exec "$@"', "sh"]
     argv += [python, "-S", "-E", str(_SCRIPT), str(theirs.fileno())]
     try:
         process = subprocess.Popen(

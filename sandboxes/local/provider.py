@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shlex
 import shutil
 import sys
 import weakref
@@ -62,9 +63,7 @@ def _limit_prefix(res: Resources, cgroup: PidsCgroup | None, prlimit: str) -> li
     or shared by dash and bash (-v in KiB, -t in seconds). CPU soft < hard: the
     kernel sends SIGXCPU first, which tells the cause apart from our SIGKILL.
     """
-    steps = []
-    if cgroup is not None:
-        steps.append('echo $$ > "$0"')
+    steps = [f"echo $$ > {shlex.quote(f)}" for f in (cgroup.procs_files if cgroup is not None else [])]
     steps += [
         f"ulimit -S -t {res.cpu_seconds}",
         f"ulimit -H -t {res.cpu_seconds + 1}",
@@ -73,7 +72,7 @@ def _limit_prefix(res: Resources, cgroup: PidsCgroup | None, prlimit: str) -> li
         "ulimit -c 0",
     ]
     script = " && ".join(steps) + ' || exit 125; exec "$@"'
-    prefix = ["/bin/sh", "-c", script, cgroup.procs_file if cgroup is not None else "sh"]
+    prefix = ["/bin/sh", "-c", script, "sh"]
     if cgroup is None:
         # Without a pids cgroup, RLIMIT_NPROC is the fallback: it counts per uid and does not bind
         # root, but as root each sandbox runs as a uid of its own, so it binds there too.
@@ -117,6 +116,7 @@ class LocalSandboxProvider:
             remove_orphan_mounts(self.mount_dir)  # what a crashed run left, once the reaper removed its dir
         self._idle: list[tuple[Zygote, PidsCgroup]] = []
         self._warned_no_mount = False
+        self._warned_no_cpu = False
         if self.config.use_cgroup:
             remove_orphan_zygote_cgroups()  # what killed runs left: empty cgroups, a few ms at most
         weakref.finalize(self, _dispose, self._idle)
@@ -162,8 +162,9 @@ class LocalSandboxProvider:
         if spec.network is NetworkPolicy.HOST:
             raise ConfigError("SandboxSpec.network='host' is not supported by the local provider")
 
-    def _zygote(self, sandbox_id: str, max_procs: int) -> tuple[Zygote | None, PidsCgroup | None]:
+    def _zygote(self, sandbox_id: str, res: Resources) -> tuple[Zygote | None, PidsCgroup | None]:
         """An idle zygote and its cgroup, or new ones; (None, None) where no cgroup can be made."""
+        max_procs = res.max_procs
         if not self.config.use_cgroup:
             return None, None
         while self._idle:
@@ -177,6 +178,9 @@ class LocalSandboxProvider:
                 return None, None
             zygote, cgroup = start_zygote(sys.executable, made), made
         cgroup.set_max(max_procs + 1)  # + the zygote itself
+        if not cgroup.set_cpus(res.cpus) and not self._warned_no_cpu:
+            self._warned_no_cpu = True
+            _log.warning("local sandbox: no writable cpu cgroup here; Resources.cpus is not enforced")
         return zygote, cgroup
 
     def _give_back(self, zygote: Zygote, cgroup: PidsCgroup) -> None:
@@ -205,7 +209,7 @@ class LocalSandboxProvider:
                     self.mount_dir,
                 )
             bwrap_prefix = self._bwrap_prefix(spec, storage)
-            zygote, cgroup = self._zygote(sandbox_id, spec.resources.max_procs)
+            zygote, cgroup = self._zygote(sandbox_id, spec.resources)
         except BaseException as e:
             if storage is not None:
                 storage.remove()
