@@ -29,6 +29,7 @@ from miles_env.cluster.config import ClusterConfig
 from miles_env.engines.configs import EngineConfig, HFEngineConfig
 from miles_env.errors import ConfigError
 from miles_env.evals.config import EvalMode, ExternalEvalConfig
+from miles_env.guards.config import GuardsConfig
 from miles_env.harnesses.configs import BuiltinConfig, HarnessConfig
 from miles_env.limits import LimitsOverride
 from miles_env.queue_config import QueueConfig, SqliteQueueConfig
@@ -182,6 +183,7 @@ class RunConfig(_Strict):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)  # tensorboard, wandb
     queue: QueueConfig = Field(default_factory=SqliteQueueConfig)  # sqlite (run_dir) | redis (shared)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # address null: one process
+    guards: GuardsConfig = Field(default_factory=GuardsConfig)  # reward-hacking detectors (miles_env/guards)
     # Written by the job into run_dir/config.yaml: the env's distribution {name, version}; not an input.
     env_dist: dict[str, str] = Field(default_factory=dict)
 

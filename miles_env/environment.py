@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from fnmatch import fnmatch
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from miles_env.types import Reward, SandboxSpec, Task
@@ -22,6 +24,8 @@ __all__ = ["Environment", "Transcript"]
 # dicts). Verifiers may read it; training never does (it uses token ids).
 Transcript = Sequence[dict[str, Any]]
 
+_TEST_FILES = ("test_*", "*_test.*", "*.test.*", "conftest.py")
+
 
 class Environment(abc.ABC):
     """Base class for environments registered under `miles_env.environments`."""
@@ -29,6 +33,9 @@ class Environment(abc.ABC):
     name: str = ""
     description: str = ""
     splits: tuple[str, ...] = ("train", "test")
+    # Where verify runs (miles_env/guards): "same", the agent's sandbox after the agent stopped;
+    # "fresh", a new sandbox holding only the agent's final workspace.
+    verify_in: str = "same"
 
     @abc.abstractmethod
     def tasks(self, split: str | None = None) -> list[Task]:
@@ -45,6 +52,23 @@ class Environment(abc.ABC):
 
     async def setup(self, task: Task, sandbox: Sandbox) -> None:  # noqa: B027 - optional hook
         """Prepare the sandbox beyond `SandboxSpec.files` (default: nothing)."""
+
+    def protected_paths(self, task: Task) -> list[str]:
+        """Paths the agent must leave as they were (relative to the workdir or absolute; a trailing
+        `/` is a directory): `task.metadata["protected_paths"]`, else the test files among the
+        task's `SandboxSpec.files` (`test_*`, `*_test.*`, `*.test.*`, or under `tests/`, `test/`)."""
+        declared = task.metadata.get("protected_paths")
+        if isinstance(declared, list):
+            return [str(p) for p in declared]
+        out: set[str] = set()
+        for path in task.sandbox.files:
+            parts = PurePosixPath(path).parts
+            dirs = [i for i, part in enumerate(parts[:-1]) if part in ("tests", "test")]
+            if dirs:
+                out.add(str(PurePosixPath(*parts[: dirs[0] + 1])) + "/")
+            elif any(fnmatch(parts[-1], g) for g in _TEST_FILES):
+                out.add(path)
+        return sorted(out)
 
     @abc.abstractmethod
     async def verify(self, task: Task, sandbox: Sandbox, transcript: Transcript) -> Reward:

@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import anyio
 
 from miles_env.environment import Environment
+from miles_env.guards import Guard, GuardsConfig
 from miles_env.sandbox import Sandbox, SandboxProvider
 from miles_env.types import Task
 
@@ -48,10 +49,12 @@ class OracleResult:
     error: str | None = None  # infrastructure error (sandbox, verifier), if any
     duration_s: float = 0.0
     tier: Any = None
+    flags: tuple[str, ...] = ()  # reward-hacking flags the guards raised (miles_env/guards)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "task_id": self.task_id,
+            "flags": list(self.flags),
             "split": self.split,
             "tier": self.tier,
             "passed": self.passed,
@@ -99,9 +102,14 @@ class OracleReport:
 
 
 async def run_solution(
-    env: Environment, task: Task, provider: SandboxProvider, solution: str | None = None
+    env: Environment,
+    task: Task,
+    provider: SandboxProvider,
+    solution: str | None = None,
+    guards: GuardsConfig | None = None,
 ) -> OracleResult:
-    """Run one script (default: the task's reference solution) and grade it."""
+    """Run one script (default: the task's reference solution) and grade it, guarded as an
+    episode is (the script is the one recorded command; default `GuardsConfig()`)."""
     script = task.solution if solution is None else solution
     t0 = time.monotonic()
     tier = task.metadata.get("tier")
@@ -112,10 +120,12 @@ async def run_solution(
     try:
         async with await provider.create(env.sandbox_spec(task)) as sb:
             await env.setup(task, sb)
+            guard = await Guard.start(guards or GuardsConfig(), env, task, sb, provider)
             if solution is None and isinstance(env, StagesSolution):
                 await env.stage_solution(task, sb)
             res = await sb.exec(["bash", "-c", script], timeout=_SOLUTION_TIMEOUT_S)
-            reward = await env.verify(task, sb, [])
+            report = await guard.inspect(sb, {"execs": [{"command": script, "exit_code": res.exit_code}]})
+            reward = await guard.verify(sb, [])
     except Exception as e:  # a bad rollout is data: record it, keep going
         return OracleResult(
             task.id, task.split, False, 0.0, error=f"{type(e).__name__}: {e}",
@@ -131,6 +141,7 @@ async def run_solution(
         solution_stderr=res.stderr[-2000:],
         duration_s=time.monotonic() - t0,
         tier=tier,
+        flags=report.flags,
     )
 
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import anyio
 
 from miles_env.environment import Environment
 from miles_env.errors import MilesEnvError
+from miles_env.guards import Guard, GuardReport, GuardsConfig
 from miles_env.harness import Harness, HarnessResult, SessionRecorder
 from miles_env.limits import (
     DEFAULT_VERIFIER_TIMEOUT_S,
@@ -42,6 +43,7 @@ class RolloutContext:
     episode_timeout_s: float = 600.0
     limits: LimitsOverride | None = None  # rollout.limits: can only tighten a task's own (limits.py)
     verifier_timeout_s: float = DEFAULT_VERIFIER_TIMEOUT_S  # for tasks that declare none
+    guards: GuardsConfig = field(default_factory=GuardsConfig)  # reward-hacking detectors (guards/)
 
 
 async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None = None) -> Episode:
@@ -56,6 +58,7 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
     result: HarnessResult | None = None
     reward: Reward | None = None
     status, error = Status.FAILED, None
+    report = GuardReport()
     t0 = time.perf_counter()
     try:
         spec = effective_spec(ctx.env.sandbox_spec(task), ctx.limits)
@@ -63,6 +66,7 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
         async with sandbox:
             timings["sandbox_create_s"] = time.perf_counter() - t0
             await ctx.env.setup(task, sandbox)
+            guard = await Guard.start(ctx.guards, ctx.env, task, sandbox, ctx.provider, spec)
             t1 = time.perf_counter()
             agent_s = agent_timeout_s(spec.resources, ctx.episode_timeout_s)
             with anyio.move_on_after(agent_s) as scope:
@@ -75,8 +79,10 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
             t2 = time.perf_counter()
             verify_s = verifier_timeout_s(spec.resources, ctx.verifier_timeout_s)
             with anyio.move_on_after(verify_s) as verify_scope:
-                reward = await ctx.env.verify(task, sandbox, result.transcript)
+                report = await guard.inspect(sandbox, result.metadata)  # the agent has stopped
+                reward = await guard.verify(sandbox, result.transcript)
             timings["verify_s"] = time.perf_counter() - t2
+            timings.update(guard.timings)
             if verify_scope.cancelled_caught:  # no reward: a verifier cut short is not a score of 0
                 status, error = Status.FAILED, f"verifier timeout {verify_s:g}s exceeded"
     except anyio.get_cancelled_exc_class():
@@ -106,7 +112,9 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
         samples=samples,
         error=error,
         timings=timings,
+        flags=list(report.flags),
         metadata={
+            "guards": report.evidence,
             "session_id": handle.session_id,
             "harness": result.metadata if result else {},
             "transcript": result.transcript if result else [],

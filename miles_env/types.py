@@ -175,6 +175,9 @@ class Episode(_Model):
     error: str | None = None
     timings: dict[str, float] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    # reward-hacking flags raised by miles_env.guards (test_edit, git_history, package_install);
+    # their evidence is metadata["guards"]
+    flags: list[str] = Field(default_factory=list)
 
     @property
     def score(self) -> float:
