@@ -11,6 +11,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+import yaml
 
 from miles_env.adapters.harbor.dockerfile import parse_dockerfile
 from miles_env.oracle import run_solution
@@ -100,3 +101,12 @@ def test_env_validate_takes_the_directory() -> None:
     assert report.env == f"harbor:{TASKS}" and report.n_tasks == 3
     assert report.distribution["name"] == "harbor-tasks"
     assert report.distribution["version"].startswith("sha256:")
+
+
+def test_env_validate_trains_on_the_directory(tmp_path: Path, tiny_model: Path) -> None:
+    """The full gate on the directory: its tasks train through `harbor:<dir>?split=train`."""
+    report = validate_env(str(TASKS), model=str(tiny_model), work_dir=tmp_path)
+    assert report.passed, report.render()
+    assert f"harbor:{TASKS}?split=train" in report.stage("train").summary
+    cfg = yaml.safe_load((tmp_path / "train-run" / "config.yaml").read_text())
+    assert cfg["env_dist"] == report.distribution
