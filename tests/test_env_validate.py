@@ -139,3 +139,31 @@ def test_terminal_basics_trains_two_steps_on_smollm2(tmp_path: Path) -> None:
     assert _episode_dists(run_dir) and all(
         d["name"] == "miles-env-terminal-basics" for d in _episode_dists(run_dir)
     )
+
+
+def test_harbor_tasks_are_versioned_by_their_content(tmp_path: Path) -> None:
+    """Task files are not a package: their version is a hash of every file, so any edit shows."""
+    import shutil
+
+    from miles_env.provenance import env_distribution
+    from miles_env.registry import load_environment
+
+    src = Path(__file__).resolve().parents[1] / "examples" / "harbor-tasks" / "fix-invoice"
+    shutil.copytree(src, tmp_path / "fix-invoice")
+    before = env_distribution(load_environment(f"harbor:{tmp_path}"))
+    assert before["name"] == "harbor-tasks" and before == env_distribution(
+        load_environment(f"harbor:{tmp_path}")
+    )
+    (tmp_path / "fix-invoice" / "tests" / "check_totals.py").write_text("# edited\n")
+    after = env_distribution(load_environment(f"harbor:{tmp_path}"))
+    assert after["name"] == "harbor-tasks" and after["version"] != before["version"]
+
+
+def test_worker_adapters_record_the_locked_framework_version() -> None:
+    from miles_env.provenance import env_distribution
+    from miles_env.registry import load_environment
+
+    lock = Path(__file__).resolve().parents[1] / "adapters" / "locks" / "verifiers.txt"
+    pin = next(x for x in lock.read_text().splitlines() if x.startswith("verifiers=="))
+    env = load_environment("verifiers:vf_say_word", validate=False)  # no worker is started
+    assert env_distribution(env) == {"name": "verifiers", "version": pin.split("==")[1]}
