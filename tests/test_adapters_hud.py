@@ -113,3 +113,24 @@ def test_no_tasks_anywhere_says_where_it_looked(tmp_path: Path) -> None:
     with pytest.raises(MilesEnvError, match=r"no HUD tasks found: none in env.py's globals, no tasks\*.json"):
         load_environment(f"hud:{env_file}").tasks("test")
     anyio.run(close_workers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("word", "reply"), [("river", "river it is"), ("apple", "I will not")])
+def test_parity_with_hud_grader(word: str, reply: str) -> None:
+    """Our episode's reward equals HUD's own TaskRunner grading the same answer."""
+    from miles_env.adapters.venv import install
+    from miles_env.models import load_tokenizer
+    from tests.adapter_parity import framework_score, reply_text
+
+    install("hud")
+    env, ep = _episode(SAY, word, reply)
+    assert ep.status is Status.COMPLETED, ep.error
+    task = {t.metadata["args"]["word"]: t for t in env.tasks("test")}[word]
+    answer = reply_text(ep, load_tokenizer("smollm2"))
+    theirs = framework_score(
+        "hud",
+        "hud_grade.py",
+        {"env_file": str(SAY), "template": "say", "args": task.metadata["args"], "answer": answer},
+    )
+    assert ep.score == theirs["score"] == (1.0 if word in reply else 0.0)

@@ -170,3 +170,39 @@ def test_openenv_init_layout_imports_its_siblings(tmp_path: Path) -> None:
     ep = anyio.run(main)
     assert ep.status is Status.COMPLETED, ep.error
     assert ep.score == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("seed", "replies"), [(1, ["I say river"]), (0, ["nope", "no", "still no", "x"])])
+def test_parity_with_openenv_client(seed: int, replies: list[str]) -> None:
+    """Our episode's reward equals OpenEnv's own client replaying the same actions on the same server."""
+    from miles_env.adapters.venv import install
+    from miles_env.engines.scripted import ScriptedEngine
+    from miles_env.models import load_tokenizer
+    from miles_env.rollout import run_episode
+    from miles_env.stack import StackConfig, open_stack
+    from tests.adapter_parity import framework_score
+
+    install("openenv")
+    env = load_environment(f"openenv:{GUESS}:app")
+    task = {t.id: t for t in env.tasks()}[f"seed-{seed}"]
+    tok = load_tokenizer("smollm2")
+
+    async def main():  # type: ignore[no-untyped-def]
+        engine = ScriptedEngine(tok, replies)
+        async with open_stack(StackConfig(), engine=engine) as stack:
+            ep = await run_episode(stack.rollout_context(env, get_harness("framework")), task)
+        await close_workers()
+        return ep, engine
+
+    ep, engine = anyio.run(main)
+    said = [tok.decode(g.output_ids, skip_special_tokens=True).strip() for g in engine.generations]
+    field = ep.reward.details["action_field"]
+    payload = {"root": str(GUESS.parent), "module": GUESS.stem, "attr": "app", "seed": seed}
+    theirs = framework_score(
+        "openenv", "openenv_client.py", {**payload, "actions": [{field: s} for s in said]}
+    )
+    assert ep.score == sum(theirs["rewards"]) == (1.0 if seed == 1 else 0.0)
+    assert (
+        ep.reward.details["steps"] == len(theirs["rewards"]) and ep.reward.details["done"] == theirs["done"]
+    )
