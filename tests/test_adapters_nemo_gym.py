@@ -46,3 +46,33 @@ def test_nemo_gym_episode_reward_and_tokens() -> None:
         if m
     ]
     assert sampled and sampled == [t for g in engine.generations for t in g.output_ids]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reply", ["\\boxed{B}", "\\boxed{C}"])
+def test_parity_with_nemo_gym_verify(reply: str) -> None:
+    """Our episode's reward equals NeMo Gym's own /verify on the same reply (called directly)."""
+    from miles_env.adapters.venv import install
+    from miles_env.engines.scripted import ScriptedEngine
+    from miles_env.models import load_tokenizer
+    from miles_env.rollout import run_episode
+    from miles_env.stack import StackConfig, open_stack
+    from tests.adapter_parity import framework_score, reply_text
+
+    install("nemo-gym")
+    env = load_environment("nemo-gym:mcqa")
+    task = env.tasks("test")[0]
+    tok = load_tokenizer("smollm2")
+
+    async def main():  # type: ignore[no-untyped-def]
+        async with open_stack(StackConfig(), engine=ScriptedEngine(tok, [reply])) as stack:
+            ep = await run_episode(stack.rollout_context(env, get_harness("framework")), task)
+        await close_workers()
+        return ep
+
+    ep = anyio.run(main)
+    assert ep.status is Status.COMPLETED, ep.error
+    said = reply_text(ep, tok)
+    theirs = framework_score("nemo-gym", "nemo_gym_verify.py", {"server": "mcqa", "idx": 0, "reply": said})
+    assert ep.score == theirs["reward"] == (1.0 if "B" in reply else 0.0)
+    assert ep.reward is not None and ep.reward.details["extracted_answer"] == theirs["verify"]
