@@ -22,7 +22,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -387,8 +387,10 @@ async def run_training(cfg: RunConfig, console: Console) -> dict[str, Any]:
     try:
         async with open_stack(plan.stack_cfg, engine=engine) as stack, _rollouts(cfg, engine) as dispatch:
             timeout_s, limits = cfg.rollout.episode_timeout_s, cfg.rollout.limits
-            ctx = stack.rollout_context(plan.env, plan.harness, timeout_s, limits)
-            eval_ctx = stack.rollout_context(plan.env, plan.eval_harness, timeout_s, limits)
+            ctx = replace(stack.rollout_context(plan.env, plan.harness, timeout_s, limits), guards=cfg.guards)
+            eval_ctx = replace(
+                stack.rollout_context(plan.env, plan.eval_harness, timeout_s, limits), guards=cfg.guards
+            )
             queue = queue_sync.aio
             job = _Job(cfg, plan, contexts=(ctx, eval_ctx), queue=queue, trainer=trainer, engine=engine,
                        log=log, console=console, dispatch=dispatch)  # fmt: skip

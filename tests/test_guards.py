@@ -8,8 +8,10 @@ agent's network is only the TITO bridge; flags survive the replay queue's codec.
 
 from __future__ import annotations
 
+import json
 import socket
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -63,7 +65,8 @@ class GuardedEnv(ChecksEnvironment):
     def tasks(self, split: str | None = None) -> list[Task]:
         # /tmp/bin first on PATH: where a task's tools would live on the local provider (its / is read-only)
         path = {"PATH": "/tmp/bin:/usr/local/bin:/usr/bin:/bin"}
-        return [_task("fix-add"), _task("git-fix"), _task("tools-in-tmp", env=path)]
+        tasks = [_task("fix-add"), _task("git-fix"), _task("tools-in-tmp", env=path)]
+        return [t for t in tasks if split in (None, t.split)]
 
     def protected_paths(self, task: Task) -> list[str]:
         return ["test_calc.py"]
@@ -255,3 +258,52 @@ def test_git_patterns_check_object_ids_against_the_start() -> None:
         start,
     )
     assert [r["command"] for r in rows] == ["git show ffeedd0011", "git cat-file -p HEAD"]
+
+
+class DownloadingOracleEnv(GuardedEnv):
+    """Its reference solution also tries a download: `env eval --oracle` passes and shows the flag."""
+
+    def tasks(self, split: str | None = None) -> list[Task]:
+        return [
+            t.model_copy(update={"solution": f"{HONEST}; curl -s http://x/ || true"})
+            for t in super().tasks(split)
+        ]
+
+
+def test_env_eval_oracle_shows_flags() -> None:
+    from typer.testing import CliRunner
+
+    from miles_env.cli.env import app
+
+    ref = f"{__name__}:DownloadingOracleEnv"
+    res = CliRunner().invoke(app, ["eval", ref, "--oracle", "--task", "fix-add"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "FLAG fix-add: package_install" in res.stdout and "pass rate 100.0%" in res.stdout
+    res = CliRunner().invoke(app, ["eval", ref, "--oracle", "--task", "fix-add", "--json"])
+    assert json.loads(res.stdout)["results"][0]["flags"] == ["package_install"]
+
+
+async def _viewed(out: Path, episode_id: str) -> dict[str, Any]:
+    import httpx
+
+    from miles_env.view import open_run
+    from miles_env.view.app import create_app
+
+    app = create_app(open_run(out, None, preload=False))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://view") as client:
+        data: dict[str, Any] = (await client.get(f"/api/episodes/{episode_id}")).json()
+        return data
+
+
+def test_eval_summary_and_viewer_show_flags(tmp_path: Path) -> None:
+    from miles_env.cli.eval import summarize
+    from miles_env.jsonio import write_json
+
+    ep = run(GuardedEnv(), "fix-add", ["printf 'print(\"ok\")\\n' > test_calc.py"])
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "episodes.jsonl").write_text(ep.model_dump_json() + "\n")
+    write_json(out / "summary.json", summarize([ep]))  # as `miles-env eval --out` writes them
+    assert summarize([ep])["flags"] == {"test_edit": 1}
+    shown = anyio.run(_viewed, out, ep.id)
+    assert shown["flags"] == ["test_edit"] and shown["guards"]["test_edit"][0]["path"] == "test_calc.py"

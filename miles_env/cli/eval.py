@@ -7,6 +7,7 @@ logprobs, rewards and the transcript) to OUT/episodes.jsonl.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -29,8 +30,11 @@ def summarize(episodes: list[Episode]) -> dict[str, Any]:
     sampled = sum(s.n_sampled for e in episodes for s in e.samples)
     total = sum(len(s.token_ids) for e in episodes for s in e.samples)
     statuses: dict[str, int] = {}
+    flags: dict[str, int] = {}  # reward-hacking flags (miles_env/guards): episodes raising each
     for e in episodes:
         statuses[e.status.value] = statuses.get(e.status.value, 0) + 1
+        for f in e.flags:
+            flags[f] = flags.get(f, 0) + 1
     return {
         "episodes": n,
         "pass_rate": (sum(1 for e in episodes if e.reward is not None and e.reward.passed) / n) if n else 0.0,
@@ -38,6 +42,7 @@ def summarize(episodes: list[Episode]) -> dict[str, Any]:
         "sampled_tokens": sampled,
         "total_tokens": total,
         "statuses": statuses,
+        "flags": flags,
     }
 
 
@@ -79,7 +84,7 @@ async def _run(
                 passed = sum(1 for e in episodes if e.reward is not None and e.reward.passed)
                 progress.update(bar, advance=1, description=f"{env_name} pass {passed}/{len(episodes)}")
 
-            ctx = stack.rollout_context(env, harness)
+            ctx = replace(stack.rollout_context(env, harness), guards=cfg.guards)
             await run_many(ctx, tasks, rollouts_per_task=rollouts, concurrency=concurrency, on_episode=record)
     summary = summarize(episodes)
     write_json(out / "summary.json", summary)
@@ -154,5 +159,6 @@ def eval_command(
     typer.echo(
         f"episodes {summary['episodes']}  pass rate {summary['pass_rate']:.3f}  "
         f"mean reward {summary['mean_reward']:.3f}  sampled tokens {summary['sampled_tokens']}  "
-        f"total tokens {summary['total_tokens']}  statuses {summary['statuses']}\nwritten to {out}/episodes.jsonl"
+        f"total tokens {summary['total_tokens']}  statuses {summary['statuses']}  flags {summary['flags']}\n"
+        f"written to {out}/episodes.jsonl"
     )

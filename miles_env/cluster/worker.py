@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -111,8 +112,9 @@ class RolloutWorker:
                 max_pending_groups=2 * cfg.rollout.groups_per_step,
             )  # fmt: skip
             async with open_stack(stack_cfg) as stack:
-                self._ctx = stack.rollout_context(
-                    env, harness, cfg.rollout.episode_timeout_s, cfg.rollout.limits
+                self._ctx = replace(
+                    stack.rollout_context(env, harness, cfg.rollout.episode_timeout_s, cfg.rollout.limits),
+                    guards=cfg.guards,
                 )
                 self._queue = queue_sync.aio
                 self._limiter = anyio.CapacityLimiter(

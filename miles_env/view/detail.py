@@ -118,6 +118,8 @@ class Details:
             "row": row.public(),
             "reward": data.get("reward"),
             "error": data.get("error"),
+            "flags": data.get("flags") or [],  # reward-hacking flags (miles_env/guards)
+            "guards": meta.get("guards") or {},  # their evidence
             "timings": data.get("timings") or {},
             "harness": data.get("harness"),
             "harness_meta": meta.get("harness") or {},

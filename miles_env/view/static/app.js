@@ -147,6 +147,7 @@ async function renderEpisode(id) {
       ["step", r.step ?? "–"], ["versions", r.v_min === null ? "–" : `${r.v_min}–${r.v_max}`], ["turns", r.turns], ["sampled", r.sampled],
       ["wall s", num(r.wall_s)], ["harness", esc(e.harness || "–")]].map(([k, v]) => `<div class="card"><div class="k">${k}</div><div class="v">${v}</div></div>`).join("")}</div>
     ${e.error ? `<div class="box err">${esc(e.error)}</div>` : ""}
+    ${(e.flags || []).length ? `<div class="box err" data-testid="flags">flags: ${e.flags.map(f => `<b>${esc(f)}</b> (${((e.guards || {})[f] || []).map(x => esc(x.why || x.path || "")).join("; ")})`).join(", ")}</div>` : ""}
     <h3>Verifier</h3><div class="box" data-testid="verifier">${e.reward ? `score <b>${num(e.reward.score)}</b>` : "<span class=muted>no reward recorded</span>"}
       ${checks.length ? `<table><tr><th>check</th><th>target</th><th>passed</th><th>reason</th></tr>${checks.map(c => `<tr><td>${esc(c.kind || "")}</td><td>${esc(c.target || c.path || "")}</td><td>${pill(c.passed ? "pass" : "fail")}</td><td>${esc(c.reason || "")}</td></tr>`).join("")}</table>` : ""}</div>
     <h3>Sandbox commands</h3><div class="box" data-testid="commands">${e.commands.length ? `<table><tr><th>#</th><th>command</th><th>exit</th><th>duration s</th><th>output</th></tr>${e.commands.map((c, i) =>
