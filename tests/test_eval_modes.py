@@ -21,9 +21,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_support import rows, train_args
+from miles_env.config import load_config
+from miles_env.errors import ConfigError
+from tests.train_support import ROOT, rows, train_args
 
-pytestmark = pytest.mark.slow
+
+def test_each_mode_reads_its_own_section() -> None:
+    cfg = load_config(None, ["eval.mode=external", "eval.external.command=python score.py --fast"])
+    assert cfg.eval.external is not None and cfg.eval.external.command == ["python", "score.py", "--fast"]
+    with pytest.raises(ConfigError, match=r"eval\.external: eval\.mode=external needs external\.command or"):
+        load_config(None, ["eval.mode=external"])
+    with pytest.raises(ConfigError, match=r"eval\.external: .*set exactly one of command and url"):
+        load_config(None, ["eval.mode=external", "eval.external.command=x", "eval.external.url=http://h/e"])
+    with pytest.raises(
+        ConfigError, match=r"eval\.engine: engine is read by eval\.mode=dedicated, not shared"
+    ):
+        load_config(None, ["eval.engine.kind=scripted"])
+    with pytest.raises(ConfigError, match=r"eval\.mode: Input should be 'shared', 'dedicated' or 'external'"):
+        load_config(None, ["eval.mode=remote"])
 
 
 def _train(run_dir: Path, model: Path, steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -54,6 +69,7 @@ def _turn_versions(store: Path) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_shared_evaluates_on_the_rollout_engine(tmp_path: Path, tiny_model: Path) -> None:
     run_dir = tmp_path / "run"
     _train(run_dir, tiny_model, 2, "eval.mode=shared")
@@ -65,6 +81,7 @@ def test_shared_evaluates_on_the_rollout_engine(tmp_path: Path, tiny_model: Path
     assert not (run_dir / "eval_sessions").exists()
 
 
+@pytest.mark.slow
 def test_dedicated_evaluates_on_its_own_engine_synced_only_at_eval_points(
     tmp_path: Path, tiny_model: Path
 ) -> None:
@@ -126,6 +143,7 @@ def _external_rows(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in evals}
 
 
+@pytest.mark.slow
 def test_external_command_results_become_eval_metrics(tmp_path: Path, tiny_model: Path) -> None:
     run_dir = _external(tmp_path, tiny_model, hang=-1, fail=-1)
     for step, row in _external_rows(run_dir).items():
@@ -135,9 +153,17 @@ def test_external_command_results_become_eval_metrics(tmp_path: Path, tiny_model
         assert row["eval/checkpoint"].endswith(f"exports/step_{step:08d}")
     kept = sorted(p.name for p in (run_dir / "exports").iterdir())
     assert kept == ["step_00000002", "step_00000003"]  # keep_exports=2, the newest
-    assert (run_dir / "exports/step_00000003/tokenizer.json").is_file()  # the export loads on its own
+    # the export loads on its own: the example evaluator of the README scores it
+    example = [
+        sys.executable,
+        str(ROOT / "examples/eval_external.py"),
+        str(run_dir / "exports/step_00000003"),
+    ]
+    out = subprocess.run(example, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, timeout=300)
+    assert out.returncode == 0 and json.loads(out.stdout.splitlines()[-1])["answers"] == 3
 
 
+@pytest.mark.slow
 def test_external_timeout_is_reported_and_the_run_goes_on(tmp_path: Path, tiny_model: Path) -> None:
     run_dir = _external(tmp_path, tiny_model, hang=1, fail=-1)
     by_step = _external_rows(run_dir)
@@ -146,6 +172,7 @@ def test_external_timeout_is_reported_and_the_run_goes_on(tmp_path: Path, tiny_m
     assert by_step[2]["eval/accuracy"] == pytest.approx(0.2)  # the next eval ran as usual
 
 
+@pytest.mark.slow
 def test_external_nonzero_exit_is_reported_with_its_stderr(tmp_path: Path, tiny_model: Path) -> None:
     run_dir = _external(tmp_path, tiny_model, hang=-1, fail=2)
     by_step = _external_rows(run_dir)
@@ -186,6 +213,7 @@ def evaluator_url() -> Iterator[str]:
         server.server_close()
 
 
+@pytest.mark.slow
 def test_external_url_gets_each_checkpoint_and_its_answer_is_logged(
     tmp_path: Path, tiny_model: Path, evaluator_url: str
 ) -> None:
