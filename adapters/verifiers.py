@@ -8,6 +8,10 @@ session: every model token is captured by our proxy. The reward is the taskset's
 (`trace.reward`, the weighted sum of its `@vf.reward` functions).
 
 Tasks: every task in split `test` (`verifiers:...?split=train` puts them in `train`).
+
+`--harness framework` with `keep_trace=true` keeps verifiers' own trace of the episode
+(`Trace.model_dump`, what `vf-replay` re-scores offline) in the reward's details as
+`trace`; off by default, since a trace can be large.
 """
 
 from __future__ import annotations
@@ -58,11 +62,14 @@ class VerifiersEnvironment(WorkerEnvironment):
 
     @classmethod
     def run_params(cls, task: Task, endpoint: Endpoint, base_url: str, **config: Any) -> dict[str, Any]:
-        return {**super().run_params(task, endpoint, base_url), "session": endpoint.session_id}
+        params = {**super().run_params(task, endpoint, base_url), "session": endpoint.session_id}
+        return {**params, "keep_trace": bool(config.get("keep_trace", False))}
 
     @classmethod
     def result(cls, task: Task, answer: dict[str, Any]) -> HarnessResult:
         details = {k: answer[k] for k in ("rewards", "ok", "errors", "trace_errors")}
+        if "trace" in answer:  # keep_trace: verifiers' own record of the episode
+            details["trace"] = answer["trace"]
         transcript: list[dict[str, Any]] = [{"role": "user", "content": task.instruction}]
         transcript.append({"role": "assistant", "content": answer.get("reply", "")})
         transcript.append({"role": FRAMEWORK_ROLE, "reward": answer["reward"], "details": details})

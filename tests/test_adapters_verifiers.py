@@ -53,3 +53,35 @@ def test_verifiers_episode_reward_and_tokens() -> None:
         if m
     ]
     assert sampled and sampled == [t for g in engine.generations for t in g.output_ids]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("task_id", "reply"), [("say-river", "river it is"), ("say-apple", "I will not")])
+def test_parity_with_verifiers_replay(task_id: str, reply: str) -> None:
+    """Our reward equals verifiers' own offline re-scoring (vf-replay's path) of the episode's trace."""
+    from miles_env.adapters.venv import install
+    from miles_env.engines.scripted import ScriptedEngine
+    from miles_env.models import load_tokenizer
+    from miles_env.rollout import run_episode
+    from miles_env.stack import StackConfig, open_stack
+    from tests.adapter_parity import framework_score
+
+    install("verifiers")
+    env = load_environment(f"verifiers:{SAY}")
+    task = {t.id: t for t in env.tasks("test")}[task_id]
+
+    async def main():  # type: ignore[no-untyped-def]
+        engine = ScriptedEngine(load_tokenizer("smollm2"), [reply])
+        async with open_stack(StackConfig(), engine=engine) as stack:
+            ctx = stack.rollout_context(env, get_harness("framework", keep_trace=True))
+            ep = await run_episode(ctx, task)
+        await close_workers()
+        return ep
+
+    ep = anyio.run(main)
+    assert ep.status is Status.COMPLETED and ep.reward is not None, ep.error
+    trace = ep.reward.details["trace"]
+    payload = {"trace": trace, "taskset": SAY.stem, "path": str(SAY.parent)}
+    theirs = framework_score("verifiers", "verifiers_replay.py", payload)
+    assert ep.score == theirs["reward"] == (1.0 if "river" in reply else 0.0)
+    assert ep.reward.details["rewards"] == theirs["rewards"]

@@ -94,6 +94,7 @@ async def run(params: dict[str, Any]) -> dict[str, Any]:
         "errors": [str(e) for e in ep.errors],
         "trace_errors": [str(e) for t in traces for e in t.errors],
         "reply": traces[0].last_reply if traces else "",
+        **({"trace": traces[0].model_dump(mode="json")} if params.get("keep_trace") and traces else {}),
     }
 
 
