@@ -87,3 +87,20 @@ def test_parity_with_harbors_own_trial(tmp_path: Path) -> None:
     assert (
         [t["rewards"] for t in theirs] == [{"reward": s} for s in ours] == [{"reward": 1.0}, {"reward": 0.0}]
     )
+
+
+@pytest.mark.parametrize("with_ignore", [True, False])
+def test_dockerignore_excludes_from_the_context(tmp_path: Path, with_ignore: bool) -> None:
+    from tests.test_adapters_harbor_setup import copy_task
+
+    d = copy_task(
+        tmp_path,
+        "FROM ubuntu:24.04\nWORKDIR /app\nCOPY data/ /app/data/\n"
+        "RUN test ! -e /app/data/skip.log && test -f /app/data/keep.log && test -f /app/data/words.txt\n",
+    )
+    for name in ("skip.log", "keep.log"):
+        (d / "environment" / "data" / name).write_text("x\n")
+    if with_ignore:
+        (d / "environment" / ".dockerignore").write_text("# logs\n**/*.log\n!data/keep.log\n")
+    res = _oracle(d)
+    assert (res.error is None) == with_ignore, res.error

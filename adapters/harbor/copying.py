@@ -9,6 +9,9 @@ with chown's reason where the sandbox cannot change owners. ADD of a local tar
 archive (plain, gzip, bzip2 or xz, recognised by content, not by name) is unpacked
 into the destination directory (modes kept, merged with what is there); any other
 local file is copied as COPY would. `--link` changes only layer caching and is accepted.
+Files the context's `.dockerignore` excludes (Docker's patterns: `*`, `?`, `**`, `!`
+exceptions, last match wins, a matched folder excludes its contents) are not in the
+context, so no COPY or ADD sees them.
 
 Invariant: a source outside the build context, a URL (the sandbox has no network),
 `--from` (another stage) or a flag not named above fails the step, naming its line.
@@ -21,13 +24,14 @@ import re
 import shlex
 import tarfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from miles_env.adapters.harbor.dockerfile import _MARKER, Step, expand, refuse, split_flags
 from miles_env.errors import TaskError
 from miles_env.sandbox import Sandbox
 
-__all__ = ["copy_step", "is_tar_archive", "abs_path"]
+__all__ = ["copy_step", "is_tar_archive", "abs_path", "ignored"]
 
 _CHMOD = re.compile(r"^(?:[0-7]{3,4}|[ugoa]*[-+=][rwxXst]*(?:,[ugoa]*[-+=][rwxXst]*)*)$")
 _URL = re.compile(r"^(?:[a-z][a-z0-9+.-]*://|git@)")
@@ -47,6 +51,37 @@ def is_tar_archive(path: Path) -> bool:
         return False
 
 
+def _pattern(pat: str) -> re.Pattern[str]:
+    pat = pat.strip().strip("/")
+    out = "".join(
+        ".*" if tok == "**" else "[^/]*" if tok == "*" else "[^/]" if tok == "?" else re.escape(tok)
+        for tok in re.findall(r"\*\*|\*|\?|[^*?]+", pat)
+    )
+    return re.compile(out.replace(".*/", "(?:.*/)?") + "$")
+
+
+def ignored(context: Path) -> Callable[[str], bool]:
+    """`rel -> excluded?` from the context's .dockerignore (nothing excluded without one)."""
+    f = context / ".dockerignore"
+    lines = f.read_text().splitlines() if f.is_file() else []
+    rules = [
+        (ln.startswith("!"), _pattern(ln.lstrip("!")))
+        for ln in lines
+        if ln.strip() and not ln.startswith("#")
+    ]
+
+    def check(rel: str) -> bool:
+        parts = rel.split("/")
+        prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+        excluded = False
+        for negate, rx in rules:
+            if any(rx.match(p) for p in prefixes):
+                excluded = not negate
+        return excluded
+
+    return check
+
+
 def _sources(context: Path, src: str, step: Step) -> list[tuple[Path, str, bool]]:
     """(host path, path relative to the destination, from a directory) for one source.
 
@@ -56,6 +91,8 @@ def _sources(context: Path, src: str, step: Step) -> list[tuple[Path, str, bool]
         matches = sorted(root.glob(src.lstrip("/")))
     else:
         matches = [root / src.lstrip("/")] if (root / src.lstrip("/")).exists() else []
+    skip = ignored(root)
+    matches = [m for m in matches if m == root or not skip(m.relative_to(root).as_posix())]
     if not matches:
         raise TaskError(f"{step.describe()}: source {src!r} not found in {root}")
     out: list[tuple[Path, str, bool]] = []
@@ -64,7 +101,8 @@ def _sources(context: Path, src: str, step: Step) -> list[tuple[Path, str, bool]
         if m != root and root not in m.parents:
             raise TaskError(f"{step.describe()}: source {src!r} is outside the build context")
         if m.is_dir():
-            out += [(p, p.relative_to(m).as_posix(), True) for p in sorted(m.rglob("*"))]
+            inner = [p for p in sorted(m.rglob("*")) if not skip(p.relative_to(root).as_posix())]
+            out += [(p, p.relative_to(m).as_posix(), True) for p in inner]
         else:
             out.append((m, m.name, False))
     return out
