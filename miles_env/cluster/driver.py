@@ -18,9 +18,10 @@ Eval runs on the driver, on its own stack, as in one process (the workers roll o
 Faults: a worker that dies (its process killed, its node lost) fails the groups it had in flight
 with a RayActorError; each such task is re-run on the least busy living worker (at most
 `max_attempts` tries), so none is lost. With `replace_workers` (the default) the first task that
-sees the death starts a new worker (`worker-{n}`, where Ray finds room: the dead one's resources
-are free again, or another node's) and re-runs there or elsewhere; tasks that find no worker
-alive wait for a replacement under way. Episodes the dead worker had put stay in the queue; a
+sees the death has a new worker (`worker-{n}`) placed in the background, where Ray finds room
+(the dead one's resources are free again, or another node's), and retries at once on the living
+ones; tasks that find no worker alive wait for a replacement under way. One that cannot be placed
+within `start_timeout_s` is given up (logged), the run goes on with the others. Episodes the dead worker had put stay in the queue; a
 group it left short of `group_size` stays OPEN there and is never trained (counted: `queue stats`
 open groups). A group the worker finished just before dying is re-run too: an extra group, never
 the same episode twice. No worker left (none alive, none being started) is a ClusterError.
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from anyio.abc import TaskGroup
 
 from miles_env.cluster import session
 from miles_env.cluster.worker import GroupReport, RolloutWorker, WorkerSpec
@@ -81,9 +83,11 @@ class ClusterRollouts:
     workers: list[_Worker]
     max_attempts: int
     spawn: Spawn | None = None  # None: a dead worker is not replaced
+    background: TaskGroup | None = None  # where replacements are placed, apart from any dispatch
     redispatched: int = 0  # tasks re-run after their worker died under them
     replaced: int = 0  # workers started for dead ones
     reports: list[GroupReport] = field(default_factory=list)
+    _requested: int = 0  # replacements asked for (they name worker-{n})
     _starting: int = 0  # replacements under way
     _changed: anyio.Event = field(default_factory=anyio.Event)  # set when one of them is done
 
@@ -112,7 +116,7 @@ class ClusterRollouts:
                 report: GroupReport = await _call(worker.actor.run_group, task)
             except RayActorError as e:
                 if self._lose(worker, e):
-                    await self._replace(worker)
+                    self._replace(worker)
                 if attempt + 1 < self.max_attempts:
                     self.redispatched += 1
                 continue
@@ -133,13 +137,21 @@ class ClusterRollouts:
         log.warning("rollout worker %s (node %s) lost: %s", worker.name, worker.node_id, worker.lost_error)
         return True
 
-    async def _replace(self, dead: _Worker) -> None:
-        """Start a worker for `dead`; one that cannot be placed leaves the run on the others."""
-        if self.spawn is None:
+    def _replace(self, dead: _Worker) -> None:
+        """Start a worker for `dead` in the background (the task goes on on the living ones); one
+        that cannot be placed within `start_timeout_s` leaves the run to the others."""
+        if self.spawn is None or self.background is None:
             return
+        first = sum(1 for w in self.workers if w.replaces is None)  # the workers started at first
+        name = f"worker-{first + self._requested}"
+        self._requested += 1
         self._starting += 1
+        self.background.start_soon(self._replacement, dead, name)
+
+    async def _replacement(self, dead: _Worker, name: str) -> None:
+        assert self.spawn is not None
         try:
-            new = await self.spawn(f"worker-{len(self.workers) + self._starting - 1}")
+            new = await self.spawn(name)
         except Exception as e:  # recorded; the living workers carry on
             log.warning("rollout worker %s not replaced: %s", dead.name, e)
         else:
@@ -286,10 +298,15 @@ async def cluster_rollouts(cfg: RunConfig, engine: Engine) -> AsyncIterator[Clus
             engine_cfg = await _workers_engine(cfg, engine, stack)
             spawn = _spawner(cfg, engine_cfg)
             workers = await _start_workers(cfg, spawn)
-            rollouts = ClusterRollouts(workers, cfg.cluster.max_attempts,
-                                       spawn if cfg.cluster.replace_workers else None)  # fmt: skip
+            rollouts = ClusterRollouts(workers, cfg.cluster.max_attempts)
             try:
-                yield rollouts
+                async with anyio.create_task_group() as background:
+                    if cfg.cluster.replace_workers:
+                        rollouts.spawn, rollouts.background = spawn, background
+                    try:
+                        yield rollouts
+                    finally:
+                        background.cancel_scope.cancel()  # a replacement still being placed
             finally:
                 with anyio.CancelScope(shield=True):
                     await _finish(cfg, engine, rollouts)
