@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from miles_env.tito.messages import ChatRequest, Message, key_function, tools_key
+from miles_env.tito.messages import ChatRequest, Message, ToolCall, key_function, tools_key
 from miles_env.tito.render import Renderer
 from miles_env.tito.session import Branch, Session
 
@@ -106,6 +106,11 @@ def _stop(r: Renderer, b: Branch, n_ids: int, stops: Collection[int]) -> str | N
     return r.decode([last]) if last == r.stop_id or last in stops else None
 
 
+def _calls(req: ChatRequest, n: int) -> tuple[ToolCall, ...]:
+    """The tool calls of the stored turn the request's tail follows (its message `n - 1`)."""
+    return req.messages[n - 1].tool_calls if n > 0 else ()
+
+
 class Offload(Exception):
     """Planning in-line would render and tokenize more than `inline_chars`: redo it in a thread."""
 
@@ -158,19 +163,21 @@ def make_plan(
         if b.tools_key != tkey or n > len(keys) or keys[:n] != b.keys:
             continue
         check(req.messages[n:])
-        suffix = r.render_suffix(req.messages[n:], req.tools, tkey)
+        tail, after = req.messages[n:], _calls(req, n)
+        suffix = r.render_suffix(tail, req.tools, tkey, after)
         if suffix is None:
             break  # the template does not render this tail as a pure suffix: re-render on a new branch
-        text = r.after_turn(suffix, req.tools, tkey, _stop(r, b, len(b.token_ids), stops))
+        text = r.after_turn(suffix, req.tools, tkey, _stop(r, b, len(b.token_ids), stops), tail, after)
         delta = _encode(r, text, len(b.token_ids), limit)
         return Plan(b.index, False, b.token_ids + delta, delta, keys[n:], tkey)
     fork = fork_point(s, keys, tkey)
     if fork is not None:
         b, n_keys, n_ids = fork
         check(req.messages[n_keys:])
-        suffix = r.render_suffix(req.messages[n_keys:], req.tools, tkey)
+        tail, after = req.messages[n_keys:], _calls(req, n_keys)
+        suffix = r.render_suffix(tail, req.tools, tkey, after)
         if suffix is not None:
-            text = r.after_turn(suffix, req.tools, tkey, _stop(r, b, n_ids, stops))
+            text = r.after_turn(suffix, req.tools, tkey, _stop(r, b, n_ids, stops), tail, after)
             delta = _encode(r, text, n_ids, limit)
             prompt = b.token_ids[:n_ids] + delta
             return Plan(len(s.branches), True, prompt, delta, keys[n_keys:], tkey, b.index, n_keys, n_ids)

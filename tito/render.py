@@ -12,7 +12,11 @@ and the caller re-renders everything on a new branch. After a stored assistant
 turn the template's closing text (for chatml `<|im_end|>\n`) and the suffix follow;
 when the sampled ids already end with a stop token that text starts with, only the
 rest is new (`\n` for chatml; GLM samples `<|observation|>`, which opens the tool
-message that follows).
+message that follows). A tail that opens with tool results follows an anchor reply that carries
+the stored turn's calls (by name: gpt-oss names the tool result after the call it answers, and
+refuses one without a call); the closing of a stored turn that sampled a stop token is then cut
+at the template's own copy of it. A template may close its last reply with one special token
+and a followed one with another (gpt-oss: `<|return|>`, `<|end|>`): the sampled one stays.
 
 Tools: templates that mention `tools` get them natively. Others (plain chatml,
 e.g. SmolLM2) get the text-action fallback: the schemas go into the system prompt
@@ -28,11 +32,12 @@ import json
 from typing import Any
 
 from miles_env.tito.bound import min_tokens, size_bound
-from miles_env.tito.messages import Message
+from miles_env.tito.messages import Message, ToolCall
 
 __all__ = ["Renderer", "TemplateRefused"]
 
 _RELEASE_GIL_CHARS = 4096
+_MAX_ANCHORS = 256
 _ANCHOR_TEXT = "zqxanchorzqx"
 _ANCHOR = (
     Message("system", _ANCHOR_TEXT),
@@ -72,7 +77,9 @@ class Renderer:
         if not isinstance(stop_id, int) or stop_id < 0 or stop_id == getattr(tokenizer, "unk_token_id", None):
             stop_id = tokenizer.eos_token_id
         self.stop_id: int = int(stop_id)
-        self._anchor: dict[str, tuple[str, str]] = {}  # tools key -> (render(anchor), assistant close)
+        # (tools key, names of the calls the anchor reply makes) -> (render(anchor), assistant close)
+        self._anchor: dict[tuple[str, tuple[str, ...]], tuple[str, str]] = {}
+        self._specials = sorted(getattr(tokenizer, "get_added_vocab", dict)(), key=len, reverse=True)
         self.size_bound = size_bound(self._fast)  # None: no proof, prompts are tokenized in full (bound.py)
 
     # -- text ------------------------------------------------------------------------------------
@@ -153,31 +160,57 @@ class Renderer:
                 dicts.insert(0, {"role": "system", "content": text})
         return self._apply(dicts, tools, gen=True)
 
-    def _anchor_parts(self, tools: tuple[dict[str, Any], ...], tkey: str) -> tuple[str, str]:
-        cached = self._anchor.get(tkey)
+    def _anchor_parts(
+        self, tools: tuple[dict[str, Any], ...], tkey: str, calls: tuple[str, ...] = ()
+    ) -> tuple[str, str]:
+        cached = self._anchor.get((tkey, calls))
         if cached is None:
-            base = self._apply(self._dicts(_ANCHOR), tools, gen=False)
+            if len(self._anchor) >= _MAX_ANCHORS:  # call names are the model's: keep the cache bounded
+                self._anchor.clear()
+            base = self._apply(self._dicts(_anchor(calls)), tools, gen=False)
             close = base[base.rindex(_ANCHOR_TEXT) + len(_ANCHOR_TEXT) :]
-            cached = self._anchor[tkey] = (base, close)
+            cached = self._anchor[(tkey, calls)] = (base, close)
         return cached
 
-    def after_turn(self, suffix: str, tools: tuple[dict[str, Any], ...], tkey: str, stop: str | None) -> str:
+    def after_turn(
+        self,
+        suffix: str,
+        tools: tuple[dict[str, Any], ...],
+        tkey: str,
+        stop: str | None,
+        tail: tuple[Message, ...] = (),
+        after: tuple[ToolCall, ...] = (),
+    ) -> str:
         """Template text that follows a stored assistant turn's sampled ids: its closing, then `suffix`.
 
         `stop` is the text of the stop token the turn sampled (None when it ended otherwise): the ids
         already hold it, so it is dropped from the front (chatml: `<|im_end|>` of the closing; GLM: the
-        `<|user|>` / `<|observation|>` that also opens the next message)."""
-        text = self._anchor_parts(tools, tkey)[1] + suffix
+        `<|user|>` / `<|observation|>` that also opens the next message). `tail` and `after` (the
+        turn's calls) as given to `render_suffix`: an anchor reply with calls closes where the
+        template writes `stop` after the reply's text, if it does."""
+        close = self._anchor_parts(tools, tkey)[1]
+        names = _call_names(tail, after)
+        if names and stop:
+            base = self._anchor_parts(tools, tkey, names)[0]
+            at = base.find(stop, base.rindex(_ANCHOR_TEXT))
+            close = base[at:] if at >= 0 else close
+        text = close + suffix
         if stop and text.startswith(stop):
             return text[len(stop) :]
         return text
 
     def render_suffix(
-        self, tail: tuple[Message, ...], tools: tuple[dict[str, Any], ...], tkey: str
+        self,
+        tail: tuple[Message, ...],
+        tools: tuple[dict[str, Any], ...],
+        tkey: str,
+        after: tuple[ToolCall, ...] = (),
     ) -> str | None:
-        """Text the template adds for `tail` (and the generation prompt) after an assistant turn."""
-        base, close = self._anchor_parts(tools, tkey)
-        full = self._apply(self._dicts(_ANCHOR + tail), tools, gen=True)
+        """Text the template adds for `tail` (and the generation prompt) after an assistant turn that
+        made the calls `after`."""
+        names = _call_names(tail, after)
+        base, close = self._anchor_parts(tools, tkey, names)
+        full = self._apply(self._dicts(_anchor(names) + tail), tools, gen=True)
         if full.startswith(base):
             return full[len(base) :]
         # The template renders the anchor reply differently once a message follows it (Qwen3 drops
@@ -191,6 +224,26 @@ class Renderer:
         if not full.startswith(head) or any(_ANCHOR_TEXT in _texts(m) for m in tail):
             return None
         end = full.find(_ANCHOR_TEXT, len(head)) + len(_ANCHOR_TEXT)
-        if end < len(_ANCHOR_TEXT) or not full.startswith(close, end):
-            return None
-        return full[end + len(close) :]
+        closing = self._closing(full, end, close) if end >= len(_ANCHOR_TEXT) else None
+        return None if closing is None else full[end + len(closing) :]
+
+    def _closing(self, full: str, at: int, close: str) -> str | None:
+        """The reply's closing in `full` at `at`: `close`, or another special token where `close` is one
+        (gpt-oss closes its last reply with <|return|>, a reply that a message follows with <|end|>)."""
+        if full.startswith(close, at):
+            return close
+        if close in self._specials:
+            return next((t for t in self._specials if full.startswith(t, at)), None)
+        return None
+
+
+def _call_names(tail: tuple[Message, ...], after: tuple[ToolCall, ...]) -> tuple[str, ...]:
+    """The calls the anchor reply makes: `after`'s, by name, when the tail opens with a tool result."""
+    return tuple(c.name for c in after) if tail and tail[0].role == "tool" else ()
+
+
+def _anchor(calls: tuple[str, ...]) -> tuple[Message, ...]:
+    if not calls:
+        return _ANCHOR
+    made = tuple(ToolCall(f"call_anchor_{i}", name, "{}") for i, name in enumerate(calls))
+    return (*_ANCHOR[:2], Message("assistant", _ANCHOR_TEXT, made))
