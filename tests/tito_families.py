@@ -197,9 +197,8 @@ FAMILIES = [
     ),
 ]
 
-# gpt-oss (harmony), tested in tests/test_tito_gpt_oss.py: not in FAMILIES, since a session of it does not
-# stitch yet (the renderer's anchor has no tool call, and the template closes a final answer with <|end|>
-# where the model sampled <|return|>; see that module).
+# gpt-oss (harmony): besides FAMILIES' end-to-end test, tests/test_tito_gpt_oss.py checks the parser and
+# its offline vocabulary.
 GPT_OSS = Family(
     "gpt_oss",  # harmony: channels; the template drops analysis once a final answer follows
     "gpt_oss",
@@ -213,3 +212,4 @@ GPT_OSS = Family(
     reasoning="harmony",
     eos=("<|call|>",),
 )
+FAMILIES.append(GPT_OSS)
