@@ -76,6 +76,10 @@ def _build_trainer(cfg: RunConfig, model_path: Path) -> TrainerBackend:
         "keep_checkpoints": cfg.trainer.keep_checkpoints,
         **cfg.trainer.backend_options,
     }
+    if cfg.cluster.address is not None and cfg.cluster.trainer is not None:  # an actor on a trainer node
+        from miles_env.cluster.trainer import remote_trainer
+
+        return remote_trainer(cfg, model_path, options)
     return build_trainer(cfg.trainer.backend, model_path, options)
 
 

@@ -8,8 +8,9 @@ loop, and hands every group to one of `rollout_workers` Ray actors spread over t
 `RunConfig` checks at load time. A worker that dies is replaced (`replace_workers`). With
 `engines` set, the run's engine is not built in the driver: `engines.count` Ray actors
 (cluster/engines.py) each build it on an engine node and serve it over the SGLang native API, and
-the driver and the workers are clients of all of them. Invariant: pydantic and stdlib only (the
-run config composes it without importing Ray).
+the driver and the workers are clients of all of them. With `trainer` set, the trainer too runs
+as an actor (cluster/trainer.py) and the driver only orchestrates. Invariant: pydantic and stdlib
+only (the run config composes it without importing Ray).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["ClusterConfig", "EnginesConfig"]
+__all__ = ["ClusterConfig", "EnginesConfig", "TrainerPlacement"]
 
 
 class EnginesConfig(BaseModel):
@@ -34,6 +35,18 @@ class EnginesConfig(BaseModel):
     )
     router: Literal["ring", "sglang-router"] = Field(
         "ring", description="the driver's client: its own hash ring over the engines, or sglang-router"
+    )
+
+
+class TrainerPlacement(BaseModel):
+    """The trainer as a Ray actor (cluster/trainer.py): where it runs and what it reserves."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cpus: float = Field(1.0, ge=0, description="logical CPUs the trainer actor reserves")
+    gpus: float = Field(0.0, ge=0, description="GPUs the trainer actor reserves")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description='custom Ray resources it needs, e.g. {"trainer": 1}'
     )
 
 
@@ -65,4 +78,7 @@ class ClusterConfig(BaseModel):
     engines: EnginesConfig | None = Field(
         None,
         description="engines placed by Ray as actors (null: the driver's own engine, or engine.url/urls)",
+    )
+    trainer: TrainerPlacement | None = Field(
+        None, description="the trainer as a Ray actor on a trainer node (null: in the driver)"
     )
