@@ -9,11 +9,31 @@ file holds that line and the seeded data was copied in.
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
-__all__ = ["TEST_SH", "make_task", "make_binary_task", "make_features_task", "BINARY_SIZE"]
+__all__ = [
+    "TEST_SH",
+    "make_task",
+    "make_binary_task",
+    "make_features_task",
+    "BINARY_SIZE",
+    "SETUP_STEPS",
+    "copy_task",
+]
 
 BINARY_SIZE = 5 * 1024 * 1024
+SETUP_STEPS = Path(__file__).resolve().parents[1] / "adapters" / "examples" / "harbor_tasks" / "setup_steps"
+
+
+def copy_task(tmp_path: Path, dockerfile: str | None = None) -> Path:
+    """A copy of the `setup_steps` example task, its Dockerfile replaced when one is given."""
+    d = tmp_path / "setup_steps"
+    shutil.copytree(SETUP_STEPS, d)
+    if dockerfile is not None:
+        (d / "environment" / "Dockerfile").write_text(dockerfile)
+    return d
+
 
 TEST_SH = """#!/bin/bash
 mkdir -p /logs/verifier

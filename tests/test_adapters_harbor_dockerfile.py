@@ -11,7 +11,7 @@ import pytest
 from miles_env.adapters.harbor.dockerfile import Heredoc, parse_dockerfile
 from miles_env.oracle import run_solution
 from miles_env.registry import load_environment
-from tests.harbor_support import make_features_task
+from tests.harbor_support import copy_task, make_features_task
 
 
 def _oracle(task_dir: Path, solution: str | None = None):  # type: ignore[no-untyped-def]
@@ -58,8 +58,6 @@ def test_dockerfile_features_replayed(tmp_path: Path, solution: str | None, scor
     ],
 )
 def test_refused_by_name(tmp_path: Path, line: str, expect: str) -> None:
-    from tests.test_adapters_harbor_setup import copy_task
-
     d = copy_task(tmp_path, f"FROM ubuntu:24.04\nWORKDIR /app\n{line}\nRUN touch /app/after\n")
     res = _oracle(d)
     assert res.error is not None and expect in res.error, res.error
@@ -91,8 +89,6 @@ def test_parity_with_harbors_own_trial(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("with_ignore", [True, False])
 def test_dockerignore_excludes_from_the_context(tmp_path: Path, with_ignore: bool) -> None:
-    from tests.test_adapters_harbor_setup import copy_task
-
     d = copy_task(
         tmp_path,
         "FROM ubuntu:24.04\nWORKDIR /app\nCOPY data/ /app/data/\n"

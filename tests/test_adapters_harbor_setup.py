@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import anyio
@@ -13,16 +12,8 @@ from miles_env.adapters.harbor import HarborTasksEnvironment
 from miles_env.adapters.harbor.dockerfile import base_image, parse_dockerfile, static_env
 from miles_env.oracle import run_solution
 from miles_env.registry import load_environment
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "adapters" / "examples" / "harbor_tasks" / "setup_steps"
-
-
-def copy_task(tmp_path: Path, dockerfile: str | None = None) -> Path:
-    d = tmp_path / "setup_steps"
-    shutil.copytree(EXAMPLE, d)
-    if dockerfile is not None:
-        (d / "environment" / "Dockerfile").write_text(dockerfile)
-    return d
+from tests.harbor_support import SETUP_STEPS as EXAMPLE
+from tests.harbor_support import copy_task
 
 
 def oracle(task_dir: Path, provider: str = "local", solution: str | None = None):  # type: ignore[no-untyped-def]
