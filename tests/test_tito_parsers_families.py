@@ -182,6 +182,30 @@ async def test_a_sampled_stop_token_that_opens_the_next_message_is_not_repeated(
     ]
 
 
+@pytest.mark.parametrize("dialect", sorted(DIALECTS))
+async def test_gpt_oss_stitches_what_its_template_rewrites(dialect: str) -> None:
+    """gpt-oss's template drops a call's analysis once a final answer follows and writes a final answer's
+    sampled <|return|> as <|end|> in history; the stored ids keep both, and a tool result is rendered
+    after the call it answers (the template names it so)."""
+    family = next(f for f in FAMILIES if f.name == "gpt_oss")
+    tok = family.tokenizer()
+    engine = family.engine(tok, [family.call, family.answer, family.bye])
+    async with served(tok, engine, stop_token=family.stop) as s:
+        h = s.proxy.create_session()
+        await DIALECTS[dialect](s, h.session_id)
+        trajs = s.proxy.export(h.session_id)
+    assert_one_stitched_branch(trajs, engine)
+    tails = []
+    for before, after in zip(engine.calls[:-1], engine.calls[1:], strict=True):
+        fed = len(before.input_ids) + len(before.generation.output_ids)
+        tails.append(tok.decode(list(after.input_ids[fed:])))
+    assert tails == [
+        '<|start|>functions.bash to=assistant<|channel|>commentary<|message|>"a.txt\\nb.txt"<|end|><|start|>assistant',
+        "<|start|>user<|message|>thanks<|end|><|start|>assistant",  # after the sampled <|return|>
+    ]
+    assert tok.decode(engine.calls[1].generation.output_ids).endswith(f"{ANSWER}<|return|>")
+
+
 async def test_an_auxiliary_reply_keeps_its_reasoning() -> None:
     family = next(f for f in FAMILIES if f.name == "qwen3")
     tok = family.tokenizer()
