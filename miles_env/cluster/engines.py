@@ -126,7 +126,8 @@ class PlacedEngines(SGLangEngine):
         out = []
         for i, (url, node) in enumerate(zip(self.engine_urls, self.nodes, strict=True)):
             try:
-                version = (await self._request("GET", f"{url}/get_weight_version")).json()["weight_version"]
+                answer = await self._request("GET", f"{url}/get_weight_version", timeout=5.0)
+                version = answer.json()["weight_version"]
             except (EngineError, ValueError, KeyError):
                 version = None
             live = url in self.urls
