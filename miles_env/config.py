@@ -26,9 +26,11 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from miles_env.cluster.config import ClusterConfig
+from miles_env.cost import CostConfig
 from miles_env.engines.configs import EngineConfig, HFEngineConfig
 from miles_env.errors import ConfigError
 from miles_env.evals.config import EvalMode, ExternalEvalConfig
+from miles_env.fleet_config import FleetConfig
 from miles_env.guards.config import GuardsConfig
 from miles_env.harnesses.configs import BuiltinConfig, HarnessConfig
 from miles_env.limits import LimitsOverride
@@ -183,6 +185,8 @@ class RunConfig(_Strict):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)  # tensorboard, wandb
     queue: QueueConfig = Field(default_factory=SqliteQueueConfig)  # sqlite (run_dir) | redis (shared)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # address null: one process
+    fleet: FleetConfig = Field(default_factory=FleetConfig)  # sandbox creation rate, cap, retries, warm
+    cost: CostConfig = Field(default_factory=CostConfig)  # price table, budget_usd
     guards: GuardsConfig = Field(default_factory=GuardsConfig)  # reward-hacking detectors (miles_env/guards)
     # Written by the job into run_dir/config.yaml: the env's distribution {name, version}; not an input.
     env_dist: dict[str, str] = Field(default_factory=dict)

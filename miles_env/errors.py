@@ -16,6 +16,7 @@ __all__ = [
     "SandboxError",
     "SandboxUnavailable",
     "SandboxThrottled",
+    "SandboxRateLimited",
     "EngineError",
     "EngineRefused",
     "HarnessError",
@@ -92,6 +93,12 @@ class SandboxThrottled(SandboxError):
     def __init__(self, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class SandboxRateLimited(SandboxThrottled):
+    """The sandbox backend refused a request for its rate (HTTP 429, "rate limit", "too many
+    requests"), as opposed to quota or capacity: the fleet's jittered retry and its creation
+    bucket (sandboxes/fleet.py) are the cure."""
 
 
 class ClusterError(MilesEnvError):

@@ -32,6 +32,7 @@ import anyio.to_thread
 import yaml
 
 from miles_env.config import Mode, RunConfig
+from miles_env.cost import RunCost
 from miles_env.engines.base import (
     Engine,
     InProcessWeights,
@@ -50,7 +51,7 @@ from miles_env.queue import AsyncReplayQueue
 from miles_env.rollout import RolloutContext, run_group
 from miles_env.runlog import RunLog
 from miles_env.trainer.loop import LoopConfig, StepHooks, StepResult, TrainerBackend, TrainLoop
-from miles_env.types import Task
+from miles_env.types import Episode, Task
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -160,6 +161,7 @@ class _Job(StepHooks):
         self.bar: TaskID | None = None
         self.cache_seen = PrefixCacheStats()  # the engine's prefix-cache counters at the last report
         self.completed_on_resume = 0  # open groups completed by a restart; in the next step's metrics
+        self.cost = RunCost(cfg.cost)  # spend so far (cost.py); its budget stops new rollouts
         setup = EvalSetup(
             cfg, plan.env, self.eval_ctx, plan.engine_cfg, trainer, plan.model_path, log, self.say
         )
@@ -167,6 +169,9 @@ class _Job(StepHooks):
 
     # -- StepHooks ---------------------------------------------------------------------------------
     async def produce(self, n_groups: int) -> None:
+        if self.cost.exhausted:  # the budget is spent: no new rollouts (the loop ends the run)
+            await anyio.sleep(0.2)
+            return
         chosen = [self.rng.choice(self.plan.train_tasks) for _ in range(n_groups)]
         if self.dispatch is not None:  # cluster: rollout workers run the groups and put them
             await self.dispatch(chosen)
@@ -175,20 +180,34 @@ class _Job(StepHooks):
         async def one(task: Task) -> None:
             async with self.limiter:
                 group = await run_group(self.ctx, task, self.cfg.rollout.group_size)
+            self.cost.add(group)
             for ep in group:
-                await self.queue.put(ep)  # back-pressure: waits while too many complete groups are pending
+                await self._put(ep)  # back-pressure: waits while too many complete groups are pending
 
         async with anyio.create_task_group() as tg:
             for task in chosen:
                 tg.start_soon(one, task)
 
+    async def _put(self, ep: Episode) -> None:
+        """queue.put, but once the budget is spent the wait for capacity ends: nobody may train
+        again in this run, and the episode is kept for the next one."""
+        while not self.cost.exhausted:
+            with anyio.move_on_after(0.5):
+                await self.queue.wait_for_capacity()
+                break
+        await anyio.to_thread.run_sync(partial(self.queue.sync.put, ep, block=False))
+
+    def stop_reason(self) -> str | None:
+        return self.cost.stop_reason()
+
     def checkpoint_state(self) -> dict[str, Any]:
-        return {"rng": self.rng.getstate()}
+        return {"rng": self.rng.getstate(), "cost": self.cost.state()}
 
     def restore(self, extra: Mapping[str, Any]) -> None:
         if "rng" in extra:  # JSON turned the state's tuples into lists
             version, internal, gauss = extra["rng"]
             self.rng.setstate((version, tuple(internal), gauss))
+        self.cost.restore(extra.get("cost") or {})
 
     async def complete_open_groups(self) -> int:
         """On resume: run the missing episodes of every group the killed job left open (fewer than
@@ -203,6 +222,7 @@ class _Job(StepHooks):
         async def one(task: Task, group_id: str, missing: int) -> None:
             async with self.limiter:
                 group = await run_group(self.ctx, task, missing, group_id=group_id)
+            self.cost.add(group)
             for ep in group:
                 await anyio.to_thread.run_sync(partial(self.queue.sync.put, ep, block=False))
 
@@ -219,6 +239,7 @@ class _Job(StepHooks):
     async def report(self, result: StepResult) -> None:
         episodes = [ep for g in result.groups for ep in g]
         metrics = {**result.metrics, **episode_stats(episodes)}
+        metrics.update(self.cost.step_metrics(result.step, episodes))  # cost_usd, cost_per_step_usd, ...
         if self.completed_on_resume:  # once, in the first step after the restart that completed them
             metrics["groups_completed_on_resume"] = float(self.completed_on_resume)
             self.completed_on_resume = 0
@@ -310,7 +331,7 @@ def _plan(cfg: RunConfig) -> _Plan:
     from miles_env.harnesses import build_harness
     from miles_env.models import resolve_model
     from miles_env.registry import load_environment
-    from miles_env.stack import StackConfig
+    from miles_env.stack import StackConfig, run_fleet
 
     env = load_environment(cfg.env)
     train_tasks = filter_tiers(env.tasks("train"), cfg.rollout.tiers)
@@ -327,8 +348,9 @@ def _plan(cfg: RunConfig) -> _Plan:
         engine_cfg = engine_cfg.model_copy(update={"log_dir": str(cfg.run_dir / "engine")})
     model_path = resolve_model(engine_cfg.model)
     stack_cfg = StackConfig(
-        engine=engine_cfg, tito=cfg.tito, sandbox=cfg.sandbox, store_dir=cfg.run_dir / "sessions"
-    )
+        engine=engine_cfg, tito=cfg.tito, sandbox=cfg.sandbox, store_dir=cfg.run_dir / "sessions",
+        fleet=run_fleet(cfg), cost=cfg.cost,
+    )  # fmt: skip
     return _Plan(env, train_tasks, harness, eval_harness, engine_cfg, model_path, stack_cfg)
 
 
@@ -436,6 +458,8 @@ async def _run(job: _Job, loop: TrainLoop) -> dict[str, Any]:
         job.bar = progress.add_task("train", total=cfg.trainer.steps, completed=trainer.step)
         await loop.run()
     job.progress, job.console = None, console
+    if loop.stopped is not None:  # the cost budget: rollouts stopped, the last step is checkpointed
+        job.console.print(f"[bold]stopped[/] at step {trainer.step}/{cfg.trainer.steps}: {loop.stopped}")
     if cfg.eval.enabled:
         await job.evaluator.evaluate(trainer.step)
     await job.evaluator.drain()  # evals still running in the background (dedicated, external)

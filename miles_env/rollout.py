@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 
 import anyio
 
+from miles_env.cost import CostConfig, episode_usage
 from miles_env.environment import Environment
 from miles_env.errors import MilesEnvError
 from miles_env.guards import Guard, GuardReport, GuardsConfig
@@ -28,7 +29,7 @@ from miles_env.limits import (
 )
 from miles_env.provenance import env_distribution
 from miles_env.sandbox import SandboxProvider
-from miles_env.types import Episode, Reward, Status, Task
+from miles_env.types import Episode, Resources, Reward, SandboxSpec, Status, Task
 
 __all__ = ["RolloutContext", "run_episode", "run_group", "run_many"]
 
@@ -44,6 +45,7 @@ class RolloutContext:
     limits: LimitsOverride | None = None  # rollout.limits: can only tighten a task's own (limits.py)
     verifier_timeout_s: float = DEFAULT_VERIFIER_TIMEOUT_S  # for tasks that declare none
     guards: GuardsConfig = field(default_factory=GuardsConfig)  # reward-hacking detectors (guards/)
+    cost: CostConfig = field(default_factory=CostConfig)  # prices each episode's Usage (cost.py)
 
 
 async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None = None) -> Episode:
@@ -59,10 +61,13 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
     reward: Reward | None = None
     status, error = Status.FAILED, None
     report = GuardReport()
+    spec: SandboxSpec | None = None
+    made = False  # the sandbox exists: its seconds (create to close) are billed
     t0 = time.perf_counter()
     try:
         spec = effective_spec(ctx.env.sandbox_spec(task), ctx.limits)
         sandbox = await ctx.provider.create(spec)
+        made = True
         async with sandbox:
             timings["sandbox_create_s"] = time.perf_counter() - t0
             await ctx.env.setup(task, sandbox)
@@ -100,6 +105,8 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
             status, error = Status.TRUNCATED, f"session budget: {budget_hit}"
     finally:
         ctx.proxy.close_session(handle.session_id)
+    resources = spec.resources if spec is not None else Resources()
+    usage = episode_usage(samples, timings["total_s"] if made else 0.0, ctx.provider.name, resources, ctx.cost)
     return Episode(
         id=episode_id,
         task_id=task.id,
@@ -113,6 +120,7 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
         error=error,
         timings=timings,
         flags=list(report.flags),
+        usage=usage,
         metadata={
             "guards": report.evidence,
             "session_id": handle.session_id,

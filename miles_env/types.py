@@ -27,6 +27,7 @@ __all__ = [
     "Turn",
     "Trajectory",
     "Episode",
+    "Usage",
 ]
 
 
@@ -162,6 +163,18 @@ class Trajectory(_Model):
         return sum(self.loss_mask)
 
 
+class Usage(_Model):
+    """What one episode used and cost (miles_env/cost.py fills it): the sandbox's life from create
+    to close, its price by the run's price table, and the tokens of every turn of its samples."""
+
+    provider: str = ""
+    sandbox_s: float = Field(0.0, ge=0)
+    price_usd: float = Field(0.0, ge=0)
+    prompt_tokens: int = Field(0, ge=0, description="prompt tokens of every turn (each turn's whole prompt)")
+    cached_tokens: int = Field(0, ge=0, description="of prompt_tokens, the prefix already in the session")
+    sampled_tokens: int = Field(0, ge=0)
+
+
 class Episode(_Model):
     id: str
     task_id: str
@@ -178,6 +191,7 @@ class Episode(_Model):
     # reward-hacking flags raised by miles_env.guards (test_edit, git_history, package_install);
     # their evidence is metadata["guards"]
     flags: list[str] = Field(default_factory=list)
+    usage: Usage | None = None  # sandbox-seconds, price and tokens (miles_env/cost.py)
 
     @property
     def score(self) -> float:

@@ -11,7 +11,8 @@ and prints one framed line `@@MILES@@ code out_bytes err_bytes` followed by the
 base64 of the (capped) stdout and stderr. Files travel the same way (base64 in
 a script), so an adapter needs no file API.
 
-Errors: SDK exceptions become SandboxThrottled (rate limit, quota, 429),
+Errors: SDK exceptions become SandboxRateLimited (rate limit, 429), SandboxThrottled (quota,
+capacity),
 SandboxUnavailable (credentials) or SandboxError with the operation named.
 Lifecycle: create (deleted again if anything after the SDK create fails or is
 cancelled) -> exec/files/expose -> close (idempotent, shielded).
@@ -30,7 +31,13 @@ from typing import Any, Protocol, runtime_checkable
 import anyio
 from pydantic import BaseModel, ConfigDict, Field
 
-from miles_env.errors import ConfigError, SandboxError, SandboxThrottled, SandboxUnavailable
+from miles_env.errors import (
+    ConfigError,
+    SandboxError,
+    SandboxRateLimited,
+    SandboxThrottled,
+    SandboxUnavailable,
+)
 from miles_env.limits import sandbox_lifetime_s
 from miles_env.sandbox import Command
 from miles_env.types import ExecResult, SandboxSpec
@@ -51,6 +58,7 @@ __all__ = [
 
 MARK = "@@MILES@@"
 _THROTTLE = re.compile(r"RateLimit|TooManyRequests|Quota|Throttl|Capacity|429")
+_RATE = re.compile(r"RateLimit|Rate limit|TooManyRequests|Too Many Requests|429", re.IGNORECASE)
 _AUTH = re.compile(r"Authentication|Unauthorized|Forbidden|Credential|Auth(Error|Exception)")
 
 
@@ -96,9 +104,8 @@ def map_sdk_error(e: BaseException, what: str) -> SandboxError:
     text = f"{names} {e}"
     if _THROTTLE.search(text):
         retry = getattr(e, "retry_after", None)
-        return SandboxThrottled(
-            f"{what}: throttled: {e}", float(retry) if isinstance(retry, int | float) else None
-        )
+        kind = SandboxRateLimited if _RATE.search(text) else SandboxThrottled  # rate vs quota/capacity
+        return kind(f"{what}: throttled: {e}", float(retry) if isinstance(retry, int | float) else None)
     if _AUTH.search(names):
         return SandboxUnavailable(f"{what}: credentials refused: {e}")
     if "NotFound" in names:

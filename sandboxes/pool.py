@@ -22,7 +22,6 @@ into each workspace it hands out (local/reaper.py).
 from __future__ import annotations
 
 import json
-import random
 import time
 from collections import defaultdict, deque
 from collections.abc import Mapping
@@ -33,9 +32,9 @@ from typing import Any, Protocol, runtime_checkable
 import anyio
 import anyio.lowlevel
 from anyio.abc import TaskGroup
-from pydantic import BaseModel, ConfigDict, Field
 
 from miles_env.errors import SandboxError, SandboxThrottled
+from miles_env.fleet_config import RetryPolicy
 from miles_env.limits import sandbox_lifetime_s
 from miles_env.sandbox import Command, Reapable, Sandbox, SandboxProvider
 from miles_env.types import ExecResult, SandboxSpec
@@ -43,20 +42,6 @@ from miles_env.types import ExecResult, SandboxSpec
 from .ownership import DEFAULT_TTL_S, Ownership, owner_labels
 
 __all__ = ["RetryPolicy", "SandboxPool", "PooledSandbox", "PoolStats", "reap", "reap_provider"]
-
-
-class RetryPolicy(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    attempts: int = Field(6, ge=1, description="tries in all, the first included")
-    base_s: float = Field(0.5, gt=0)
-    max_s: float = Field(30.0, gt=0)
-    multiplier: float = Field(2.0, ge=1)
-
-    def delay(self, attempt: int, retry_after: float | None = None) -> float:
-        """Full jitter: uniform in [0, min(max, base * mult**attempt)], at least the backend's hint."""
-        ceiling = min(self.max_s, self.base_s * self.multiplier**attempt)
-        return max(random.uniform(0, ceiling), retry_after or 0.0)
 
 
 @dataclass(slots=True)

@@ -15,7 +15,10 @@ the event loop keep going) -> checkpoint + ack every checkpoint_every steps and 
 -> hooks.after_step (weight sync; its metrics join the step's) -> hooks.report ->
 hooks.evaluate every eval_every steps, the last excepted (the caller evaluates after the loop).
 With `producers > 0` (fully_async) that many tasks call hooks.produce(1) for the whole run,
-throttled by the queue's back-pressure, and are cancelled when the loop ends.
+throttled by the queue's back-pressure, and are cancelled when the loop ends. A non-None
+`hooks.stop_reason()` (the job's cost budget) ends it early instead: no new step starts,
+producers finish the group in flight (the queue keeps it), a step waiting for groups trains what
+there is, and what was trained is checkpointed and acked.
 
 `StepHooks` is the job's seam and does nothing by default, so draining a filled queue is
 `await TrainLoop(queue, trainer, LoopConfig(...)).run()`.
@@ -124,6 +127,15 @@ class StepHooks:
     async def evaluate(self, step: int) -> None:
         """Every `eval_every` steps."""
 
+    def stop_reason(self) -> str | None:
+        """Not None: start no more steps (the job's cost budget). Producers finish the group they
+        are rolling out (the queue keeps it), a step waiting for groups trains what there is."""
+        return None
+
+
+class _Stopped(Exception):
+    """The run stopped (StepHooks.stop_reason) while a step waited for groups and none came."""
+
 
 class TrainLoop:
     def __init__(
@@ -137,7 +149,9 @@ class TrainLoop:
         self.hooks = hooks or StepHooks()
         self.held: list[Lease] = []  # trained, not yet in a checkpoint
         self.resumed: Resumed | None = None
+        self.stopped: str | None = None  # why the run ended before `steps` (StepHooks.stop_reason)
         self._started = False
+        self._producing = 0  # producers inside hooks.produce now
 
     async def resume(self) -> Resumed | None:
         """Restore the newest checkpoint (if any) and settle the queue with it; idempotent."""
@@ -161,16 +175,30 @@ class TrainLoop:
             for _ in range(cfg.producers):
                 tg.start_soon(self._produce_forever)
             while self.trainer.step < cfg.steps:
-                result = await self.step()
+                self.stopped = self.hooks.stop_reason()
+                if self.stopped is not None:
+                    break  # producers end their group in flight; the task group waits for them
+                try:
+                    result = await self.step()
+                except _Stopped:
+                    self.stopped = self.hooks.stop_reason()
+                    break
                 await self.hooks.report(result)
                 if cfg.eval_every and result.step % cfg.eval_every == 0 and result.step < cfg.steps:
                     await self.hooks.evaluate(result.step)
-            tg.cancel_scope.cancel()
+            if self.stopped is None:
+                tg.cancel_scope.cancel()
+        if self.held:  # stopped between checkpoints: what was trained is made durable and acked
+            await self._checkpoint()
         return self.trainer.step
 
     async def _produce_forever(self) -> None:
-        while True:  # back-pressure: queue.put waits while too many complete groups are pending
-            await self.hooks.produce(1)
+        while self.hooks.stop_reason() is None:  # back-pressure: queue.put waits while too many
+            self._producing += 1  # complete groups are pending
+            try:
+                await self.hooks.produce(1)
+            finally:
+                self._producing -= 1
 
     async def step(self) -> StepResult:
         cfg = self.config
@@ -181,6 +209,8 @@ class TrainLoop:
             metrics["rollout_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         leases = await self._collect(cfg.groups_per_step)
+        if not leases:
+            raise _Stopped
         metrics["rollout_wait_s"] = time.perf_counter() - t1
         groups = tuple(lease.episodes for lease in leases)
         t2 = time.perf_counter()
@@ -222,6 +252,8 @@ class TrainLoop:
             )
             if len(leases) >= n:
                 return leases
+            if self._producing == 0 and self.hooks.stop_reason() is not None:
+                return leases  # stopping, and no group is coming: train what there is
             await anyio.sleep(cfg.poll_s)
 
 

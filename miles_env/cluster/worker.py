@@ -96,7 +96,7 @@ class RolloutWorker:
         from miles_env.harnesses import build_harness
         from miles_env.queue_config import build_queue
         from miles_env.registry import load_environment
-        from miles_env.stack import StackConfig, open_stack
+        from miles_env.stack import StackConfig, open_stack, run_fleet
 
         cfg = self.spec.run
         queue_sync = None
@@ -105,7 +105,7 @@ class RolloutWorker:
             harness = build_harness(cfg.harness)
             stack_cfg = StackConfig(
                 engine=self.spec.engine, tito=cfg.tito, sandbox=cfg.sandbox,
-                store_dir=worker_store(cfg.run_dir, self.name),
+                store_dir=worker_store(cfg.run_dir, self.name), fleet=run_fleet(cfg), cost=cfg.cost,
             )  # fmt: skip
             queue_sync = build_queue(
                 cfg.queue, cfg.run_dir, group_size=cfg.rollout.group_size,
