@@ -92,3 +92,14 @@ def test_parity_with_harbors_own_trial(tmp_path: Path) -> None:
     assert (
         [t["rewards"] for t in theirs] == [{"reward": s} for s in ours] == [{"reward": 1.0}, {"reward": 0.0}]
     )
+
+
+def test_env_validate_probes_stage_the_solution(tmp_path: Path) -> None:
+    """`env validate`'s oracle probe uploads solution files too large for a script, as the oracle does."""
+    from miles_env.sandboxes import get_provider
+    from miles_env.validate.probes import run_probes
+
+    env = load_environment(f"harbor:{make_binary_task(tmp_path)}")
+    oracle, nop = anyio.run(run_probes, env, env.tasks("test"), get_provider("local"))
+    assert [(p.scores, p.error) for p in oracle] == [((1.0, 1.0, 1.0), None)]
+    assert [(p.scores, p.error) for p in nop] == [((0.0, 0.0, 0.0), None)]

@@ -20,6 +20,7 @@ import anyio
 
 from miles_env.environment import Environment
 from miles_env.errors import RegistryError, TaskError
+from miles_env.oracle import StagesSolution
 from miles_env.registry import validate_environment
 from miles_env.sandbox import SandboxProvider
 from miles_env.types import Task
@@ -74,6 +75,8 @@ async def _probe(env: Environment, task: Task, provider: SandboxProvider, script
     try:
         async with await provider.create(env.sandbox_spec(task)) as sb:
             await env.setup(task, sb)
+            if script == task.solution and isinstance(env, StagesSolution):  # files too large for a script
+                await env.stage_solution(task, sb)
             await sb.exec(["bash", "-c", script], timeout=timeout)
             scores = [(await env.verify(task, sb, transcript)).score for _ in range(VERIFY_REPEATS)]
     except anyio.get_cancelled_exc_class():
