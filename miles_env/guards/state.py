@@ -2,9 +2,10 @@
 
 Concept: right after `Environment.setup`, `snapshot` reads every protected path through the
 provider (`Sandbox.read_file`: the host reads the bytes, no tool inside the sandbox is trusted)
-and keeps its bytes and sha256, plus the object ids of the git repositories in the workdir (one
-exec). After the harness stopped, `changed_paths` reads them again: a path whose bytes differ,
-that vanished, or that appeared under a protected directory is a `test_edit`. `restore` writes
+and keeps its bytes and sha256, plus, when the workdir is a git repository (`.git/HEAD` read
+through the provider), its object ids (one exec; a repository deeper in the tree is not listed).
+After the harness stopped, `changed_paths` reads them again: a path whose bytes differ, that
+vanished, or that appeared under a protected directory is a `test_edit`. `restore` writes
 the starting bytes back (and removes what appeared) before verify, so the verifier runs the
 task's own tests whatever the agent did to them.
 
@@ -27,11 +28,9 @@ __all__ = ["StartState", "snapshot", "changed_paths", "restore", "MAX_GIT_OBJECT
 
 MAX_GIT_OBJECTS = 15_000  # beyond this the object list is not kept (object ids are not checked)
 _PATH = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
-_GIT_OBJECTS = f"""
-for g in $(find . -maxdepth 3 -name .git -type d 2>/dev/null); do
-  git -C "$(dirname "$g")" cat-file --batch-all-objects --batch-check='%(objectname)' 2>/dev/null
-done | head -n {MAX_GIT_OBJECTS + 1}
-"""
+_GIT_OBJECTS = (
+    f"git cat-file --batch-all-objects --batch-check='%(objectname)' | head -n {MAX_GIT_OBJECTS + 1}"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +72,7 @@ async def snapshot(sb: Sandbox, protected: Sequence[str], *, git: bool = True) -
     files, dirs = await _expand(sb, protected)
     content = {p: await _read(sb, p) for p in files}
     objects: tuple[str, ...] | None = None
-    if git:
+    if git and await _read(sb, ".git/HEAD") is not None:  # a repository at the workdir (a host read)
         res = await sb.exec(["sh", "-c", _GIT_OBJECTS], timeout=60, env=_PATH)
         ids = tuple(line.strip() for line in res.stdout.splitlines() if line.strip())
         objects = ids if ids and len(ids) <= MAX_GIT_OBJECTS else None
