@@ -100,3 +100,22 @@ def test_dockerignore_excludes_from_the_context(tmp_path: Path, with_ignore: boo
         (d / "environment" / ".dockerignore").write_text("# logs\n**/*.log\n!data/keep.log\n")
     res = _oracle(d)
     assert (res.error is None) == with_ignore, res.error
+
+
+def test_copy_forms(tmp_path: Path) -> None:
+    """The JSON form after flags, a wildcard into a folder, a file into an existing folder."""
+    from tests.harbor_support import copy_task
+
+    d = copy_task(
+        tmp_path,
+        'FROM ubuntu:24.04\nWORKDIR /app\nCOPY --chmod=700 ["data/words.txt", "/app/w x.txt"]\n'
+        "RUN mkdir -p /app/dir\nCOPY data/*.txt /app/glob/\nCOPY bin/count-words /app/dir\n"
+        'RUN test "$(stat -c %a "/app/w x.txt")" = 700 && test -f /app/glob/words.txt '
+        "&& test -f /app/dir/count-words\n",
+    )
+    res = _oracle(d)
+    assert res.error is None, res.error
+    (d / "environment" / "data" / "more.txt").write_text("x\n")
+    (d / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nCOPY data/*.txt /app/one\n")
+    res = _oracle(d)
+    assert res.error is not None and "matches several files; the destination must end in /" in res.error

@@ -125,16 +125,19 @@ async def _unpack(sandbox: Sandbox, step: Step, archive: Path, dst: str) -> None
 
 
 def _words(step: Step) -> tuple[dict[str, str], list[str]]:
-    words = shlex.split(step.args) if not step.args.startswith("[") else []
-    if step.args.startswith("["):  # the JSON form: COPY ["src", "dst"]
+    """(flags, sources + destination): leading `--flag[=v]` words, then the shell or JSON form."""
+    m = re.match(r"((?:--\S+\s+)*)(.*)$", step.args, re.S)
+    assert m is not None  # the pattern matches any text
+    flag_words, rest = m.group(1).split(), m.group(2).strip()
+    if any(w == "--from" or w.startswith("--from=") for w in flag_words):
+        raise refuse(step, "--from", "a multi-stage COPY --from needs a docker build")
+    flags, _ = split_flags(step, flag_words, {"chmod", "chown", "link"})
+    if rest.startswith("["):  # the JSON form: COPY ["src", "dst"]
         try:
-            return {}, [str(w) for w in json.loads(step.args)]
+            return flags, [str(w) for w in json.loads(rest)]
         except ValueError as e:
             raise TaskError(f"{step.describe()}: bad JSON form: {e}") from e
-    if any(w == "--from" or w.startswith("--from=") for w in words):
-        raise refuse(step, "--from", "a multi-stage COPY --from needs a docker build")
-    accepted = {"chmod", "chown", "link"}
-    return split_flags(step, words, accepted)
+    return flags, shlex.split(rest)
 
 
 async def copy_step(sandbox: Sandbox, step: Step, context: Path, cwd: str, env: dict[str, str]) -> None:
@@ -163,7 +166,12 @@ async def copy_step(sandbox: Sandbox, step: Step, context: Path, cwd: str, env: 
             if step.op == "COPY":
                 raise TaskError(f"{step.describe()}: COPY cannot take a URL source")
             raise refuse(step, "of a URL", "the sandbox has no network")
-        for host, rel, from_dir in _sources(context, src, step):
+        entries = _sources(context, src, step)
+        if not into_dir and sum(not from_dir for _, _, from_dir in entries) > 1:
+            raise TaskError(
+                f"{step.describe()}: {src!r} matches several files; the destination must end in /"
+            )
+        for host, rel, from_dir in entries:
             target = f"{dst_abs.rstrip('/')}/{rel}" if (into_dir or from_dir) else dst_abs
             if step.op == "ADD" and host.is_file() and is_tar_archive(host):
                 if flags.get("chmod") is not None or flags.get("chown") is not None:
