@@ -25,6 +25,7 @@ import json
 import re
 import shlex
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,19 @@ async def _installed(sandbox: Sandbox, check: str) -> bool:
     return False
 
 
+@dataclass(slots=True)
+class _Build:
+    """What Docker carries from step to step of a stage (mutable: each step may change it)."""
+
+    cwd: str = "/"
+    env: dict[str, str] = field(default_factory=dict)
+    shell: list[str] = field(default_factory=lambda: ["/bin/sh", "-c"])
+
+
+class _Skip(Exception):
+    """The step's effect is already present (apt-get install of installed packages)."""
+
+
 async def _root_only(sandbox: Sandbox, step: Step, text: str) -> None:
     """Refuse a package-manager or user step, unless every package it installs is already there."""
     hit = _ROOT_ONLY.search(text)
@@ -110,14 +124,10 @@ async def _root_only(sandbox: Sandbox, step: Step, text: str) -> None:
     )
 
 
-class _Skip(Exception):
-    """The step's effect is already present (apt-get install of installed packages)."""
-
-
-async def _run(sandbox: Sandbox, step: Step, state: dict[str, Any], timeout: float) -> None:
+async def _run(sandbox: Sandbox, step: Step, state: _Build, timeout: float) -> None:
     if step.args.startswith("--"):  # --mount, --network, --security: none can be honoured here
         split_flags(step, step.args.split()[:1], set())
-    args, shell, cwd, env = step.args, state["shell"], state["cwd"], state["env"]
+    args, shell, cwd, env = step.args, state.shell, state.cwd, state.env
     argv: list[str]
     if args.startswith("[") and not step.heredocs:
         try:
@@ -127,25 +137,27 @@ async def _run(sandbox: Sandbox, step: Step, state: dict[str, Any], timeout: flo
     elif len(step.heredocs) == 1 and re.fullmatch(r"<<-?\s*(['\"]?)[\w.-]+\1", args):
         h = step.heredocs[0]
         await _root_only(sandbox, step, h.content())
-        path = f"/tmp/.miles-run-{uuid.uuid4().hex[:12]}/{h.name}"
-        await sandbox.write_file(path, h.content())
-        await sandbox.exec(f"chmod 755 {shlex.quote(path)}", timeout=30)
-        argv = [*shell, path]
+        scratch = f"/tmp/.miles-run-{uuid.uuid4().hex[:12]}"  # BuildKit's /dev/pipes: gone afterwards
+        await sandbox.write_file(f"{scratch}/{h.name}", h.content())
+        await sandbox.exec(f"chmod 755 {shlex.quote(f'{scratch}/{h.name}')}", timeout=30)
+        argv = [*shell, f"{scratch}/{h.name}"]
     else:
         script = step.script() if step.heredocs else args
         await _root_only(sandbox, step, script)
         argv = [*shell, script]
     res = await sandbox.exec(argv, cwd=cwd, env=env, timeout=timeout)
+    if argv[-1].startswith("/tmp/.miles-run-"):
+        await sandbox.exec(["rm", "-rf", str(Path(argv[-1]).parent)], timeout=30)
     if not res.ok:
         tail = (res.stderr or res.stdout).strip()[-500:]
         raise TaskError(f"{step.describe()}: exit code {res.exit_code}: {tail}")
 
 
-async def _workdir(sandbox: Sandbox, step: Step, state: dict[str, Any]) -> None:
-    state["cwd"] = abs_path(expand(step.args, state["env"]), state["cwd"])
-    mk = await sandbox.exec(f"mkdir -p {shlex.quote(state['cwd'])}", timeout=30)
+async def _workdir(sandbox: Sandbox, step: Step, state: _Build) -> None:
+    state.cwd = abs_path(expand(step.args, state.env), state.cwd)
+    mk = await sandbox.exec(f"mkdir -p {shlex.quote(state.cwd)}", timeout=30)
     if not mk.ok:
-        raise TaskError(f"{step.describe()}: cannot create {state['cwd']}: {mk.stderr.strip()[-300:]}")
+        raise TaskError(f"{step.describe()}: cannot create {state.cwd}: {mk.stderr.strip()[-300:]}")
 
 
 def _shell(step: Step) -> list[str]:
@@ -158,8 +170,8 @@ def _shell(step: Step) -> list[str]:
     return shell
 
 
-async def _step(sandbox: Sandbox, step: Step, context: Path, state: dict[str, Any], timeout: float) -> None:
-    env = state["env"]
+async def _step(sandbox: Sandbox, step: Step, context: Path, state: _Build, timeout: float) -> None:
+    env = state.env
     if step.op == "WORKDIR":
         await _workdir(sandbox, step, state)
     elif step.op == "ENV":
@@ -169,12 +181,12 @@ async def _step(sandbox: Sandbox, step: Step, context: Path, state: dict[str, An
         if default is not None:
             env.setdefault(name, expand(default, env))
     elif step.op == "SHELL":
-        state["shell"] = _shell(step)
+        state.shell = _shell(step)
     elif step.op == "USER":
         if expand(step.args, env).strip() not in _ROOT_USERS:
             raise refuse(step, step.args.strip(), "a sandbox has one user")
     elif step.op in ("COPY", "ADD"):
-        await copy_step(sandbox, step, context, state["cwd"], env)
+        await copy_step(sandbox, step, context, state.cwd, env)
     elif step.op == "RUN":
         await _run(sandbox, step, state, timeout)
     else:
@@ -184,7 +196,7 @@ async def _step(sandbox: Sandbox, step: Step, context: Path, state: dict[str, An
 async def run_setup(sandbox: Sandbox, dockerfile: Path, *, timeout: float = 600.0) -> dict[str, Any]:
     """Replay the Dockerfile's final stage in `sandbox`; returns {"ran": [...], "env": {...}}."""
     steps = final_stage(parse_dockerfile(dockerfile.read_text()))
-    state: dict[str, Any] = {"cwd": "/", "env": {}, "shell": ["/bin/sh", "-c"]}
+    state = _Build()
     ran: list[str] = []
     for step in steps:
         if step.op in _METADATA:
@@ -194,4 +206,4 @@ async def run_setup(sandbox: Sandbox, dockerfile: Path, *, timeout: float = 600.
         except _Skip:
             pass
         ran.append(step.describe())
-    return {"ran": ran, "env": state["env"]}
+    return {"ran": ran, "env": state.env}
