@@ -1,8 +1,10 @@
 """Scale-out of `miles-env train` on a Ray cluster (the `cluster` section; `scale` extra).
 
-`config.py` is the section (pydantic only, composed by the run config); `driver.py` joins the
-cluster from the `miles-env train` process, serves its engine to the workers and dispatches
-groups to them; `worker.py` is the `RolloutWorker` actor. Ray is imported only by the latter two.
+`config.py` is the section (pydantic only, composed by the run config); `session.py` joins the
+cluster once per driver; `driver.py` serves the engine to the workers, dispatches groups to them
+and replaces the ones that die; `worker.py` is the `RolloutWorker` actor; `engines.py` places the
+engines as actors (`cluster.engines`); `trainer.py` places the trainer as one (`cluster.trainer`).
+Ray is imported only by the modules that need it, and lazily.
 """
 
 from miles_env.cluster.config import ClusterConfig
