@@ -72,6 +72,7 @@ class Bucket(Protocol):
 
 
 _EPS = 1e-9
+_RECORD = 96  # bytes of the file bucket's record, JSON padded with spaces
 
 
 def refill(tokens: float, last: float, now: float, rate: float, burst: int) -> tuple[float, float]:
@@ -88,8 +89,10 @@ class FileBucket:
     rate: float
     burst: int
 
-    def try_take(self, now: float) -> float:
+    def __post_init__(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def try_take(self, now: float) -> float:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -97,18 +100,16 @@ class FileBucket:
             tokens, last = state if state is not None and state[1] <= now else (float(self.burst), now)
             tokens, wait = refill(tokens, last, now, self.rate, self.burst)
             if wait == 0.0:
-                raw = json.dumps({"tokens": tokens, "t": now}).encode()
-                os.lseek(fd, 0, os.SEEK_SET)
-                os.ftruncate(fd, 0)
-                os.write(fd, raw)
+                # one fixed-width record, overwritten in place (no truncate: it costs a ms on ext4)
+                raw = json.dumps({"tokens": tokens, "t": now}).encode().ljust(_RECORD)
+                os.pwrite(fd, raw, 0)
             return wait
         finally:
             os.close(fd)  # closing drops the lock
 
 
 def _read_state(fd: int) -> tuple[float, float] | None:
-    os.lseek(fd, 0, os.SEEK_SET)
-    raw = os.read(fd, 4096)
+    raw = os.pread(fd, 4096, 0)
     try:
         data = json.loads(raw)
         return float(data["tokens"]), float(data["t"])
