@@ -15,6 +15,11 @@ after writing the protected files back as they were, and sets the reward to 0 wh
 in `GuardsConfig.zero_reward_on` was raised (the original score stays in `details["guards"]`).
 `scrub_git` (git.py) is the setup helper that takes a repository's future away.
 
+Limits, honestly: the command detectors see only what a harness recorded (commands.py); a
+`same` verify on docker runs beside whatever the agent left running in its container (local
+execs leave nothing: each one's pid namespace dies with it), which `fresh` avoids; `fresh` does
+not rerun `setup`, so a verifier that needs what setup put outside the workdir wants `same`.
+
 Invariant: a guard never raises for what the agent did (that is a flag); a sandbox failure while
 guarding is the episode's FAILED status like any other. With `enabled: false` it is a plain
 `env.verify` in the same sandbox. The network side (only the TITO bridge) is the provider's:

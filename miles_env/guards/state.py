@@ -1,13 +1,15 @@
 """The starting state a guard keeps, and how the end state is compared with it.
 
 Concept: right after `Environment.setup`, `snapshot` reads every protected path through the
-provider (`Sandbox.read_file`: the host reads the bytes, no tool inside the sandbox is trusted)
-and keeps its bytes and sha256, plus, when the workdir is a git repository (`.git/HEAD` read
-through the provider), its object ids (one exec; a repository deeper in the tree is not listed).
-After the harness stopped, `changed_paths` reads them again: a path whose bytes differ, that
-vanished, or that appeared under a protected directory is a `test_edit`. `restore` writes
-the starting bytes back (and removes what appeared) before verify, so the verifier runs the
-task's own tests whatever the agent did to them.
+provider (`Sandbox.read_file`: local reads the bytes on the host and docker through the engine's
+archive API, so no tool inside the sandbox is trusted; the cloud providers read with an exec of
+`base64` inside, which an agent that can write to /usr could fool) and keeps its bytes and
+sha256, plus, when the workdir is a git repository (`.git/HEAD` read through the provider), its
+object ids (one exec; a repository deeper in the tree is not listed). After the harness stopped,
+`changed_paths` reads them again: a path whose bytes differ, that vanished, or that appeared
+under a protected directory is a `test_edit`. `restore` writes the starting bytes back (and
+removes what appeared) before verify, so the verifier runs the task's own tests whatever the
+agent did to them.
 
 A protected path ending in `/` is a directory: its files are listed (an exec of `find`) at both
 ends. What this cannot see: an edit undone before the agent stopped (harmless: verify sees the
