@@ -150,6 +150,23 @@ class RunCost:
         self.reported_usd = self.total_usd
         return out
 
+    def summary(self, steps: int) -> dict[str, float | None]:
+        """The run's cost report (summary.json's `cost`): None per solved task while none is solved."""
+        return {
+            "total_usd": self.total_usd,
+            "per_step_usd": self.total_usd / max(1, steps),
+            "per_solved_usd": self.total_usd / self.solved if self.solved else None,
+            "sandbox_s": self.sandbox_s,
+            "solved": float(self.solved),
+        }
+
+    def report_line(self, steps: int) -> str:
+        per_solved = f"${self.total_usd / self.solved:.4f}" if self.solved else "n/a (none solved)"
+        return (
+            f"cost: ${self.total_usd:.4f} in {steps} steps (${self.total_usd / max(1, steps):.4f} a step, "
+            f"{per_solved} a solved task), {self.sandbox_s:.0f} sandbox-seconds"
+        )
+
     def state(self) -> dict[str, float]:
         return {"total_usd": self.total_usd, "sandbox_s": self.sandbox_s, "solved": float(self.solved)}
 

@@ -460,10 +460,12 @@ async def _run(job: _Job, loop: TrainLoop) -> dict[str, Any]:
     job.progress, job.console = None, console
     if loop.stopped is not None:  # the cost budget: rollouts stopped, the last step is checkpointed
         job.console.print(f"[bold]stopped[/] at step {trainer.step}/{cfg.trainer.steps}: {loop.stopped}")
-    if cfg.eval.enabled:
+    job.console.print(job.cost.report_line(trainer.step))
+    if cfg.eval.enabled and loop.stopped is None:  # a spent budget starts no eval rollouts either
         await job.evaluator.evaluate(trainer.step)
     await job.evaluator.drain()  # evals still running in the background (dedicated, external)
     results = job.evaluator.results
     before_row = None if before is None else results.get(before)
     after = results.get(trainer.step) if cfg.eval.enabled else None
-    return {"steps": trainer.step, "eval_before": before_row, "eval_after": after}
+    cost = job.cost.summary(trainer.step)
+    return {"steps": trainer.step, "eval_before": before_row, "eval_after": after, "cost": cost}

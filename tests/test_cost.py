@@ -137,6 +137,21 @@ def test_an_episode_on_the_local_provider_records_its_usage(tmp_path: Path) -> N
     assert ep.usage.cached_tokens == engine_cached > 0  # the engine's own prefix-cache hits
 
 
+def test_the_fleet_shares_its_bucket_through_the_runs_redis_queue() -> None:
+    from miles_env.config import validate_config
+    from miles_env.errors import ConfigError
+    from miles_env.stack import run_fleet
+
+    cfg = validate_config(
+        {"queue": {"kind": "redis", "url": "redis://h:1/0"}, "fleet": {"create_rate_per_s": 5}}
+    )
+    assert run_fleet(cfg).redis_url == "redis://h:1/0" and run_fleet(validate_config({})).redis_url is None
+    with pytest.raises(ConfigError, match=r"fleet\.create_rate_per_s: Input should be greater than 0"):
+        validate_config({"fleet": {"create_rate_per_s": 0}})
+    with pytest.raises(ConfigError, match=r"cost\.budget_usd"):
+        validate_config({"cost": {"budget_usd": -1}})
+
+
 def _train(run_dir: Path, model: Path, steps: int, *extra: str) -> str:
     args = train_args(run_dir, model, steps, f"engine={{kind: scripted, model: {model}}}", *extra)
     log = run_dir.parent / "train.log"
@@ -156,6 +171,8 @@ def test_a_default_run_reports_cost_per_step(tmp_path: Path, tiny_model: Path) -
     for r in train:  # the local provider is free: the price table's default
         assert r["cost_usd"] == 0.0 and r["cost_per_step_usd"] == 0.0 and r["sandbox_s"] > 0
         assert r["prompt_tokens"] > 0
+    cost = json.loads((run_dir / "summary.json").read_text())["cost"]
+    assert cost["total_usd"] == 0.0 and cost["sandbox_s"] >= sum(r["sandbox_s"] for r in train)
 
 
 @pytest.mark.slow
@@ -169,4 +186,6 @@ def test_a_run_budget_ends_the_run_cleanly(tmp_path: Path, tiny_model: Path) -> 
     assert [r["step"] for r in train] == [1] and train[0]["cost_usd_total"] > 0.001
     assert train[0]["cost_per_step_usd"] == train[0]["cost_usd_total"]
     assert (run_dir / "checkpoints" / "step_00000001").is_dir()
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 1
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["cost"]["total_usd"] == train[0]["cost_usd_total"]
+    assert "cost: $" in out and "a step" in out
