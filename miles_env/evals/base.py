@@ -69,6 +69,8 @@ def episode_stats(episodes: list[Episode], prefix: str = "") -> dict[str, float]
         f"{prefix}episodes": float(len(episodes)),
         f"{prefix}failed": float(sum(1 for e in episodes if e.status.value in ("failed", "aborted"))),
         f"{prefix}sampled_tokens": float(sum(s.n_sampled for e in episodes for s in e.samples)),
+        f"{prefix}cost_usd": sum(e.usage.price_usd for e in episodes if e.usage is not None),  # cost.py
+        f"{prefix}sandbox_s": sum(e.usage.sandbox_s for e in episodes if e.usage is not None),
     }
 
 
