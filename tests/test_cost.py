@@ -167,7 +167,9 @@ def test_a_default_run_reports_cost_per_step(tmp_path: Path, tiny_model: Path) -
     run_dir = tmp_path / "run"
     _train(run_dir, tiny_model, 2)
     evals = rows(run_dir, "eval")
-    assert [r["step"] for r in evals] == [0, 2] and all(r["sandbox_s"] > 0 and r["cost_usd"] == 0.0 for r in evals)
+    assert [r["step"] for r in evals] == [0, 2] and all(
+        r["sandbox_s"] > 0 and r["cost_usd"] == 0.0 for r in evals
+    )
     train = rows(run_dir, "train")
     assert [r["step"] for r in train] == [1, 2]
     for r in train:  # the local provider is free: the price table's default
