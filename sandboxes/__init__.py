@@ -6,11 +6,13 @@ agentenv (cloud SDKs, imported only when that provider is built). Two tables nam
 them: PROVIDERS (the provider classes) and PROVIDER_CONFIGS (their config classes,
 whose modules import without any SDK, so a run config can validate a provider's
 config on a host that lacks it). A provider may also be Reapable or AsyncClosable
-(miles_env/sandbox.py); `SandboxPool` (pool.py) wraps any provider.
+(miles_env/sandbox.py); `SandboxPool` (pool.py) wraps any provider, and so does `FleetProvider`
+(fleet.py: the creation rate shared through buckets.py, a starting cap, retries, a warm pool),
+which the stack puts in front of every provider it builds.
 
 Layout: a provider is a module or subpackage here (local/, docker/, e2b.py, ...);
 what more than one of them needs lives beside them (execargs.py, results.py,
-expose.py, ownership.py, cloud.py), never inside a sibling.
+expose.py, ownership.py, cloud.py, pool.py, fleet.py, buckets.py), never inside a sibling.
 """
 
 from __future__ import annotations
