@@ -7,6 +7,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -76,3 +77,22 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     LlamaForCausalLM(cfg).save_pretrained(str(path))
     tok.save_pretrained(str(path))
     return path
+
+
+@pytest.fixture
+def ray_cluster() -> Iterator[Any]:
+    """A real local multi-node Ray cluster: a head without CPUs and two worker nodes, each offering
+    {"rollout": 1} (the cluster tests, tests/test_cluster*.py)."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "include_dashboard": False, "object_store_memory": 100 * (1 << 20)},
+    )
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1, resources={"rollout": 1}, object_store_memory=100 * (1 << 20))
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        cluster.shutdown()

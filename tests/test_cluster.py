@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,7 @@ import pytest
 from miles_env.config import load_config
 from miles_env.errors import ConfigError
 from tests import train_support as e2e  # tiny_model: the fixture of conftest.py
-
-MB = 1024 * 1024
+from tests.cluster_support import queue_stats, train_argv
 
 
 def test_a_cluster_needs_the_shared_queue() -> None:
@@ -34,48 +32,6 @@ def test_a_cluster_needs_the_shared_queue() -> None:
         load_config(None, ["cluster.address=auto"])
     assert load_config(None, ["cluster.address=auto", "queue.kind=redis"]).cluster.rollout_workers == 2
     assert load_config(None).cluster.address is None  # the default: one process
-
-
-@pytest.fixture
-def ray_cluster() -> Iterator[Any]:
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "include_dashboard": False, "object_store_memory": 100 * MB},
-    )
-    try:
-        for _ in range(2):
-            cluster.add_node(num_cpus=1, resources={"rollout": 1}, object_store_memory=100 * MB)
-        cluster.wait_for_nodes()
-        yield cluster
-    finally:
-        cluster.shutdown()
-
-
-def _train(run_dir: Path, model: Path, steps: int, cluster: Any, redis_url: str, *extra: str) -> list[str]:
-    sets = [
-        f"run_dir={run_dir}", f"engine.model={model}", f"trainer.steps={steps}", "rollout.group_size=2",
-        "rollout.groups_per_step=2", "rollout.concurrency=4", "harness.max_tokens=8", "harness.max_turns=1",
-        "trainer.lr=1e-3", "trainer.skip_zero_advantage=false", "trainer.keep_checkpoints=100",
-        "eval.enabled=false", "queue.kind=redis", f"queue.url={redis_url}", "queue.prefix=cluster",
-        f"cluster.address={cluster.address}", "cluster.rollout_workers=2", "cluster.worker_resources={rollout: 1}",
-        *extra,
-    ]  # fmt: skip
-    out = [sys.executable, "-m", "miles_env.cli.main", "train", str(e2e.ROOT / "examples/terminal-cpu.yaml")]
-    for s in sets:
-        out += ["--set", s]
-    return out
-
-
-def _queue_stats(url: str) -> Any:
-    from miles_env.queue_redis import RedisReplayQueue
-
-    queue = RedisReplayQueue(url, prefix="cluster", max_pending_groups=4)
-    try:
-        return queue.stats()
-    finally:
-        queue.close()
 
 
 def _journal_episode_ids(store: Path) -> set[str]:
@@ -101,7 +57,7 @@ def test_workers_the_cluster_cannot_place_fail_the_run_with_what_they_need(
 
     with RedisServer(tmp_path / "redis") as server:
         extra = ("cluster.worker_resources={tpu: 1}", "cluster.start_timeout_s=3")
-        argv = _train(tmp_path / "run", tiny_model, 1, ray_cluster, server.url, *extra)
+        argv = train_argv(tmp_path / "run", tiny_model, 1, ray_cluster, server.url, *extra)
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "error: cluster.rollout_workers=2: not all started within" in proc.stderr, proc.stderr[-2000:]
@@ -117,13 +73,13 @@ def test_train_with_rollouts_on_two_ray_nodes(tmp_path: Path, tiny_model: Path, 
     with RedisServer(tmp_path / "redis") as server:
         t0 = time.monotonic()
         proc = subprocess.run(
-            _train(run_dir, tiny_model, 2, ray_cluster, server.url),
+            train_argv(run_dir, tiny_model, 2, ray_cluster, server.url),
             capture_output=True,
             text=True,
             timeout=600,
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        stats = _queue_stats(server.url)
+        stats = queue_stats(server.url)
     print(f"2-step cluster run: {time.monotonic() - t0:.1f}s")
     assert [r["step"] for r in e2e.rows(run_dir, "train")] == [1, 2]
     # each step's 2 groups went one to each worker, stamped with its node on the way through Redis
@@ -158,7 +114,7 @@ def test_a_rollout_node_removed_mid_run_loses_nothing_and_trains_nothing_twice(
     node = list(ray_cluster.worker_nodes)[-1]
     with RedisServer(tmp_path / "redis") as server:
         proc = subprocess.Popen(
-            _train(run_dir, tiny_model, 3, ray_cluster, server.url),
+            train_argv(run_dir, tiny_model, 3, ray_cluster, server.url),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         try:
@@ -174,7 +130,7 @@ def test_a_rollout_node_removed_mid_run_loses_nothing_and_trains_nothing_twice(
             if proc.poll() is None:
                 proc.kill()
         assert proc.returncode == 0, out[-4000:]
-        stats = _queue_stats(server.url)
+        stats = queue_stats(server.url)
     print(f"run finished {time.monotonic() - placed_before:.1f}s after the node was removed")
     assert [r["step"] for r in e2e.rows(run_dir, "train")] == [1, 2, 3]
     placed = json.loads((run_dir / "cluster.json").read_text())
@@ -202,10 +158,10 @@ def test_fully_async_producers_dispatch_to_the_workers(
 
     run_dir = tmp_path / "run"
     with RedisServer(tmp_path / "redis") as server:
-        argv = _train(run_dir, tiny_model, 2, ray_cluster, server.url, "mode=fully_async")
+        argv = train_argv(run_dir, tiny_model, 2, ray_cluster, server.url, "mode=fully_async")
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        stats = _queue_stats(server.url)
+        stats = queue_stats(server.url)
     assert [r["step"] for r in e2e.rows(run_dir, "train")] == [1, 2]
     assert stats.acked_groups == 4 and not stats.episodes.get("leased"), stats
     placed = json.loads((run_dir / "cluster.json").read_text())
@@ -222,7 +178,7 @@ def test_a_driver_killed_mid_run_resumes_on_the_cluster(
 
     run_dir = tmp_path / "run"
     with RedisServer(tmp_path / "redis") as server:
-        argv = _train(run_dir, tiny_model, 4, ray_cluster, server.url)
+        argv = train_argv(run_dir, tiny_model, 4, ray_cluster, server.url)
         proc = subprocess.Popen(
             argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
         )
@@ -235,7 +191,7 @@ def test_a_driver_killed_mid_run_resumes_on_the_cluster(
         before = e2e.trained_ids(run_dir)
         out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        stats = _queue_stats(server.url)
+        stats = queue_stats(server.url)
     assert "resumed at step" in out.stdout
     trained = e2e.trained_ids(run_dir)
     assert len(trained) == len(set(trained)) == 16  # 4 steps x 2 groups x 2 episodes, none twice

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests import train_support as e2e
-from tests.test_cluster import MB, _queue_stats, _train
+from tests.cluster_support import MB, queue_stats, train_argv
 
 
 @pytest.fixture
@@ -52,12 +52,12 @@ def test_engines_placed_as_ray_actors_all_get_every_weight_sync(
     run_dir = tmp_path / "run"
     engines = "cluster.engines={count: 2, resources: {engine: 1}, router: sglang-router}"
     with RedisServer(tmp_path / "redis") as server:
-        argv = _train(run_dir, tiny_model, 2, engine_cluster, server.url, engines, "engine.threads=1")
+        argv = train_argv(run_dir, tiny_model, 2, engine_cluster, server.url, engines, "engine.threads=1")
         log = tmp_path / "train.log"
         with log.open("wb") as out:
             proc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=600)
         assert proc.returncode == 0, log.read_text()[-4000:]
-        stats = _queue_stats(server.url)
+        stats = queue_stats(server.url)
     nodes = {n.node_id for n in engine_cluster.worker_nodes}
     placed = json.loads((run_dir / "cluster.json").read_text())
     assert [e["name"] for e in placed["engines"]] == ["engine-0", "engine-1"], placed

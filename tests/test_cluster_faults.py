@@ -13,42 +13,19 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
-import yaml
 
 from tests import train_support as e2e
-from tests.test_cluster import _queue_stats, ray_cluster  # noqa: F401  (the fixture)
+from tests.cluster_support import STEPS, cluster_config, queue_stats, train_cmd
 
-STEPS = 4
 # the replacement is placed in the background while the survivor carries on: steps enough (~1 s
 # each) for it to be placed and to roll groups out before the run ends
 REPLACE_STEPS = 32  # it took ~8 steps on 2 shared cores: 4x margin
-
-
-def _config(tmp_path: Path, model: Path, cluster: Any, redis_url: str, steps: int = STEPS) -> Path:
-    cfg = {
-        "run_dir": str(tmp_path / "run"), "env": "terminal-basics", "eval": {"enabled": False},
-        "engine": {"kind": "scripted", "model": str(model)},
-        "harness": {"name": "builtin", "max_turns": 1, "max_tokens": 8},
-        "rollout": {"group_size": 2, "groups_per_step": 2, "concurrency": 4, "tiers": [1]},
-        "trainer": {"backend": "torch", "steps": steps, "lr": 1e-3, "skip_zero_advantage": False,
-                    "keep_checkpoints": 100},
-        "queue": {"kind": "redis", "url": redis_url, "prefix": "cluster"},
-        "cluster": {"address": cluster.address, "rollout_workers": 2, "worker_resources": {"rollout": 1}},
-    }  # fmt: skip
-    path = tmp_path / "cluster.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def _argv(config: Path) -> list[str]:
-    return [sys.executable, "-m", "miles_env.cli.main", "train", str(config)]
 
 
 def _wait(proc: subprocess.Popen[bytes], done: Any, what: str, timeout: float = 120.0) -> None:
@@ -86,14 +63,14 @@ def _assert_trained_once(run_dir: Path, stats: Any, steps: int = STEPS) -> None:
 def test_a_killed_rollout_worker_is_replaced_and_nothing_is_lost(
     tmp_path: Path,
     tiny_model: Path,
-    ray_cluster: Any,  # noqa: F811
+    ray_cluster: Any,
 ) -> None:
     from tests.redis_server import RedisServer
 
     run_dir = tmp_path / "run"
     log = (tmp_path / "train.log").open("wb")
     with RedisServer(tmp_path / "redis") as server:
-        proc = subprocess.Popen(_argv(_config(tmp_path, tiny_model, ray_cluster, server.url, steps=REPLACE_STEPS)),
+        proc = subprocess.Popen(train_cmd(cluster_config(tmp_path, tiny_model, ray_cluster, server.url, steps=REPLACE_STEPS)),
                                 stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
         try:
             both = lambda: all(any((run_dir / "sessions" / f"worker-{i}").glob("*.jsonl")) for i in (0, 1))  # noqa: E731
@@ -105,7 +82,7 @@ def test_a_killed_rollout_worker_is_replaced_and_nothing_is_lost(
         finally:
             if proc.poll() is None:
                 proc.kill()
-        stats = _queue_stats(server.url)
+        stats = queue_stats(server.url)
     _assert_trained_once(run_dir, stats, REPLACE_STEPS)
     placed = json.loads((run_dir / "cluster.json").read_text())
     assert placed["workers_lost"] == 1 and placed["workers_replaced"] == 1, placed
@@ -124,14 +101,14 @@ def test_a_killed_rollout_worker_is_replaced_and_nothing_is_lost(
 def test_redis_killed_and_restarted_mid_run_loses_nothing(
     tmp_path: Path,
     tiny_model: Path,
-    ray_cluster: Any,  # noqa: F811
+    ray_cluster: Any,
 ) -> None:
     from tests.redis_server import RedisServer
 
     run_dir = tmp_path / "run"
     log = (tmp_path / "train.log").open("wb")
     with RedisServer(tmp_path / "redis") as server:
-        proc = subprocess.Popen(_argv(_config(tmp_path, tiny_model, ray_cluster, server.url)),
+        proc = subprocess.Popen(train_cmd(cluster_config(tmp_path, tiny_model, ray_cluster, server.url)),
                                 stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
         try:
             _wait(proc, lambda: (run_dir / "checkpoints" / "step_00000001").exists(), "step 1")
@@ -143,7 +120,7 @@ def test_redis_killed_and_restarted_mid_run_loses_nothing(
         finally:
             if proc.poll() is None:
                 proc.kill()
-        stats = _queue_stats(server.url)
+        stats = queue_stats(server.url)
     _assert_trained_once(run_dir, stats)
     train = e2e.rows(run_dir, "train")
     assert train[1]["time"] > restarted  # step 2 took its groups from the restarted Redis

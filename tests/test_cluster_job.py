@@ -22,8 +22,7 @@ import pytest
 
 from miles_env.http import free_port
 from tests import train_support as e2e
-from tests.test_cluster import MB, _queue_stats
-from tests.test_cluster_faults import _config
+from tests.cluster_support import MB, cluster_config, queue_stats
 
 
 @pytest.fixture
@@ -53,7 +52,7 @@ def test_ray_job_submit_runs_the_training_on_the_cluster(
     run_dir = tmp_path / "run"
     ray_cli = str(Path(sys.executable).parent / "ray")
     with RedisServer(tmp_path / "redis") as server:
-        config = _config(tmp_path, tiny_model, cluster, server.url, steps=2)
+        config = cluster_config(tmp_path, tiny_model, cluster, server.url, steps=2)
         train = (
             f"{shlex.quote(sys.executable)} -m miles_env.cli.main train {config} --set cluster.address=auto"
         )
@@ -65,7 +64,7 @@ def test_ray_job_submit_runs_the_training_on_the_cluster(
             proc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=300)
         text = log.read_text(errors="replace")
         assert proc.returncode == 0, text[-4000:]
-        stats = _queue_stats(server.url)
+        stats = queue_stats(server.url)
     assert "succeeded" in text and "done 2 steps" in text, text[-3000:]  # the job's own output, tailed
     assert [r["step"] for r in e2e.rows(run_dir, "train")] == [1, 2]
     assert all(r["rollout_nodes"] == 2 for r in e2e.rows(run_dir, "train"))

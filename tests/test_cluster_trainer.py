@@ -19,8 +19,7 @@ from typing import Any
 import pytest
 
 from tests import train_support as e2e
-from tests.test_cluster import MB, _queue_stats
-from tests.test_cluster_faults import _argv, _config
+from tests.cluster_support import MB, cluster_config, queue_stats, train_cmd
 
 
 @pytest.fixture
@@ -56,12 +55,12 @@ def test_the_trainer_runs_as_a_ray_actor_on_the_trainer_node(
     cluster, trainer_node = trainer_cluster
     run_dir = tmp_path / "run"
     with RedisServer(tmp_path / "redis") as server:
-        config = _config(tmp_path, tiny_model, cluster, server.url, steps=2)
+        config = cluster_config(tmp_path, tiny_model, cluster, server.url, steps=2)
         placed = ["--set", "cluster.trainer={resources: {trainer: 1}}"]
-        _run(_argv(config) + placed, tmp_path / "train.log")
+        _run(train_cmd(config) + placed, tmp_path / "train.log")
         first = e2e.trained_ids(run_dir)
-        _run(_argv(config) + placed + ["--set", "trainer.steps=3"], tmp_path / "resume.log")
-        stats = _queue_stats(server.url)
+        _run(train_cmd(config) + placed + ["--set", "trainer.steps=3"], tmp_path / "resume.log")
+        stats = queue_stats(server.url)
     assert json.loads((run_dir / "cluster_trainer.json").read_text())["node_id"] == trainer_node
     assert "resumed at step 2" in (tmp_path / "resume.log").read_text()
     train = e2e.rows(run_dir, "train")
