@@ -271,7 +271,11 @@ class _Job(StepHooks):
     # -- the job's own -----------------------------------------------------------------------------
     async def sync_weights(self, step: int) -> dict[str, float]:
         """Engine version := trainer step. Returns sync_s, sync_bytes (moved) and, for delta, more;
-        with several servers, each one's too (`_per_server`)."""
+        with several servers, each one's too (`_per_server`). With trainer.lora, the adapter only."""
+        from miles_env.trainer.lora import AdapterTrainer, sync_adapter
+
+        if isinstance(self.trainer, AdapterTrainer) and self.trainer.lora is not None:
+            return await sync_adapter(self.trainer, self.engine, step, self.cfg.run_dir / "weights")
         if self.syncer is not None:
             state = await anyio.to_thread.run_sync(self.trainer.state_dict)
             return _per_server(self.engine, dict(await self.syncer.sync(self.engine, state, step)))

@@ -10,10 +10,24 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["TrainerConfig", "LossAgg", "AdvantageKind"]
+__all__ = ["TrainerConfig", "LoraConfig", "LossAgg", "AdvantageKind"]
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "dr_grpo"]
 AdvantageKind = Literal["grpo", "dr_grpo"]
+
+
+class LoraConfig(BaseModel):
+    """`trainer.lora`: train low-rank adapters only (PEFT LoRA on `target_modules`); see trainer/lora.py.
+    dropout > 0 makes the training forward stochastic, so logprob_diff_* then measures dropout too."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0, description="the update is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: tuple[str, ...] = Field(
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), min_length=1
+    )
 
 
 class TrainerConfig(BaseModel):
@@ -42,6 +56,7 @@ class TrainerConfig(BaseModel):
     skip_zero_advantage: bool = Field(
         True, description="drop samples whose advantage is 0 (groups with one reward): no gradient, all cost"
     )
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters only; None = every weight")
 
     @model_validator(mode="after")
     def _clip_range(self) -> TrainerConfig:

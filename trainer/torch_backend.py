@@ -12,6 +12,10 @@ through tokens with loss_mask = 1. One optimizer step per train_step, so the
 PPO "old" logprobs are the detached current ones (ratio 1 at the step); the gap
 to the engine is corrected by truncated importance sampling (tis_cap).
 
+LoRA (`trainer.lora`, trainer/lora.py): PEFT adapters are injected into the model in place and
+are its only trainable parameters; the optimizer, checkpoints and weight sync carry only them
+(`export_adapter`), while `state_dict`/`export_weights` give merged, HF-named full weights.
+
 Lifecycle: build -> (load_checkpoint) -> train_step* with export_weights /
 state_dict for weight sync -> save_checkpoint. `step` is the weight version.
 
@@ -33,9 +37,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from miles_env.errors import ConfigError
 from miles_env.models import resolve_model
 from miles_env.trainer.checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
-from miles_env.trainer.config import TrainerConfig
+from miles_env.trainer.config import LoraConfig, TrainerConfig
 from miles_env.trainer.losses import group_advantages, microbatch_loss, token_logprobs
 from miles_env.types import Episode, Trajectory
 
@@ -129,11 +134,15 @@ class TorchTrainer:
         self.device = self._pick_device()
         dtype = getattr(torch, self.config.dtype)
         model: Any = AutoModelForCausalLM.from_pretrained(str(self.model_path), dtype=dtype)
+        if self.config.lora is not None:
+            from miles_env.trainer.lora import attach
+
+            attach(model, self.config.lora)
         self.model = model.to(self.device)
         self.ref_model = self._frozen_copy() if self.config.kl_coef > 0 else None
         self.sharded = self._maybe_shard()
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],  # LoRA: the adapter only
             lr=self.config.lr,
             betas=self.config.betas,
             weight_decay=self.config.weight_decay,
@@ -255,7 +264,15 @@ class TorchTrainer:
             "logprob_diff_mean": acc.diff_sum / denom if acc.mask_tokens else float("nan"),
             "logprob_diff_max": acc.diff_max if acc.mask_tokens else float("nan"),
             "skipped_samples": float(sum(len(ep.samples) for g in groups for ep in g) - len(samples)),
-        }
+        } | self._lora_metrics()
+
+    def _lora_metrics(self) -> dict[str, float]:
+        if self.config.lora is None:
+            return {}
+        from miles_env.trainer.lora import param_share
+
+        return {"lora_param_share": param_share(self.model)}
+
 
     def _clip_and_step(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -289,8 +306,34 @@ class TorchTrainer:
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         return self.model.named_parameters()
 
+    @property
+    def lora(self) -> LoraConfig | None:
+        return self.config.lora
+
+    def full_weight_bytes(self) -> int:
+        """What a full sync moves: every distinct weight tensor of the base model (adapter excluded)."""
+        seen: set[int] = set()
+        total = 0
+        for name, p in self.model.named_parameters():
+            if ".lora_" not in name and p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                total += p.numel() * p.element_size()
+        return total
+
+    def export_adapter(self, path: str | os.PathLike[str]) -> Path:
+        """Write the LoRA adapter as a PEFT adapter dir (what vLLM / SGLang / the hf engine load)."""
+        from miles_env.trainer.lora import save_adapter
+
+        if self.config.lora is None:
+            raise ConfigError("export_adapter: trainer.lora is not set")
+        return save_adapter(self.model, self.config.lora, Path(path), str(self.model_path))
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full, HF-named weights (gathered to every rank's CPU under FSDP2)."""
+        """Full, HF-named weights (gathered to every rank's CPU under FSDP2); with LoRA, merged."""
+        if self.config.lora is not None:
+            from miles_env.trainer.lora import merged_state
+
+            return merged_state(self.model)
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -328,7 +371,13 @@ class TorchTrainer:
         rng: dict[str, Any] = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        state = {"model": self.state_dict(), "optimizer": self.optimizer.state_dict(), "rng": rng}
+        state: dict[str, Any] = {"optimizer": self.optimizer.state_dict(), "rng": rng}
+        if self.config.lora is not None:  # the base is model_path, unchanged: store the adapter only
+            from miles_env.trainer.lora import adapter_state
+
+            state["adapter"] = {k: v.cpu() for k, v in adapter_state(self.model).items()}
+        else:
+            state["model"] = self.state_dict()
         meta = {"extra": extra or {}, "model_path": str(self.model_path)}
         return write_checkpoint(Path(ckpt_dir), self.step, state, meta, self.config.keep_checkpoints)
 
@@ -339,7 +388,14 @@ class TorchTrainer:
         if path is None:
             return None
         state, meta = read_checkpoint(path)
-        self.model.load_state_dict(state["model"])
+        if self.config.lora is not None or "adapter" in state:
+            from miles_env.trainer.lora import load_adapter_state
+
+            if self.config.lora is None or "adapter" not in state:
+                raise ConfigError(f"checkpoint {str(path)!r}: trainer.lora must match the run that wrote it")
+            load_adapter_state(self.model, state["adapter"])
+        else:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["torch"])
         if "cuda" in state["rng"] and torch.cuda.is_available():

@@ -3,17 +3,69 @@
 A state dict may be partial (only the tensors that changed). Every name and
 shape is checked before any tensor is written, so a bad update leaves the
 model as it was.
+
+LoRA: a PEFT adapter dir (`read_lora_adapter`) is applied merge-free: the first one injects
+PEFT LoRA layers into the model in place (the base weights stay as they are), each one copies
+its lora_A / lora_B tensors into them. The forward is then the trainer's (trainer/lora.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from miles_env.errors import EngineError
 
-__all__ = ["load_safetensors", "copy_weights", "apply_update"]
+__all__ = ["load_safetensors", "copy_weights", "apply_update", "LoraAdapter", "read_lora_adapter"]
+
+_ADAPTER = "default"  # the PEFT adapter slot the trainer trains (trainer/lora.py ADAPTER_NAME)
+_FILE_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    """A PEFT adapter dir, read: its LoraConfig and its tensors under the model's parameter names."""
+
+    name: str
+    config: Any  # peft.LoraConfig
+    tensors: dict[str, Any]
+
+
+def read_lora_adapter(name: str, path: str | Path) -> LoraAdapter:
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    p = Path(path).expanduser()
+    try:
+        config = LoraConfig.from_pretrained(str(p))
+        raw = load_file(str(p / "adapter_model.safetensors"))
+    except Exception as e:
+        raise EngineError(f"load_lora_adapter: cannot read adapter {str(p)!r}: {e}") from e
+    tensors = {}
+    for key, t in raw.items():
+        module, _, kind = key.removeprefix(_FILE_PREFIX).rpartition(".lora_")
+        tensors[f"{module}.lora_{kind.removesuffix('.weight')}.{_ADAPTER}.weight"] = t
+    return LoraAdapter(name, config, tensors)
+
+
+def _inject_lora(model: Any, adapter: LoraAdapter) -> None:
+    """Inject the adapter's LoRA layers once; a later adapter must have the same shape (r, targets)."""
+    import torch
+    from peft import inject_adapter_in_model
+
+    current = getattr(model, "peft_config", {}).get(_ADAPTER)  # set by inject_adapter_in_model
+    if current is None:
+        with torch.inference_mode(False):  # the new layers must be ordinary tensors, not inference ones
+            inject_adapter_in_model(adapter.config, model, adapter_name=_ADAPTER)
+        model.requires_grad_(False)
+        return
+    same = (current.r, current.lora_alpha, set(current.target_modules or ())) == (
+        adapter.config.r, adapter.config.lora_alpha, set(adapter.config.target_modules or ()))  # fmt: skip
+    if not same:
+        raise EngineError(f"load_lora_adapter {adapter.name!r}: rank, alpha or target modules differ from "
+                          "the adapter loaded first (restart the engine to change them)")  # fmt: skip
 
 
 def load_safetensors(path: str | Path) -> dict[str, Any]:
@@ -64,6 +116,10 @@ def apply_update(model: Any, update: Any, current_version: int) -> None:
     untouched, so the engine's version stays where it was and a full update repairs it."""
     if isinstance(update, Mapping):
         copy_weights(model, update)
+        return
+    if isinstance(update, LoraAdapter):
+        _inject_lora(model, update)
+        copy_weights(model, update.tensors)
         return
     from miles_env.trainer.weight_sync import DeltaError, decode_entry, verify_manifest
 

@@ -39,7 +39,7 @@ import anyio
 
 from miles_env.engines._batch import Batch, Row
 from miles_env.engines._kv import SessionEntry, SessionStore
-from miles_env.engines._weights import apply_update, load_safetensors
+from miles_env.engines._weights import apply_update, load_safetensors, read_lora_adapter
 from miles_env.engines.base import EngineInfo, Generation, PrefixCacheStats, SamplingParams
 from miles_env.engines.configs import HFEngineConfig
 from miles_env.errors import ConfigError, EngineError, EngineRefused
@@ -67,7 +67,7 @@ class _Command:
     kind: Literal["update", "flush", "close"]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Any]
-    state_dict: Any = None  # a (partial) state dict or a WeightDelta
+    state_dict: Any = None  # a (partial) state dict, a WeightDelta or a LoraAdapter
     weight_version: int | None = None
     abort_in_flight: bool = False
 
@@ -220,6 +220,15 @@ class HFEngine:
         except DeltaError as e:
             raise EngineError(f"apply_weight_delta refused: {e}") from e
         return await self.apply_weight_delta(delta, abort_in_flight=abort_in_flight)
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str | Path, weight_version: int | None = None
+    ) -> int:
+        """Serve the PEFT adapter dir `lora_path` on top of the base weights, unmerged (the first one
+        injects LoRA layers in place, later ones copy their tensors): an update like any other, so it
+        drains the running rows, flushes the KV cache and sets the weight version."""
+        adapter = await anyio.to_thread.run_sync(read_lora_adapter, lora_name, lora_path)
+        return int(await self._command("update", state_dict=adapter, weight_version=weight_version))
 
     async def flush_cache(self) -> None:
         """Drop every cached session KV prefix (running requests keep theirs)."""

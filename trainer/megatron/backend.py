@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from miles_env.models import resolve_model
 from miles_env.trainer.checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
@@ -67,6 +67,13 @@ class MegatronTrainerConfig(TrainerConfig):
         description="megatron DDP + DistributedOptimizer (grads reduce-scattered, AdamW state sharded "
         "over dp); false: grads all-reduced, a full torch AdamW per replica",
     )
+
+    @model_validator(mode="after")
+    def _no_lora(self) -> MegatronTrainerConfig:
+        # megatron-core 0.16 has no adapter (LoRA) layers of its own; LoRA runs on the torch backend
+        if self.lora is not None:
+            raise ValueError("lora is not supported by the megatron backend (use trainer.backend=torch)")
+        return self
 
 
 class MegatronTrainer(TorchTrainer):
