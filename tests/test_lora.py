@@ -114,6 +114,52 @@ def test_adapter_sync_to_the_hf_engine_matches_the_trainer(tmp_path: Path, tiny_
     assert (base_lp - torch.tensor(before.logprobs)).abs().max() > 1e-3  # the adapter did change the policy
 
 
+def test_sglang_server_load_lora_adapter(tmp_path: Path, tiny_model: Path) -> None:
+    """SGLang's /load_lora_adapter and /unload_lora_adapter on the embedded server, driven by our
+    SGLang client: the served logprobs become the trainer's, each turn names the adapter's version."""
+    import httpx
+
+    from miles_env.engines.base import SamplingParams
+    from miles_env.engines.hf import HFEngine, HFEngineConfig
+    from miles_env.engines.scripted import ScriptedEngine
+    from miles_env.engines.sglang import SGLangEngine
+    from miles_env.engines.sglang_server import running_server
+    from miles_env.trainer.lora import sync_adapter
+
+    trainer = _trainer(tiny_model)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn_like(p) * 0.3)
+    engine = HFEngine(HFEngineConfig(model=str(tiny_model), dtype="float32", seed=0, threads=1))
+    prompt = [1, 5, 9, 14, 20]
+
+    async def main() -> None:
+        async with running_server(engine) as url:
+            client = SGLangEngine([url])
+            m1 = await sync_adapter(trainer, client, 1, tmp_path / "w")
+            m2 = await sync_adapter(trainer, client, 2, tmp_path / "w")  # a new name; v1 is unloaded
+            assert m1["sync_bytes"] == m2["sync_bytes"] < 0.05 * m2["sync_full_bytes"]
+            gen = await client.generate(prompt, SamplingParams(max_new_tokens=5, temperature=1.0))
+            assert gen.weight_version == 2
+            mine = trainer.logprobs([_traj(prompt + gen.output_ids, len(prompt))])[0][len(prompt) :]
+            torch.testing.assert_close(mine, torch.tensor(gen.logprobs), rtol=0, atol=1e-4)
+            async with httpx.AsyncClient(base_url=url) as http:
+                again = await http.post("/load_lora_adapter", json={"lora_name": "policy-v2",
+                                                                    "lora_path": str(tmp_path / "w/policy-v2")})  # fmt: skip
+                assert again.status_code == 400 and again.json()["success"] is False
+                assert again.json()["loaded_adapters"] == {"policy-v2": str(tmp_path / "w/policy-v2")}
+                gone = await http.post("/unload_lora_adapter", json={"lora_name": "policy-v1"})
+                assert gone.status_code == 400  # the client already unloaded it
+            await client.close()
+        async with running_server(ScriptedEngine()) as url, httpx.AsyncClient(base_url=url) as http:
+            no = await http.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
+            assert no.status_code == 400 and "LoRA is not enabled" in no.json()["error_message"]
+        await engine.close()
+
+    anyio.run(main)
+
+
 def _traj(ids: list[int], prompt_len: int):  # noqa: ANN202
     from miles_env.types import Trajectory
 

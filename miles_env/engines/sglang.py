@@ -35,6 +35,7 @@ the servers `launch_sglang` started (managed subprocesses, `_launch.py`).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import itertools
 import time
@@ -124,6 +125,7 @@ class SGLangEngine:
         self._cache = PrefixCacheStats()
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport)
         self.weight_version = 0  # last known; a server reporting a non-integer version leaves it as is
+        self.lora_name: str | None = None  # the adapter every /generate names (load_lora_adapter)
         self._limits: dict[str, int] = {}  # base URL -> the most prompt + max_new_tokens it accepts
 
     def url_for(self, session_id: str | None) -> str:
@@ -189,7 +191,7 @@ class SGLangEngine:
             "input_ids": list(input_ids),
             "sampling_params": _wire_sampling(sampling, max_new),
             "return_logprob": True,
-        }
+        } | ({"lora_path": self.lora_name} if self.lora_name is not None else {})
         headers = {SESSION_HEADER: session_id, ROUTING_KEY_HEADER: session_id} if session_id else None
         try:
             resp = await self._request("POST", f"{base}/generate", json=payload, headers=headers)
@@ -283,6 +285,28 @@ class SGLangEngine:
         self._last_sync = tuple(ServerSync(u, timed[u]) for u in self.urls)
         self.weight_version = version
         return version
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str | Path, weight_version: int) -> int:
+        """LoRA sync (SGLang's `/load_lora_adapter` on every server, the server started with
+        `--enable-lora`): load the adapter under a new name, serve it from then on (`lora_path` in
+        each /generate), unload the previous one. `weight_version` rides along (our server reads
+        it; a real SGLang ignores the field, so `/update_weight_version` is sent too)."""
+        load = {"lora_name": lora_name, "lora_path": str(lora_path), "weight_version": str(weight_version)}
+        for resp in await self._each_server("POST", "/load_lora_adapter", json=load):
+            body = resp.json()
+            if not body.get("success", False):
+                raise EngineRefused(
+                    f"sglang load_lora_adapter: {body.get('error_message')}", "invalid_request"
+                )
+        with contextlib.suppress(EngineError):  # an old server without it: the adapter name says it
+            await self._each_server(
+                "POST", "/update_weight_version", json={"new_version": str(weight_version)}
+            )
+        previous, self.lora_name = self.lora_name, lora_name
+        if previous is not None and previous != lora_name:
+            await self._each_server("POST", "/unload_lora_adapter", json={"lora_name": previous})
+        self.weight_version = weight_version
+        return weight_version
 
     def last_sync(self) -> tuple[ServerSync, ...]:
         """Each live server's seconds in the last weight update (PerServerSync)."""

@@ -1,7 +1,8 @@
 """The SGLang native HTTP API (the subset RL frameworks use) over any Engine.
 
 Concept: `create_app(engine)` serves `POST /generate` (token ids in, token ids
-and logprobs out), `POST /update_weights_from_disk`, `GET|POST /flush_cache`,
+and logprobs out), `POST /update_weights_from_disk`, `POST /load_lora_adapter`,
+`POST /unload_lora_adapter`, `GET|POST /flush_cache`,
 `GET /get_model_info`, `GET /get_weight_version`, `GET /get_server_info`,
 `GET /health` and `GET /health_generate`, with SGLang's field names, response
 shapes, request rules and refusals, so a client written for a real SGLang
@@ -33,6 +34,13 @@ KV-reuse hint; "default" is the engine's version 0, and an update without a
 version bumps the engine's integer version. `meta_info.cached_tokens` is the
 engine's own count of prompt tokens served from its KV prefix cache.
 
+LoRA (SGLang's entrypoints/http_server.py `load_lora_adapter`, io_struct.py
+`LoadLoRAAdapterReqInput` / `LoRAUpdateOutput`): `{lora_name, lora_path, pinned}` in,
+`{success, error_message, loaded_adapters: {name: path}}` out, 400 when it fails. Here the engine
+(any with `load_lora_adapter`, e.g. hf) serves one adapter at a time, the last loaded, on every
+request (a `lora_path` field of /generate is ignored); an extra `weight_version` field sets the
+version the adapter is served as (RL clients send it; absent, the version is bumped).
+
 Lifecycle: `serve()` runs uvicorn until cancelled; `running_server()` starts
 it on a loopback port for the duration of an `async with` block.
 """
@@ -44,7 +52,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 from fastapi import FastAPI, Request
@@ -65,7 +74,15 @@ from miles_env.engines.router import ROUTING_KEY_HEADER
 from miles_env.engines.sglang import SESSION_HEADER
 from miles_env.errors import EngineError, EngineRefused
 
-__all__ = ["GenerateRequest", "WireSamplingParams", "create_app", "serve", "running_server", "SESSION_HEADER"]
+__all__ = [
+    "GenerateRequest",
+    "LoraServing",
+    "WireSamplingParams",
+    "create_app",
+    "serve",
+    "running_server",
+    "SESSION_HEADER",
+]
 
 
 class UpdateFromDiskRequest(BaseModel):
@@ -160,10 +177,63 @@ def _session_id(request: Request) -> str | None:
     return request.headers.get(SESSION_HEADER) or request.headers.get(ROUTING_KEY_HEADER) or None
 
 
+@runtime_checkable
+class LoraServing(Protocol):
+    """An engine that loads PEFT adapter dirs at run time (the hf engine)."""
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str | Path, weight_version: int | None = None
+    ) -> int: ...
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # SGLang's request is a dataclass: unknown fields pass
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    weight_version: str | None = None  # ours: the version the adapter is served as
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+
+
+def _lora_routes(app: FastAPI, engine: Engine) -> None:
+    loaded: dict[str, str] = {}
+
+    def _out(ok: bool, error: str | None = None) -> JSONResponse:
+        body = {"success": ok, "error_message": error, "loaded_adapters": dict(loaded)}
+        return JSONResponse(body, status_code=200 if ok else 400)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoraAdapterRequest) -> JSONResponse:
+        if not isinstance(engine, LoraServing):
+            return _out(False, f"LoRA is not enabled: engine {type(engine).__name__} cannot load adapters")
+        if req.lora_name in loaded:  # SGLang's LoRARegistry refuses a name it already holds
+            return _out(False, f"LoRA adapter {req.lora_name} is already loaded")
+        version = int(req.weight_version) if req.weight_version is not None else None
+        try:
+            await engine.load_lora_adapter(req.lora_name, req.lora_path, version)
+        except (EngineError, ValueError) as e:
+            return _out(False, str(e))
+        loaded[req.lora_name] = req.lora_path  # listed until unloaded; the engine serves the newest
+        return _out(True)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoraAdapterRequest) -> JSONResponse:
+        if loaded.pop(req.lora_name, None) is None:
+            return _out(False, f"LoRA adapter {req.lora_name} is not loaded")
+        return _out(True)
+
+
 def create_app(engine: Engine) -> FastAPI:
     """A FastAPI app serving the SGLang native API subset over `engine`."""
     app = FastAPI(title="miles-env engine (SGLang native API)")
     tokenizer = _Tokenizer(engine)
+    _lora_routes(app, engine)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

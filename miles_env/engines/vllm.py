@@ -190,6 +190,7 @@ class VLLMEngine:
         self.restarts = 0
         self.weight_version = 0  # last version set through this client (or read from the server)
         self._weights_path: Path | None = None  # last synced weights, restored after a restart
+        self.lora_name: str | None = None  # the adapter generate asks for (load_lora_adapter)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport)
         self._gate = _Gate()
         self._epoch = 0  # bumped by each restart: failures seen in an older epoch are already handled
@@ -229,7 +230,9 @@ class VLLMEngine:
     ) -> Generation:
         if self._dead is not None:
             raise EngineError(self._dead)
-        payload = {"token_ids": list(input_ids), "sampling_params": _wire_sampling(sampling)}
+        payload: dict[str, Any] = {"token_ids": list(input_ids), "sampling_params": _wire_sampling(sampling)}
+        if self.lora_name is not None:
+            payload["model"] = self.lora_name  # vLLM serves a loaded LoRA adapter under its name
         t0 = time.perf_counter()
         async with self._gate.shared():
             epoch = self._epoch
@@ -349,6 +352,29 @@ class VLLMEngine:
             await self._request("POST", "/resume")
         self._weights_path = target
         return version
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str | Path, weight_version: int) -> int:
+        """LoRA sync through vLLM's runtime adapter loading (server launched with `--enable-lora
+        --max-lora-rank R` and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1): `/v1/load_lora_adapter` under a
+        new name, every later generate names it as its `model`, the previous one is unloaded; the
+        base weights are never reloaded. Same gate and pause as a full update, so no turn mixes them."""
+        if self._dead is not None:
+            raise EngineError(self._dead)
+        async with self._gate.exclusive():
+            await self._request("POST", "/pause", params={"mode": "wait"})
+            try:
+                body = {"lora_name": lora_name, "lora_path": str(Path(lora_path).resolve())}
+                await self._request("POST", "/v1/load_lora_adapter", json=body)
+                await self._request("POST", "/reset_prefix_cache")
+                await self._set_version(weight_version)
+            finally:
+                with anyio.CancelScope(shield=True), contextlib.suppress(EngineError):
+                    await self._request("POST", "/resume")
+            previous, self.lora_name = self.lora_name, lora_name
+        if previous is not None and previous != lora_name:
+            with contextlib.suppress(EngineError):  # a leftover adapter costs memory, not correctness
+                await self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": previous})
+        return weight_version
 
     async def info(self) -> EngineInfo:
         if self._info is None:
