@@ -28,7 +28,8 @@ CONTRACTS = {
 }
 PLUGIN_FAMILIES = (f"{P}.sandboxes", f"{P}.harnesses", f"{P}.engines", f"{P}.adapters")
 FRAMEWORKS = {"verifiers", "hud", "nemo_gym", "openenv", "harbor"}
-AUTHORING_KIT = {f"{P}.checks", f"{P}.registry"}  # what envs/* use besides the contracts (make_task)
+# what envs/* use besides the contracts: checks, make_task, the guards' setup helpers (scrub_git)
+AUTHORING_KIT = {f"{P}.checks", f"{P}.registry", f"{P}.guards"}
 
 
 def _in(module: str, *packages: str) -> bool:

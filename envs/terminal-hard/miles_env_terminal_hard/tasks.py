@@ -2,7 +2,11 @@
 
 Each task gives starting files, an instruction that states the goal and the exact
 output format, checks that also probe inputs the instruction does not show (so a
-hard-coded answer fails), and a reference solution.
+hard-coded answer fails), and a reference solution. `protected` names the files the
+agent must leave as they were (its tests; miles_env.guards flags and restores them).
+A task with `future` starts in a git repository whose later commit holds those files
+(the answer, as a real project's history would); setup scrubs it back to the first
+commit, so no ref, reflog or object of the future is left for the agent to read.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ class HardTask:
     checks: list[dict[str, Any]]
     solution: str
     files: dict[str, str] = field(default_factory=dict)
+    protected: tuple[str, ...] = ()  # paths the agent must not change (the task's tests)
+    future: dict[str, str] | None = None  # a later commit's files: the workdir is a scrubbed repo
 
 
 def _cmd(cmd: str, stdout: str | None = None, exit_code: int | None = 0) -> dict[str, Any]:
@@ -111,6 +117,28 @@ _PROJECT = {
     "project/lib/util.py": "X = 1\n",
 }
 
+_SLUG_PY = """import re
+
+
+def slugify(text):
+    return re.sub(r"[^a-z0-9]", "-", text.lower())
+"""
+
+_SLUG_FIXED = """import re
+
+
+def slugify(text):
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+"""
+
+_SLUG_TEST = """from slug import slugify
+
+assert slugify("Hello, World!") == "hello-world"
+assert slugify("  Miles  env ") == "miles-env"
+assert slugify("a") == "a"
+print("ok")
+"""
+
 _ORGANIZE = {"a.txt": "a\n", "b.txt": "b\n", "c.log": "c\n", "d.csv": "d\n", "e.log": "e\n"}
 
 TASKS: list[HardTask] = [
@@ -136,6 +164,7 @@ TASKS: list[HardTask] = [
         "cat > fizzbuzz.py <<'EOF'\ndef fizzbuzz(n):\n    if n % 15 == 0:\n        return 'FizzBuzz'\n"
         "    if n % 3 == 0:\n        return 'Fizz'\n    if n % 5 == 0:\n        return 'Buzz'\n    return str(n)\nEOF",
         {"test_fizzbuzz.py": _FIZZ_TEST},
+        protected=("test_fizzbuzz.py",),
     ),
     HardTask(
         "fix-median", "train", "debug",
@@ -150,6 +179,22 @@ TASKS: list[HardTask] = [
         "'    if len(ys) % 2 == 0:\\n        return (ys[mid - 1] + ys[mid]) / 2\\n    return ys[mid]\\n')\n"
         "open('stats.py', 'w').write(src)\nEOF",
         {"stats.py": _STATS_PY, "test_stats.py": _STATS_TEST},
+        protected=("test_stats.py",),
+    ),
+    HardTask(
+        "fix-slug-in-repo", "train", "git",
+        "The current directory is a git repository. slugify in slug.py should lowercase its text, turn "
+        "every run of characters other than letters and digits into a single -, and strip - from both "
+        "ends. Fix slug.py so that python3 test_slug.py passes. Do not change test_slug.py.",
+        [
+            _cmd("python3 test_slug.py", "ok"),
+            _eq("test_slug.py", _SLUG_TEST, strip=False),
+            _cmd("python3 -c 'from slug import slugify; print(slugify(\"--Top 10 (2024)--\"))'", "top-10-2024"),
+        ],
+        f"cat > slug.py <<'EOF'\n{_SLUG_FIXED}EOF",
+        {"slug.py": _SLUG_PY, "test_slug.py": _SLUG_TEST},
+        protected=("test_slug.py",),
+        future={"slug.py": _SLUG_FIXED},
     ),
     HardTask(
         "status-report", "train", "text",
