@@ -7,6 +7,9 @@ tokens of its samples (prompt tokens of every turn, the cached part of them, sam
 `cost_usd` (since the last step), `cost_usd_total`, `cost_per_step_usd` and, once a rollout has
 passed, `cost_per_solved_usd` (total / passed episodes); with `cost.budget_usd` set it is
 `exhausted` once the total reaches the budget, and the job stops starting rollouts (job.py).
+Eval episodes count too (`add_eval`, as each one finishes; `eval_usd` is their part of the total,
+never a solved task): their spend shows in the next step's `cost_usd`, and once the budget is
+spent no eval starts and a resumed run completes no open group (an eval already running finishes).
 
 Prices (USD; `cost.prices.<provider>` in the run config replaces a provider's row): a provider
 bills `per_s` for each sandbox-second plus `per_cpu_s` per allocated CPU core and `per_gb_s` per
@@ -108,18 +111,31 @@ class RunCost:
     sandbox_s: float = 0.0
     solved: int = 0
     reported_usd: float = 0.0  # total at the last step report
+    eval_usd: float = 0.0  # of total_usd, what eval episodes cost
     _seen: set[str] = field(default_factory=set)
 
     def add(self, episodes: Iterable[Episode]) -> None:
+        """Training rollouts (each counted once): their price, seconds and solved tasks."""
+        for ep in self._new(episodes):
+            if ep.reward is not None and ep.reward.passed and ep.split != "test":
+                self.solved += 1
+
+    def add_eval(self, episodes: Iterable[Episode]) -> None:
+        """Eval episodes (each counted once): their price and seconds, in the total and `eval_usd`."""
+        for ep in self._new(episodes):
+            self.eval_usd += ep.usage.price_usd if ep.usage is not None else 0.0
+
+    def _new(self, episodes: Iterable[Episode]) -> list[Episode]:
+        fresh = []
         for ep in episodes:
             if ep.id in self._seen:
                 continue
             self._seen.add(ep.id)
+            fresh.append(ep)
             if ep.usage is not None:
                 self.total_usd += ep.usage.price_usd
                 self.sandbox_s += ep.usage.sandbox_s
-            if ep.reward is not None and ep.reward.passed and ep.split != "test":
-                self.solved += 1
+        return fresh
 
     @property
     def exhausted(self) -> bool:
@@ -141,6 +157,7 @@ class RunCost:
             "cost_usd": self.total_usd - self.reported_usd,
             "cost_usd_total": self.total_usd,
             "cost_per_step_usd": self.total_usd / max(1, step),
+            "cost_eval_usd_total": self.eval_usd,
             "sandbox_s": sum(u.sandbox_s for u in usages),
             "prompt_tokens": float(sum(u.prompt_tokens for u in usages)),
             "cached_tokens": float(sum(u.cached_tokens for u in usages)),
@@ -156,6 +173,7 @@ class RunCost:
             "total_usd": self.total_usd,
             "per_step_usd": self.total_usd / max(1, steps),
             "per_solved_usd": self.total_usd / self.solved if self.solved else None,
+            "eval_usd": self.eval_usd,
             "sandbox_s": self.sandbox_s,
             "solved": float(self.solved),
         }
@@ -164,13 +182,19 @@ class RunCost:
         per_solved = f"${self.total_usd / self.solved:.4f}" if self.solved else "n/a (none solved)"
         return (
             f"cost: ${self.total_usd:.4f} in {steps} steps (${self.total_usd / max(1, steps):.4f} a step, "
-            f"{per_solved} a solved task), {self.sandbox_s:.0f} sandbox-seconds"
+            f"{per_solved} a solved task; ${self.eval_usd:.4f} of it in evals), {self.sandbox_s:.0f} sandbox-seconds"
         )
 
     def state(self) -> dict[str, float]:
-        return {"total_usd": self.total_usd, "sandbox_s": self.sandbox_s, "solved": float(self.solved)}
+        return {
+            "total_usd": self.total_usd,
+            "eval_usd": self.eval_usd,
+            "sandbox_s": self.sandbox_s,
+            "solved": float(self.solved),
+        }
 
     def restore(self, state: Mapping[str, Any]) -> None:
         self.total_usd = self.reported_usd = float(state.get("total_usd", 0.0))
+        self.eval_usd = float(state.get("eval_usd", 0.0))
         self.sandbox_s = float(state.get("sandbox_s", 0.0))
         self.solved = int(state.get("solved", 0))

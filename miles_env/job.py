@@ -163,7 +163,7 @@ class _Job(StepHooks):
         self.completed_on_resume = 0  # open groups completed by a restart; in the next step's metrics
         self.cost = RunCost(cfg.cost)  # spend so far (cost.py); its budget stops new rollouts
         setup = EvalSetup(
-            cfg, plan.env, self.eval_ctx, plan.engine_cfg, trainer, plan.model_path, log, self.say
+            cfg, plan.env, self.eval_ctx, plan.engine_cfg, trainer, plan.model_path, log, self.say, self.cost
         )
         self.evaluator = build_evaluator(setup)  # eval.mode; opened by run_training (miles_env/evals/)
 
@@ -218,20 +218,25 @@ class _Job(StepHooks):
             return 0
         tasks = {t.id: t for t in self.plan.train_tasks}
         size = self.cfg.rollout.group_size
+        done = 0
 
         async def one(task: Task, group_id: str, missing: int) -> None:
+            nonlocal done
             async with self.limiter:
+                if self.cost.exhausted:  # a spent budget completes nothing: the group stays open
+                    return
                 group = await run_group(self.ctx, task, missing, group_id=group_id)
             self.cost.add(group)
             for ep in group:
                 await anyio.to_thread.run_sync(partial(self.queue.sync.put, ep, block=False))
+            done += 1
 
         todo = [(tasks[g.task_id], g) for g in await self.queue.open_groups() if g.task_id in tasks]
         async with anyio.create_task_group() as tg:
             for task, g in todo:
                 tg.start_soon(one, task, g.group_id, size - g.n_have)
-        self.completed_on_resume = len(todo)
-        return len(todo)
+        self.completed_on_resume = done
+        return done
 
     async def after_step(self, step: int) -> dict[str, float]:
         return await self.sync_weights(step)
@@ -262,10 +267,17 @@ class _Job(StepHooks):
             f"step {result.step}/{self.cfg.trainer.steps}  reward {metrics['reward_mean']:.3f}  "
             f"pass {metrics['pass_rate']:.3f}  loss {metrics.get('loss', float('nan')):.4f}  "
             f"logp diff {metrics.get('logprob_diff_mean', float('nan')):.2e}  "
-            f"train {metrics['train_s']:.0f}s  rollout {metrics.get('rollout_s', 0.0):.0f}s"
+            f"train {metrics['train_s']:.0f}s  rollout {metrics.get('rollout_s', 0.0):.0f}s  "
+            f"cost ${metrics['cost_usd']:.4f} (total ${metrics['cost_usd_total']:.4f})"
         )
 
     async def evaluate(self, step: int) -> None:
+        """The eval of `step`, unless the cost budget is spent (eval episodes count toward it)."""
+        reason = self.cost.stop_reason()
+        if reason is not None:
+            self.log.log(step, "eval", {"eval_skipped": reason})
+            self.say(f"[bold]eval[/] step {step} skipped: {reason}")
+            return
         await self.evaluator.evaluate(step)
 
     # -- the job's own -----------------------------------------------------------------------------
@@ -455,7 +467,7 @@ async def _run(job: _Job, loop: TrainLoop) -> dict[str, Any]:
         job.syncer.assume(await anyio.to_thread.run_sync(trainer.state_dict), 0)
     before = 0 if cfg.eval.enabled and trainer.step == 0 else None
     if before is not None:
-        await job.evaluator.evaluate(before)
+        await job.evaluate(before)
     with _progress(job.console) as progress:
         console = job.console
         job.progress, job.console = progress, progress.console
@@ -464,10 +476,10 @@ async def _run(job: _Job, loop: TrainLoop) -> dict[str, Any]:
     job.progress, job.console = None, console
     if loop.stopped is not None:  # the cost budget: rollouts stopped, the last step is checkpointed
         job.console.print(f"[bold]stopped[/] at step {trainer.step}/{cfg.trainer.steps}: {loop.stopped}")
-    job.console.print(job.cost.report_line(trainer.step))
     if cfg.eval.enabled and loop.stopped is None:  # a spent budget starts no eval rollouts either
-        await job.evaluator.evaluate(trainer.step)
+        await job.evaluate(trainer.step)
     await job.evaluator.drain()  # evals still running in the background (dedicated, external)
+    job.console.print(job.cost.report_line(trainer.step))  # the last line: every eval's cost in it
     results = job.evaluator.results
     before_row = None if before is None else results.get(before)
     after = results.get(trainer.step) if cfg.eval.enabled else None

@@ -8,6 +8,12 @@ the evaluator's task group; `record` wraps every eval so that one that raises be
 `eval_error` row under its step, never a crashed run. `results` maps each finished step to the
 metrics it logged (the summary's eval_before and eval_after). Closing waits for what is still
 running, then closes what `open` opened (in that order: the tasks need it).
+
+`episode_stats` is the one set of episode metrics, a train step's (job.py) and an eval row's:
+reward, pass rate, statuses, tokens, cost, and `flags/<name>` (the fraction of episodes raising
+each guard flag, every known flag always present) with `flags/zeroed` (the fraction whose reward a
+flag set to 0). Eval episodes are counted into the run's cost (`EvalSetup.cost`) as each one ends,
+so they spend the same `cost.budget_usd` as the training rollouts.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import anyio
 
+from miles_env.guards.config import FLAGS
 from miles_env.jsonio import dumps
 from miles_env.rollout import RolloutContext, run_many
 from miles_env.types import Episode, Task
@@ -31,12 +38,15 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
     from miles_env.config import RunConfig
+    from miles_env.cost import RunCost
     from miles_env.engines.configs import EngineConfig
     from miles_env.environment import Environment
     from miles_env.runlog import RunLog
     from miles_env.trainer.loop import TrainerBackend
 
-__all__ = ["EvalSetup", "Evaluator", "episode_stats", "filter_tiers", "run_eval_episodes"]
+__all__ = [
+    "EvalSetup", "Evaluator", "episode_stats", "filter_tiers", "flag_rates", "run_eval_episodes", "zeroed_by",
+]  # fmt: skip
 
 Metrics = dict[str, Any]
 
@@ -53,6 +63,7 @@ class EvalSetup:
     model_path: Path  # the trained model's directory (its tokenizer files travel with an export)
     log: RunLog
     say: Callable[[str], None]  # a console line (the job's console, progress bar or not)
+    cost: RunCost | None = None  # the run's spend: eval episodes count toward its budget (cost.py)
 
 
 def filter_tiers(tasks: list[Task], tiers: list[int] | None) -> list[Task]:
@@ -61,7 +72,23 @@ def filter_tiers(tasks: list[Task], tiers: list[int] | None) -> list[Task]:
     return [t for t in tasks if t.metadata.get("tier") in tiers]
 
 
+def zeroed_by(ep: Episode) -> list[str]:
+    """The flags that set `ep`'s reward to 0 (`miles_env.guards.zero_flagged` records them)."""
+    note = ep.reward.details.get("guards") if ep.reward is not None else None
+    return list(note.get("zeroed_by") or []) if isinstance(note, dict) else []
+
+
+def flag_rates(episodes: list[Episode], prefix: str = "") -> dict[str, float]:
+    """`flags/<name>`: the fraction of episodes raising each known flag (0 when none did), and
+    `flags/zeroed`: the fraction whose reward a flag set to 0 (guards.zero_reward_on)."""
+    n = len(episodes) or 1
+    out = {f"{prefix}flags/{name}": sum(1 for e in episodes if name in e.flags) / n for name in FLAGS}
+    out[f"{prefix}flags/zeroed"] = sum(1 for e in episodes if zeroed_by(e)) / n
+    return out
+
+
 def episode_stats(episodes: list[Episode], prefix: str = "") -> dict[str, float]:
+    """The metrics of a batch of episodes: a train step's (job.py) or an eval row's."""
     n = len(episodes) or 1
     return {
         f"{prefix}reward_mean": sum(e.score for e in episodes) / n,
@@ -71,6 +98,7 @@ def episode_stats(episodes: list[Episode], prefix: str = "") -> dict[str, float]
         f"{prefix}sampled_tokens": float(sum(s.n_sampled for e in episodes for s in e.samples)),
         f"{prefix}cost_usd": sum(e.usage.price_usd for e in episodes if e.usage is not None),  # cost.py
         f"{prefix}sandbox_s": sum(e.usage.sandbox_s for e in episodes if e.usage is not None),
+        **flag_rates(episodes, prefix),
     }
 
 
@@ -82,8 +110,10 @@ async def run_eval_episodes(
     cfg = setup.cfg
     tasks = filter_tiers(setup.env.tasks(cfg.eval.split), cfg.eval.tiers)
     t0 = time.perf_counter()
+    cost = setup.cost
+    count = None if cost is None else (lambda ep: cost.add_eval([ep]))  # as each ends: the budget sees it
     episodes = await run_many(
-        ctx, tasks, rollouts_per_task=cfg.eval.rollouts, concurrency=cfg.rollout.concurrency
+        ctx, tasks, rollouts_per_task=cfg.eval.rollouts, concurrency=cfg.rollout.concurrency, on_episode=count
     )
     stats: Metrics = {**episode_stats(episodes), "eval_s": time.perf_counter() - t0, **(extra or {})}
     setup.log.log(step, "eval", stats)

@@ -71,6 +71,7 @@ class DedicatedEval(Evaluator):
             tito=cfg.tito,
             sandbox=cfg.sandbox,
             store_dir=cfg.run_dir / "eval_sessions",
+            cost=cfg.cost,  # its episodes are priced by the run's table (they count toward its budget)
         )
         own = await stack.enter_async_context(open_stack(stack_cfg))
         self._engine = own.engine
