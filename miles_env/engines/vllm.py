@@ -96,6 +96,8 @@ def vllm_server_spec(
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "PYTHONPATH": "",  # the venv must not see the main interpreter's packages
     }
+    if "--enable-lora" in server_args:  # trainer.lora: /v1/load_lora_adapter at run time
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     argv = [
         str(exe), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
