@@ -166,7 +166,11 @@ async def test_codex_compacts_before_the_context_overflows(tok: Any, tmp_path: P
     require_cli(CODEX)
     limit = 12000  # the first prompt is ~9.0k tokens (~6.3k without the multi-agent tools)
     engine = CompactingEngine(tok, policy=long_policy(1000), max_context=limit)
-    ep = await run_one("codex", engine, tmp_path / "store", budget_s=240)
+    # At Codex's own output size (the harness's window-sized cap would cut the output below the
+    # compaction limit, tests/test_harness_overflow.py): here compaction itself is the point.
+    ep = await run_one(
+        "codex", engine, tmp_path / "store", budget_s=240, extra_config="tool_output_token_limit = 2500"
+    )
     assert check_compacted(ep, engine, tmp_path / "store", limit) == 1
     assert ep.metadata["transcript"][-1] == {"role": "assistant", "content": "Both files are written."}
 
@@ -179,8 +183,9 @@ async def test_claude_code_compacts_before_the_context_overflows(tok: Any, tmp_p
     limit = 32000  # the first prompt is ~3.2k tokens with the Bash tool only
     engine = CompactingEngine(tok, policy=long_policy(1600, 5000), max_context=limit)
     ep = await run_one(
-        "claude-code", engine, tmp_path / "store", budget_s=240, tools="Bash", output_tokens=2000
-    )
+        "claude-code", engine, tmp_path / "store", budget_s=240, tools="Bash", output_tokens=2000,
+        extra_env={"BASH_MAX_OUTPUT_LENGTH": "30000"},  # Claude Code's own (the harness's would cut them)
+    )  # fmt: skip
     assert check_compacted(ep, engine, tmp_path / "store", limit) >= 1
     assert ep.metadata["harness"]["output"]["result"] == "Both files are written."
 

@@ -10,7 +10,10 @@ so it gets the session *root* URL; its tool calls (Bash, Write, ...) run in the
 sandbox because the CLI itself runs there. It runs as the sandbox's root user,
 hence IS_SANDBOX=1 with --dangerously-skip-permissions (no approval prompts). It
 is told the session's context (CLAUDE_CODE_MAX_CONTEXT_TOKENS, 2.1), so that it
-compacts a long conversation instead of ending at the proxy's context refusal.
+compacts a long conversation instead of ending at the proxy's context refusal, and
+its tool-output limits follow the window (`output_limits`): its compaction drops
+only older turns, so a single tool result larger than the window could never be
+recovered from.
 """
 
 from __future__ import annotations
@@ -33,9 +36,23 @@ from miles_env.harnesses.configs import ClaudeCodeConfig
 from miles_env.sandbox import Sandbox
 from miles_env.types import Status, Task
 
-__all__ = ["ClaudeCodeConfig", "ClaudeCodeHarness"]
+__all__ = ["ClaudeCodeConfig", "ClaudeCodeHarness", "output_limits"]
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def output_limits(context: int) -> dict[str, str]:
+    """Claude Code's own tool-output caps for a `context`-token window (an eighth of it).
+
+    Claude Code 2.1 compacts by its estimate of the history (~4 characters a token) well below the
+    window, but a tool result goes into the next request whole: one larger than the room left
+    comes back as "prompt is too long", and its compaction, which keeps the latest turns, cannot
+    shrink it. Bash output is kept to BASH_MAX_OUTPUT_LENGTH characters (a token is at least one
+    character for a byte-level BPE over ASCII), an MCP tool's to MAX_MCP_OUTPUT_TOKENS; 30000
+    characters is Claude Code's own default, never raised here.
+    """
+    cap = max(min(30000, context // 8), 1000)
+    return {"BASH_MAX_OUTPUT_LENGTH": str(cap), "MAX_MCP_OUTPUT_TOKENS": str(cap // 4)}
 
 
 class ClaudeCodeHarness:
@@ -73,11 +90,14 @@ class ClaudeCodeHarness:
         }
 
     def _context_env(self, endpoint: Endpoint) -> dict[str, str]:
-        """The session's max_context as this pin's context-window variable (when it has one), and
-        the reply size when configured: Claude Code sizes its compaction threshold from both."""
+        """The session's max_context as this pin's context-window variable (when it has one) and as
+        tool-output caps, and the reply size when configured: Claude Code sizes its compaction
+        threshold from both."""
         env = {}
-        if self.pin.context_env is not None and endpoint.max_context is not None:
-            env[self.pin.context_env] = str(endpoint.max_context)
+        if endpoint.max_context is not None:
+            env.update(output_limits(endpoint.max_context))
+            if self.pin.context_env is not None:
+                env[self.pin.context_env] = str(endpoint.max_context)
         if self.config.output_tokens is not None:
             env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(self.config.output_tokens)
         return env

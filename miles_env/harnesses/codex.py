@@ -11,7 +11,9 @@ tries a WebSocket first; a custom provider speaks plain streamed Responses. Code
 runs its shell tool (`exec_command`) in the sandbox because the CLI itself runs
 there; its own sandboxing is off (bwrap is the sandbox). Long episodes: Codex is
 told the session's context (`model_context_window`, an auto-compaction limit below
-it) and keeps its own bounded retries; its multi-agent tools (sub-agents, one more branch
+it, and a `tool_output_token_limit` that keeps any one tool output inside the room
+between the two: Codex ends the turn on context_length_exceeded rather than compact)
+and keeps its own bounded retries; its multi-agent tools (sub-agents, one more branch
 of the same session) are on by default.
 """
 
@@ -27,7 +29,7 @@ from miles_env.harnesses.configs import MULTI_AGENT_MIN_CONTEXT, CodexConfig
 from miles_env.sandbox import Sandbox
 from miles_env.types import Task
 
-__all__ = ["CodexConfig", "CodexHarness", "codex_config_toml"]
+__all__ = ["CodexConfig", "CodexHarness", "codex_config_toml", "tool_output_limit"]
 
 CODEX_HOME = f"{HOME}/.codex"
 KEY_VAR = "TITO_API_KEY"
@@ -39,6 +41,19 @@ def multi_agent_for(setting: bool | None, max_context: int | None) -> bool:
     if setting is not None:
         return setting
     return max_context is None or max_context >= MULTI_AGENT_MIN_CONTEXT
+
+
+def tool_output_limit(context: int, auto_compact: float) -> int:
+    """Codex's `tool_output_token_limit` for a window: half the room above the compaction limit.
+
+    Codex keeps a tool output to 4 bytes per limit token (its estimate), and a token is at least
+    one byte, so an output costs at most 4 * limit tokens: after the largest one, the request (and
+    the compaction request Codex then sends) still fits. Codex's default for a model it does not
+    know (10 kB) overflows a small window in one `cat`, and it does not recover from the proxy's
+    context_length_exceeded (the turn ends: "Codex ran out of room in the model's context window").
+    """
+    room = context - max(int(context * auto_compact), 1)
+    return max(room // 8, 16)
 
 
 def _q(value: str) -> str:
@@ -59,7 +74,9 @@ def codex_config_toml(
 
     `context` (the session's max_context) becomes `model_context_window`, and `auto_compact` of it
     `model_auto_compact_token_limit`: Codex knows no window for an unknown model, so without them it
-    never compacts and a long episode ends at the proxy's context_length_exceeded.
+    never compacts and a long episode ends at the proxy's context_length_exceeded. With them comes
+    `tool_output_token_limit` (`tool_output_limit`), unless `extra` sets it: no single tool output
+    can carry a request from under the compaction limit past the window.
     """
     top = [
         f"model = {_q(model)}",
@@ -73,6 +90,8 @@ def codex_config_toml(
             f"model_context_window = {context}",
             f"model_auto_compact_token_limit = {max(int(context * auto_compact), 1)}",
         ]
+        if "tool_output_token_limit" not in extra:
+            top.append(f"tool_output_token_limit = {tool_output_limit(context, auto_compact)}")
     # `extra` goes before the first table so that its bare keys stay top-level keys.
     lines = (
         top
