@@ -34,6 +34,7 @@ from miles_env.fleet_config import FleetConfig
 from miles_env.guards.config import GuardsConfig
 from miles_env.harnesses.configs import BuiltinConfig, HarnessConfig
 from miles_env.limits import LimitsOverride
+from miles_env.opd import Algorithm, OPDConfig
 from miles_env.queue_config import QueueConfig, SqliteQueueConfig
 from miles_env.runlog import LoggingConfig
 from miles_env.tito.config import TitoConfig
@@ -188,6 +189,8 @@ class RunConfig(_Strict):
     fleet: FleetConfig = Field(default_factory=FleetConfig)  # sandbox creation rate, cap, retries, warm
     cost: CostConfig = Field(default_factory=CostConfig)  # price table, budget_usd
     guards: GuardsConfig = Field(default_factory=GuardsConfig)  # reward-hacking detectors (miles_env/guards)
+    algorithm: Algorithm = "grpo"  # opd: on-policy distillation from `opd.teacher` (miles_env/opd.py)
+    opd: OPDConfig | None = None
     # Written by the job into run_dir/config.yaml: the env's distribution {name, version}; not an input.
     env_dist: dict[str, str] = Field(default_factory=dict)
 
@@ -197,6 +200,21 @@ class RunConfig(_Strict):
         if self.cluster.address is not None and self.queue.kind != "redis":
             msg = f"cluster.address={self.cluster.address!r} needs a shared queue: set queue.kind=redis"
             raise _invalid("RunConfig", [(("queue", "kind"), "shared_queue", msg, self.queue.kind)])
+        return self
+
+    @model_validator(mode="after")
+    def _opd_section(self) -> Self:
+        """algorithm=opd needs `opd` (its teacher); `opd` is read only by it; cluster workers put
+        groups the driver's teacher never sees, so OPD runs in one process."""
+        if self.algorithm == "opd" and self.opd is None:
+            msg = "algorithm=opd needs opd.teacher (an engine config)"
+            raise _invalid("RunConfig", [(("opd",), "missing_opd", msg, None)])
+        if self.opd is not None and self.algorithm != "opd":
+            msg = f"opd is read by algorithm=opd, not {self.algorithm}"
+            raise _invalid("RunConfig", [(("opd",), "unused_opd", msg, None)])
+        if self.opd is not None and self.cluster.address is not None:
+            msg = "algorithm=opd runs in one process (cluster rollout workers have no teacher)"
+            raise _invalid("RunConfig", [(("cluster", "address"), "opd_cluster", msg, self.cluster.address)])
         return self
 
     @model_validator(mode="after")

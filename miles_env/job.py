@@ -46,6 +46,7 @@ from miles_env.evals import build_evaluator
 from miles_env.evals.base import EvalSetup, episode_stats, filter_tiers
 from miles_env.harness import Harness
 from miles_env.jsonio import write_json
+from miles_env.opd import Teacher, build_teacher, opd_metrics, trainer_options
 from miles_env.provenance import env_distribution
 from miles_env.queue import AsyncReplayQueue
 from miles_env.rollout import RolloutContext, run_group
@@ -76,6 +77,7 @@ def _build_trainer(cfg: RunConfig, model_path: Path) -> TrainerBackend:
         "seed": cfg.seed,
         "keep_checkpoints": cfg.trainer.keep_checkpoints,
         **cfg.trainer.backend_options,
+        **trainer_options(cfg.opd),  # algorithm=opd: per-token teacher advantages (miles_env/opd.py)
     }
     if cfg.cluster.address is not None and cfg.cluster.trainer is not None:  # an actor on a trainer node
         from miles_env.cluster.trainer import remote_trainer
@@ -149,8 +151,10 @@ class _Job(StepHooks):
         log: RunLog,
         console: Console,
         dispatch: Dispatch | None = None,
+        teacher: Teacher | None = None,
     ) -> None:
         self.cfg, self.plan, self.log, self.console = cfg, plan, log, console
+        self.teacher = teacher  # algorithm=opd: scores each group before it enters the queue
         self.dispatch = dispatch
         self.ctx, self.eval_ctx = contexts
         self.queue, self.trainer, self.engine = queue, trainer, engine
@@ -180,6 +184,7 @@ class _Job(StepHooks):
         async def one(task: Task) -> None:
             async with self.limiter:
                 group = await run_group(self.ctx, task, self.cfg.rollout.group_size)
+            group = await self._teacher_scored(group)
             self.cost.add(group)
             for ep in group:
                 await self._put(ep)  # back-pressure: waits while too many complete groups are pending
@@ -187,6 +192,9 @@ class _Job(StepHooks):
         async with anyio.create_task_group() as tg:
             for task in chosen:
                 tg.start_soon(one, task)
+
+    async def _teacher_scored(self, group: list[Episode]) -> list[Episode]:
+        return group if self.teacher is None else await self.teacher.score_group(group)
 
     async def _put(self, ep: Episode) -> None:
         """queue.put, but once the budget is spent the wait for capacity ends: nobody may train
@@ -226,6 +234,7 @@ class _Job(StepHooks):
                 if self.cost.exhausted:  # a spent budget completes nothing: the group stays open
                     return
                 group = await run_group(self.ctx, task, missing, group_id=group_id)
+            group = await self._teacher_scored(group)
             self.cost.add(group)
             for ep in group:
                 await anyio.to_thread.run_sync(partial(self.queue.sync.put, ep, block=False))
@@ -245,6 +254,9 @@ class _Job(StepHooks):
         episodes = [ep for g in result.groups for ep in g]
         metrics = {**result.metrics, **episode_stats(episodes)}
         metrics.update(self.cost.step_metrics(result.step, episodes))  # cost_usd, cost_per_step_usd, ...
+        if self.teacher is not None:  # opd/reverse_kl, opd/teacher_s, opd/teacher_share
+            parts = ("rollout_s", "rollout_wait_s", "train_s", "checkpoint_s", "sync_s")
+            metrics.update(opd_metrics(episodes, sum(metrics.get(k, 0.0) for k in parts)))
         if self.completed_on_resume:  # once, in the first step after the restart that completed them
             metrics["groups_completed_on_resume"] = float(self.completed_on_resume)
             self.completed_on_resume = 0
@@ -426,6 +438,7 @@ async def run_training(cfg: RunConfig, console: Console) -> dict[str, Any]:
         max_pending_groups=2 * cfg.rollout.groups_per_step,
     )
     engine = await _engine(cfg, plan)
+    teacher = None if cfg.opd is None else await build_teacher(cfg.opd)
     try:
         async with open_stack(plan.stack_cfg, engine=engine) as stack, _rollouts(cfg, engine) as dispatch:
             timeout_s, limits = cfg.rollout.episode_timeout_s, cfg.rollout.limits
@@ -435,13 +448,15 @@ async def run_training(cfg: RunConfig, console: Console) -> dict[str, Any]:
             )
             queue = queue_sync.aio
             job = _Job(cfg, plan, contexts=(ctx, eval_ctx), queue=queue, trainer=trainer, engine=engine,
-                       log=log, console=console, dispatch=dispatch)  # fmt: skip
+                       log=log, console=console, dispatch=dispatch, teacher=teacher)  # fmt: skip
             async with job.evaluator:  # what eval.mode owns (a dedicated engine) lives for the run
                 summary = await _run(job, TrainLoop(queue, trainer, _loop_config(cfg), job))
     finally:
         if isinstance(trainer, Leader):
             await anyio.to_thread.run_sync(trainer.close)
         await engine.close()
+        if teacher is not None:
+            await teacher.close()
         log.close()
         queue_sync.close()
     summary = {**summary, "run_dir": str(cfg.run_dir), "wall_s": time.time() - started}

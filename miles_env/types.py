@@ -138,6 +138,9 @@ class Trajectory(_Model):
     logprobs: list[float]
     turns: list[Turn] = Field(default_factory=list)
     branch: int = 0
+    # on-policy distillation (miles_env/opd.py): the teacher's logprob of each token, 0.0 where
+    # loss_mask is 0; None when no teacher scored it
+    teacher_logprobs: list[float] | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> Trajectory:
@@ -147,6 +150,8 @@ class Trajectory(_Model):
                 f"trajectory lengths differ: token_ids={n} loss_mask={len(self.loss_mask)} "
                 f"logprobs={len(self.logprobs)}"
             )
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
+            raise ValueError(f"teacher_logprobs has {len(self.teacher_logprobs)} entries: must be {n}")
         for i, (m, lp) in enumerate(zip(self.loss_mask, self.logprobs, strict=True)):
             if m not in (0, 1):
                 raise ValueError(f"loss_mask[{i}]={m}: must be 0 or 1")

@@ -1,7 +1,8 @@
 """TrainerConfig: every knob of the policy-gradient step, validated once.
 
 The defaults are GRPO with PPO clipping, truncated importance sampling against
-the rollout logprobs, no KL term, fp32, and a token budget per microbatch.
+the rollout logprobs, no KL term, fp32, and a token budget per microbatch. With
+`opd_kl_weight > 0` (on-policy distillation) the advantage is per token.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class TrainerConfig(BaseModel):
     device: str = "auto"  # "auto" = cuda when available, else cpu
     seed: int = 0
     keep_checkpoints: int = Field(2, ge=1)
+    # on-policy distillation (miles_env/opd.py sets both from the run's `opd` section): a trajectory's
+    # token t gets the advantage opd_reward_weight * A_grpo + opd_kl_weight * (teacher_t - rollout_t)
+    opd_kl_weight: float = Field(0.0, ge=0, description="weight of the teacher signal; 0 = plain GRPO")
+    opd_reward_weight: float = Field(1.0, ge=0, description="weight of the GRPO advantage under OPD")
     skip_zero_advantage: bool = Field(
         True, description="drop samples whose advantage is 0 (groups with one reward): no gradient, all cost"
     )

@@ -44,7 +44,7 @@ from miles_env.trainer.config import LoraConfig, TrainerConfig
 from miles_env.trainer.losses import group_advantages, microbatch_loss, token_logprobs
 from miles_env.types import Episode, Trajectory
 
-__all__ = ["TorchTrainer", "Sample", "flatten_groups", "pack_microbatches"]
+__all__ = ["TorchTrainer", "Sample", "flatten_groups", "opd_token_advantages", "pack_microbatches"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,23 +54,40 @@ class Sample:
     rollout_logprobs: Sequence[float]
     advantage: float
     reward: float
+    token_advantages: Sequence[float] | None = None  # OPD: one per token (0 where the mask is 0)
+
+
+def opd_token_advantages(traj: Trajectory, advantage: float, config: TrainerConfig) -> list[float]:
+    """On-policy distillation: reward_weight * A + kl_weight * (teacher - rollout logprob) at each
+    sampled token, i.e. minus the per-token reverse-KL estimate log pi(x) - log teacher(x)."""
+    teacher = traj.teacher_logprobs
+    if teacher is None:
+        raise ValueError(f"opd_kl_weight={config.opd_kl_weight}: a trajectory has no teacher_logprobs")
+    kl_w, r_w = config.opd_kl_weight, config.opd_reward_weight
+    return [
+        r_w * advantage + kl_w * (t - r) if m else 0.0
+        for m, t, r in zip(traj.loss_mask, teacher, traj.logprobs, strict=True)
+    ]
 
 
 def flatten_groups(groups: Sequence[Sequence[Episode]], config: TrainerConfig) -> list[Sample]:
     """One Sample per Trajectory; advantages are computed over each group's episode rewards.
     Samples with no trainable token, or (by default) with a zero advantage, are dropped: they carry
     no gradient. With token-mean aggregation this also leaves them out of the normaliser (as DAPO's
-    dynamic sampling does)."""
+    dynamic sampling does). Under OPD (`opd_kl_weight > 0`) every sample carries per-token
+    advantages (`opd_token_advantages`) and none is skipped: the teacher signal is never zero."""
+    opd = config.opd_kl_weight > 0
     out = []
     for group in groups:
         rewards = torch.tensor([ep.score for ep in group], dtype=torch.float64)
         adv = group_advantages(rewards, config.advantage, config.adv_eps).tolist()
         for ep, a in zip(group, adv, strict=True):
-            if config.skip_zero_advantage and a == 0.0 and config.kl_coef == 0.0:
+            if config.skip_zero_advantage and a == 0.0 and config.kl_coef == 0.0 and not opd:
                 continue  # with a KL term the sample still has a gradient (toward the reference)
             for traj in ep.samples:
                 if any(traj.loss_mask[1:]):
-                    out.append(Sample(traj.token_ids, traj.loss_mask, traj.logprobs, float(a), ep.score))
+                    tok = opd_token_advantages(traj, float(a), config) if opd else None
+                    out.append(Sample(traj.token_ids, traj.loss_mask, traj.logprobs, float(a), ep.score, tok))
     return out
 
 
@@ -92,7 +109,7 @@ class _Batch:
     ids: torch.Tensor  # [B, L] right-padded: causal attention never lets a real token see padding
     mask: torch.Tensor  # [B, L] float, 0 at padding and at position 0 (no prediction there)
     rollout: torch.Tensor  # [B, L]
-    adv: torch.Tensor  # [B]
+    adv: torch.Tensor  # [B], or [B, L] when a sample has per-token advantages (OPD)
     lengths: list[int]
 
 
@@ -192,6 +209,11 @@ class TorchTrainer:
             rollout[r, :n] = torch.as_tensor(s.rollout_logprobs, dtype=torch.float32)
         mask[:, 0] = 0.0
         adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+        if any(s.token_advantages is not None for s in samples):
+            adv = adv.unsqueeze(-1).repeat(1, width)
+            for r, s in enumerate(samples):
+                if s.token_advantages is not None:
+                    adv[r, : lengths[r]] = torch.as_tensor(s.token_advantages, dtype=torch.float32)
         dev = self.device
         return _Batch(ids.to(dev), mask.to(dev), rollout.to(dev), adv.to(dev), lengths)
 
@@ -272,7 +294,6 @@ class TorchTrainer:
         from miles_env.trainer.lora import param_share
 
         return {"lora_param_share": param_share(self.model)}
-
 
     def _clip_and_step(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -13,6 +13,11 @@ deterministic refusal is an EngineRefused, every transient failure a plain
 EngineError. `eos_token_ids` are the model directory's. tests/test_engine_contract.py
 checks all of this against every engine.
 
+Scoring: an engine that can prefill without sampling (`PromptScorer`: hf, sglang, vllm,
+scripted) returns `score(sequences)`, for each sequence the logprob of every token given the ones
+before it, `log_softmax(logits)` at temperature 1 (the model's own distribution), position 0 is
+0.0 (nothing predicts it). A teacher of on-policy distillation is such an engine (miles_env/opd.py).
+
 Prefix cache: `Generation.cached_tokens` is the prompt tokens served from a reused KV prefix
 (SGLang's `meta_info.cached_tokens`); an engine that counts them (`PrefixCacheCounter`) sums
 them into `PrefixCacheStats`, and the difference of two readings is a step's hit rate.
@@ -38,6 +43,7 @@ __all__ = [
     "InProcessWeights",
     "PrefixCacheStats",
     "PrefixCacheCounter",
+    "PromptScorer",
     "ServerSync",
     "PerServerSync",
 ]
@@ -106,6 +112,15 @@ class InProcessWeights(Protocol):
     async def apply_weight_delta(self, delta: Any) -> int: ...
 
     async def apply_weight_delta_from_disk(self, path: str | Path) -> int: ...
+
+
+@runtime_checkable
+class PromptScorer(Protocol):
+    """Optional capability: a prefill-only call with prompt logprobs (module docstring, Scoring).
+    `score(sequences)[i][t]` is log p(sequences[i][t] | sequences[i][:t]) at temperature 1, and
+    `[i][0]` is 0.0; a batch of sequences goes in one call (the engine batches it)."""
+
+    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ import anyio
 
 from miles_env.engines._batch import Batch, Row
 from miles_env.engines._kv import SessionEntry, SessionStore
+from miles_env.engines._score import score_sequences
 from miles_env.engines._weights import apply_update, load_safetensors, read_lora_adapter
 from miles_env.engines.base import EngineInfo, Generation, PrefixCacheStats, SamplingParams
 from miles_env.engines.configs import HFEngineConfig
@@ -48,6 +49,7 @@ __all__ = ["HFEngineConfig", "HFEngine", "load_safetensors"]
 
 _CONTEXT_CAP = 8192
 _SHARE_MIN_TOKENS = 32  # a prompt prefilled with at least this many uncached tokens is shared
+_SCORE_TOKENS = 2048  # padded tokens per scoring forward pass (its float32 logits are tokens x vocab)
 
 
 @dataclass(slots=True, eq=False)
@@ -64,12 +66,13 @@ class _Request:
 
 @dataclass(slots=True, eq=False)
 class _Command:
-    kind: Literal["update", "flush", "close"]
+    kind: Literal["update", "flush", "close", "score"]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Any]
     state_dict: Any = None  # a (partial) state dict, a WeightDelta or a LoraAdapter
     weight_version: int | None = None
     abort_in_flight: bool = False
+    sequences: list[list[int]] | None = None  # score: the sequences to score
 
 
 def _resolve(
@@ -221,6 +224,15 @@ class HFEngine:
             raise EngineError(f"apply_weight_delta refused: {e}") from e
         return await self.apply_weight_delta(delta, abort_in_flight=abort_in_flight)
 
+    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """PromptScorer: every token's logprob given the ones before it (base.py), batched; run by
+        the worker between decode steps, so it never sees half-updated weights."""
+        rows = [self._validate(s) for s in sequences if len(s)]
+        if not rows:
+            return [[] for _ in sequences]
+        scored = iter(await self._command("score", sequences=rows))
+        return [next(scored) if len(s) else [] for s in sequences]
+
     async def load_lora_adapter(
         self, lora_name: str, lora_path: str | Path, weight_version: int | None = None
     ) -> int:
@@ -282,7 +294,7 @@ class HFEngine:
             raise EngineError(f"hf engine is closed{f' (worker died: {self._dead!r})' if self._dead else ''}")
         self._inbox.put(item)
 
-    async def _command(self, kind: Literal["update", "flush", "close"], **kw: Any) -> Any:
+    async def _command(self, kind: Literal["update", "flush", "close", "score"], **kw: Any) -> Any:
         loop = asyncio.get_running_loop()
         cmd = _Command(kind, loop, loop.create_future(), **kw)
         self._submit(cmd)
@@ -306,8 +318,11 @@ class HFEngine:
     def _serve_once(self) -> bool:
         idle = not (self._batch.rows or self._prefilling or self._waiting or self._pending)
         self._drain_inbox(block=idle)
-        for cmd in [c for c in self._pending if c.kind in ("flush", "close")]:
+        for cmd in [c for c in self._pending if c.kind in ("flush", "close", "score")]:
             self._pending.remove(cmd)
+            if cmd.kind == "score":
+                self._score(cmd)
+                continue
             if cmd.kind == "close":
                 self._fail_all(EngineError("hf engine closed"))
                 _resolve(cmd.loop, cmd.future, None, None)
@@ -404,6 +419,15 @@ class HFEngine:
                 | ({"message": "aborted: weight update or cancel"} if row.finish == "abort" else {}),
             )
             _resolve(req.loop, req.future, gen, None)
+
+    def _score(self, cmd: _Command) -> None:
+        assert cmd.sequences is not None
+        try:
+            value = score_sequences(self.model, self.device, cmd.sequences, _SCORE_TOKENS)
+        except Exception as e:  # e.g. out of memory: this call fails, the engine keeps serving
+            _resolve(cmd.loop, cmd.future, None, EngineError(f"hf engine: score failed: {e!r}"))
+            return
+        _resolve(cmd.loop, cmd.future, value, None)
 
     def _apply_updates(self) -> None:
         for cmd in [c for c in self._pending if c.kind == "update"]:

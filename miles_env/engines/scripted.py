@@ -18,6 +18,7 @@ script drives any harness; past the end of the script the default reply is used.
 Invariant: every Generation returned is also appended to `generations` (and the
 full call to `calls`), so tests can compare a proxy's trajectory with what the
 engine really produced. Logprobs are a deterministic function of (position, id).
+`score` (PromptScorer) gives a token that value at its position, as if it had been sampled there.
 `cached_tokens` is what a per-session prefix cache would hold, as hf counts it: the
 prompt's common prefix with the session's previous prompt + output on this engine,
 less the last sampled id (never fed), at most the prompt less one token; a session
@@ -261,6 +262,12 @@ class ScriptedEngine:
             self.generations.append(gen)
             self.calls.append(ScriptedCall(tuple(input_ids), sampling, session_id, gen))
         return gen
+
+    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """PromptScorer, consistent with generate: token t of a sequence scores
+        `pseudo_logprob(t, id)`, what it would have been recorded with when sampled there."""
+        await anyio.lowlevel.checkpoint()
+        return [[0.0, *(pseudo_logprob(t, i) for t, i in enumerate(s) if t > 0)][: len(s)] for s in sequences]
 
     async def update_weights_from_disk(self, path: str | Path, weight_version: int | None = None) -> int:
         self.weight_version = weight_version if weight_version is not None else self.weight_version + 1
