@@ -75,6 +75,44 @@ def test_hf_score_equals_a_direct_forward_pass(tiny_model: Path) -> None:
     asyncio.run(main())
 
 
+def test_sglang_score_through_the_native_generate_api(tiny_model: Path) -> None:
+    """The SGLang client's score is a /generate with max_new_tokens 0 and logprob_start_len 0 (slime's
+    OPD request); the embedded server answers a batch with input_token_logprobs, the first null."""
+    import httpx
+
+    from miles_env.engines.sglang import SGLangEngine
+    from miles_env.engines.sglang_server import running_server
+
+    async def main() -> None:
+        engine = HFEngine(HFEngineConfig(model=str(tiny_model), dtype="float32"))
+        seqs = [list(range(100, 110)), [7, 8, 9]]
+        try:
+            direct = await engine.score(seqs)
+            async with running_server(engine) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
+                client = SGLangEngine(url)
+                try:
+                    assert isinstance(client, PromptScorer)
+                    assert await client.score([*seqs, []]) == [*direct, []]
+                finally:
+                    await client.close()
+                body = {"input_ids": seqs[1], "return_logprob": True, "logprob_start_len": 0}
+                raw = (
+                    await http.post("/generate", json=body | {"sampling_params": {"max_new_tokens": 0}})
+                ).json()
+                assert raw["output_ids"] == [] and raw["meta_info"]["input_token_logprobs"][0] == [
+                    None,
+                    7,
+                    None,
+                ]
+                assert [p[0] for p in raw["meta_info"]["input_token_logprobs"][1:]] == direct[1][1:]
+                batch = await http.post("/generate", json=body | {"input_ids": seqs, "sampling_params": {}})
+                assert batch.status_code == 400  # a batch is served only to score
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
 def test_scripted_score_is_what_generate_recorded() -> None:
     async def main() -> None:
         engine = ScriptedEngine(echo_tokens=6)

@@ -131,7 +131,7 @@ class GenerateRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    input_ids: list[int] | None = None
+    input_ids: list[int] | list[list[int]] | None = None  # a batch (list of lists): scoring only
     text: str | None = None  # tokenized without special tokens when input_ids is absent
     sampling_params: dict[str, Any] | None = None  # checked by hand: an unknown key is SGLang's 500
     return_logprob: bool = False

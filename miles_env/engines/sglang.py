@@ -234,6 +234,34 @@ class SGLangEngine:
         self._cache = self._cache.add(gen)
         return gen
 
+    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """PromptScorer through SGLang's native /generate: `max_new_tokens: 0`, `return_logprob`,
+        `logprob_start_len: 0`, the sequences as one batch; `input_token_logprobs[0]` is null (0.0)."""
+        seqs = [[int(i) for i in s] for s in sequences if len(s)]
+        if not seqs:
+            return [[] for _ in sequences]
+        base = self.url_for(None)
+        payload = {
+            "input_ids": seqs, "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+            "return_logprob": True, "logprob_start_len": 0,
+        }  # fmt: skip
+        resp = await self._request("POST", f"{base}/generate", json=payload)
+        try:
+            body = resp.json()
+            outs = body if isinstance(body, list) else [body]
+            pairs = [o["meta_info"]["input_token_logprobs"] for o in outs]
+            scored = [[0.0, *(float(p[0]) for p in ps[1:])] for ps in pairs]
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise EngineError(
+                f"sglang {base}/generate (score): malformed response: {e!r}: {resp.text[:300]}"
+            ) from e
+        if [len(s) for s in scored] != [len(s) for s in seqs]:
+            raise EngineError(
+                f"sglang {base}/generate (score): logprobs do not match the {len(seqs)} sequences"
+            )
+        it = iter(scored)
+        return [next(it) if len(s) else [] for s in sequences]
+
     async def _each_server(self, method: str, path: str, **kw: Any) -> list[httpx.Response]:
         """One request to every live server; a server found down on the way is dropped, not fatal."""
         out = []

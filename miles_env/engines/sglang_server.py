@@ -24,11 +24,16 @@ Rules a real SGLang server applies, and this one too (SGLang python/sglang/srt/)
 | weight_version: "default" until weights are updated with a version; in meta_info, /get_model_info, /get_weight_version, /get_server_info | server_args.py `weight_version`; http_server.py |
 | /get_server_info: server args, scheduler info (`max_total_num_tokens`, `max_req_input_len`), `internal_states`, `version`; no EOS ids | http_server.py `get_server_info` |
 
+Scoring (what OPD teachers send, slime's on_policy_distillation): `max_new_tokens: 0` with
+`return_logprob: true` and `logprob_start_len: 0` on an engine that is a PromptScorer returns, per
+prompt, `meta_info.input_token_logprobs` `[[null, id0, null], [lp, id1, null], ...]`, nothing
+generated; `input_ids` may be a batch (a list of lists), answered by a list, one engine call.
+
 Invariant: the ids and logprobs in a response are exactly the Generation's.
-Differences from SGLang: one request per call (no batch lists, no streaming,
-no top logprobs, no input logprobs); sampling features the engine cannot
-honour (penalties, min_p, n > 1, grammars, ignore_eos, logit_bias,
-max_new_tokens = 0) are refused with a 400 naming them; the optional
+Differences from SGLang: one request per call (a batch list only to score, no
+streaming, no top logprobs, input logprobs only to score); sampling features the
+engine cannot honour (penalties, min_p, n > 1, grammars, ignore_eos, logit_bias,
+max_new_tokens = 0 other than to score) are refused with a 400 naming them; the optional
 `X-Session-Id` header (else sglang-router's `X-SMG-Routing-Key`) is the
 KV-reuse hint; "default" is the engine's version 0, and an update without a
 version bumps the engine's integer version. `meta_info.cached_tokens` is the
@@ -69,7 +74,7 @@ from miles_env.engines._sglang_wire import (
     check_context,
     check_scheduler,
 )
-from miles_env.engines.base import Engine, Generation, SamplingParams
+from miles_env.engines.base import Engine, Generation, PromptScorer, SamplingParams
 from miles_env.engines.router import ROUTING_KEY_HEADER
 from miles_env.engines.sglang import SESSION_HEADER
 from miles_env.errors import EngineError, EngineRefused
@@ -172,6 +177,39 @@ def _sampling(raw: dict[str, Any], prompt_len: int, context: int) -> tuple[WireS
     return sp, check_scheduler(prompt_len, sp.max_new_tokens, context)
 
 
+def _is_score(req: GenerateRequest) -> bool:
+    sp = req.sampling_params or {}
+    return (
+        sp.get("max_new_tokens") == 0
+        and req.return_logprob
+        and req.logprob_start_len == 0
+        and bool(req.input_ids)
+    )
+
+
+async def _score(engine: PromptScorer, req: GenerateRequest) -> Any:
+    """Prefill only: each prompt's input_token_logprobs (the first is null), one engine call."""
+    raw = req.input_ids or []
+    batch = [list(r) if isinstance(r, list) else [] for r in raw] if isinstance(raw[0], list) else [raw]
+    seqs: list[list[int]] = [[int(i) for i in r] for r in batch]
+    try:
+        scored = await engine.score(seqs)
+    except EngineRefused as e:
+        return _error(400, str(e))
+    except EngineError as e:
+        return _error(500, str(e))
+    out = []
+    for ids, lps in zip(seqs, scored, strict=True):
+        pairs = [[lp if t else None, i, None] for t, (lp, i) in enumerate(zip(lps, ids, strict=True))]
+        meta = {
+            "id": uuid.uuid4().hex, "prompt_tokens": len(ids), "completion_tokens": 0,
+            "finish_reason": {"type": "length", "length": 0}, "input_token_logprobs": pairs,
+            "output_token_logprobs": [],
+        }  # fmt: skip
+        out.append({"text": "", "output_ids": [], "meta_info": meta})
+    return out if isinstance(raw[0], list) else out[0]
+
+
 def _session_id(request: Request) -> str | None:
     """The KV-reuse hint: our client's `X-Session-Id`, else the key sglang-router routed by."""
     return request.headers.get(SESSION_HEADER) or request.headers.get(ROUTING_KEY_HEADER) or None
@@ -243,8 +281,12 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/generate")
     async def generate(req: GenerateRequest, request: Request) -> Any:
         tok = await tokenizer.get()
+        if isinstance(engine, PromptScorer) and _is_score(req):
+            return await _score(engine, req)
+        if req.input_ids and isinstance(req.input_ids[0], list):
+            return _error(400, "a batch of input_ids is served only to score (max_new_tokens=0)")
         if req.input_ids is not None:
-            ids = req.input_ids
+            ids = [int(i) for i in req.input_ids if isinstance(i, int)]
         elif req.text is not None:
             ids = list(tok.encode(req.text, add_special_tokens=False))
         else:
