@@ -6,8 +6,9 @@ and the budget, never a solved task, kept across a checkpoint). End to end: `mil
 a subprocess (scripted engine whose policy tries `pip install` in every episode, the tiny model,
 the real local sandboxes and guards), the local provider priced per second so the spend is known
 to be positive: the flag rates in train and eval rows, eval cost in the next step's cost and the
-summary, a budget the step-0 eval spends (no training starts), and a resume whose restored spend
-is past the budget (the group the previous run left open is not completed: it stays open).
+summary, the viewer's flag filter, a budget the step-0 eval spends (no training starts), and a
+resume whose restored spend is past the budget (the group the previous run left open is not
+completed: it stays open).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import subprocess
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from miles_env.evals.base import episode_stats
 from miles_env.guards import FLAGS, GuardsConfig, zero_flagged
 from miles_env.queue import SqliteReplayQueue
 from miles_env.types import Episode, Reward, Status, Usage
+from miles_env.view import open_run
 from tests.train_support import rows, train_args
 
 
@@ -120,6 +123,13 @@ def test_a_run_logs_flag_rates_and_counts_its_evals_cost(tmp_path: Path, tiny_mo
     assert cost["total_usd"] > cost["eval_usd"]
     assert "step 1/1" in out and f"(total ${train['cost_usd_total']:.4f})" in out
     assert f"${cost['eval_usd']:.4f} of it in evals" in out
+    # the viewer's episode table filters by flag: every episode, train and eval, raised this one
+    index = open_run(run_dir, None, preload=False).index
+    page = partial(index.page, offset=0, limit=500, sort="", desc=False)
+    everyone = page(filters={}).total
+    assert everyone >= 4 + 2 and page(filters={"flag": "package_install"}).total == everyone
+    assert page(filters={"flag": "any"}).total == everyone and page(filters={"flag": "none"}).total == 0
+    assert page(filters={"flag": "test_edit"}).total == 0 and index.facets()["flag"] == ["package_install"]
 
     # resumed with a budget its restored spend is past: the open group stays open, nothing runs
     gid = _leave_a_group_open(run_dir)

@@ -8,7 +8,8 @@ sizes) and reads only what is new, so a page poll during a live run costs millis
 
 A train episode's `step` is the trainer step that trained it: from the checkpoints that still list
 it (`trained_episode_ids`), else the first train step logged after its group completed (exact in
-sync mode). Filtering, sorting and paging run here, server side: the browser only ever holds a page.
+sync mode). Filtering, sorting and paging run here, server side: the browser only ever holds a page;
+`flag` filters by the guards' flags (`any`, `none`, or a flag's name).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Row:
     offset: int = 0  # byte offset of its line (jsonl)
     session: str = ""
     completed_at: float | None = None
+    flags: tuple[str, ...] = ()  # reward-hacking flags the guards raised (miles_env/guards)
 
     def public(self) -> dict[str, Any]:
         return {
@@ -73,7 +75,8 @@ _QUEUE_SQL = (
     "SELECT e.rowid, e.id, e.group_id, json_extract(e.meta, '$.task_id'), json_extract(e.meta, '$.status'), "
     "json_extract(e.meta, '$.reward.score'), json_extract(e.meta, '$.split'), "
     "json_extract(e.meta, '$.timings.total_s'), json_extract(e.meta, '$.samples'), "
-    "json_extract(e.meta, '$.metadata.session_id') FROM episodes e WHERE e.rowid > ? ORDER BY e.rowid"
+    "json_extract(e.meta, '$.metadata.session_id'), json_extract(e.meta, '$.flags') "
+    "FROM episodes e WHERE e.rowid > ? ORDER BY e.rowid"
 )
 
 
@@ -129,13 +132,14 @@ class EpisodeIndex:
             return
         self._data_version = version
         groups = {g: (s, t) for g, s, t in conn.execute("SELECT group_id, state, completed_at FROM groups")}
-        for rowid, eid, gid, task, status, score, split, wall, samples, sid in conn.execute(
+        for rowid, eid, gid, task, status, score, split, wall, samples, sid, flags in conn.execute(
             _QUEUE_SQL, (self._rowid,)
         ):
             self._rowid = rowid
             turns, sampled, v_min, v_max = _turn_stats(json.loads(samples or "[]"))
             row = Row(eid, task or "", status or "", score, gid, split or "train", None, v_min, v_max, turns,
-                      sampled, wall, "open", "queue", session=sid or "")  # fmt: skip
+                      sampled, wall, "open", "queue", session=sid or "",
+                      flags=tuple(json.loads(flags or "[]")))  # fmt: skip
             self._add(row)
         times = self.metrics.train_times()
         logged = [t for t, _ in times]
@@ -195,7 +199,7 @@ class EpisodeIndex:
         return Row(str(ep["id"]), str(ep.get("task_id", "")), str(ep.get("status", "")), reward.get("score"),
                    str(ep.get("group_id", "")), str(ep.get("split", "")), ep.get("step"), v_min, v_max, turns,
                    sampled, ep.get("timings", {}).get("total_s"), "eval", "jsonl", offset, sid,
-                   float(offset))  # fmt: skip
+                   float(offset), tuple(ep.get("flags") or ()))  # fmt: skip
 
     def _refresh_store(self) -> None:
         from miles_env.view.sessions import session_summary
@@ -233,6 +237,7 @@ class EpisodeIndex:
                 "status": sorted({r.status for r in self.rows}),
                 "split": sorted({r.split for r in self.rows}),
                 "state": sorted({r.state for r in self.rows}),
+                "flag": sorted({f for r in self.rows for f in r.flags}),
             }
 
 
@@ -249,9 +254,20 @@ def _matches(row: Row, filters: dict[str, str]) -> bool:
                 return False
         elif key == "step" and str(row.step) != want:
             return False
+        elif key == "flag" and not _flagged(row, want):
+            return False
         elif key == "passed" and (row.reward is not None and row.reward >= 1.0) != (want == "1"):
             return False
     return True
+
+
+def _flagged(row: Row, want: str) -> bool:
+    """`flag=NAME`: raised NAME; `flag=any`: raised some flag; `flag=none`: raised none."""
+    if want == "any":
+        return bool(row.flags)
+    if want == "none":
+        return not row.flags
+    return want in row.flags
 
 
 def _export_samples(path: Path) -> list[dict[str, Any]]:

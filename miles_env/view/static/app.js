@@ -78,6 +78,7 @@ function renderEpisodesShell() {
   $("#main").innerHTML = `<h2>Episodes</h2><div class="filters">
     <input data-f="q" data-testid="f-q" placeholder="search task, id, group" value="${esc(f.q || "")}">
     ${sel("status", facets.status || [])}${sel("split", facets.split || [])}${sel("state", facets.state || [])}
+    ${sel("flag", ["any", "none", ...(facets.flag || [])])}
     <select data-f="passed" data-testid="f-passed"><option value="">reward: all</option><option value="1" ${f.passed === "1" ? "selected" : ""}>passed</option><option value="0" ${f.passed === "0" ? "selected" : ""}>not passed</option></select>
     <input data-f="step" data-testid="f-step" placeholder="step" size="5" value="${esc(f.step || "")}">
     <span id="count" class="muted" data-testid="count"></span></div>
@@ -104,7 +105,7 @@ async function loadTable() {
   if (seq !== tableSeq || !$("#rows")) return;  // a newer query (typing) or another page won
   const t = S.table;
   $("#rows").innerHTML = d.rows.map(r => `<tr data-id="${esc(r.id)}"><td><a href="#/episode/${encodeURIComponent(r.id)}">${esc(r.id.slice(0, 12))}</a></td>
-    <td>${esc(r.task)}</td><td>${pill(r.status)}</td><td class="num">${num(r.reward)}</td>
+    <td>${esc(r.task)}</td><td>${pill(r.status)}${(r.flags || []).map(f => ` <b class="err" title="flag">${esc(f)}</b>`).join("")}</td><td class="num">${num(r.reward)}</td>
     <td><a href="#/group/${encodeURIComponent(r.group)}">${esc(r.group.slice(-24))}</a></td><td>${esc(r.split)}</td>
     <td class="num">${r.step ?? "–"}</td><td class="num">${r.v_min === null ? "–" : r.v_min === r.v_max ? r.v_min : r.v_min + "–" + r.v_max}</td>
     <td class="num">${r.turns}</td><td class="num">${r.sampled}</td><td class="num">${num(r.wall_s)}</td></tr>`).join("");
