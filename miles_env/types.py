@@ -150,8 +150,12 @@ class Trajectory(_Model):
                 f"trajectory lengths differ: token_ids={n} loss_mask={len(self.loss_mask)} "
                 f"logprobs={len(self.logprobs)}"
             )
-        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
-            raise ValueError(f"teacher_logprobs has {len(self.teacher_logprobs)} entries: must be {n}")
+        if self.teacher_logprobs is not None:
+            if len(self.teacher_logprobs) != n:
+                raise ValueError(f"teacher_logprobs has {len(self.teacher_logprobs)} entries: must be {n}")
+            for i, (m, t) in enumerate(zip(self.loss_mask, self.teacher_logprobs, strict=True)):
+                if m == 0 and t != 0.0:
+                    raise ValueError(f"teacher_logprobs[{i}]={t} where loss_mask is 0: must be 0.0")
         for i, (m, lp) in enumerate(zip(self.loss_mask, self.logprobs, strict=True)):
             if m not in (0, 1):
                 raise ValueError(f"loss_mask[{i}]={m}: must be 0 or 1")

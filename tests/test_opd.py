@@ -140,6 +140,17 @@ def test_teacher_fills_a_group_and_the_metrics_read_it() -> None:
     assert math.isnan(opd_metrics(group, step_s=1.0)["opd/reverse_kl"])  # nothing scored
 
 
+def test_teacher_logprobs_are_checked_and_survive_the_queue_codec() -> None:
+    from miles_env.episode_codec import decode_episode, encode_episode
+
+    with pytest.raises(ValueError, match=r"teacher_logprobs\[0\]=-1.0 where loss_mask is 0"):
+        Trajectory(token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0], teacher_logprobs=[-1.0, -2.0])
+    with pytest.raises(ValueError, match="teacher_logprobs has 1 entries"):
+        Trajectory(token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0], teacher_logprobs=[0.0])
+    [ep] = asyncio.run(Teacher(ScriptedEngine()).score_group([_episode(0, [1, 2], [3, 4], [-0.5, -0.25])]))
+    assert decode_episode(*encode_episode(ep)) == ep
+
+
 def test_opd_advantage_is_per_token_and_mixes_the_reward() -> None:
     prompt, out = [1, 2], [3, 4]
     eps = [_episode(i, prompt, out, [-1.0, -2.0], score=1.0) for i in range(2)]  # one reward: A = 0

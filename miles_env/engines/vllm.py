@@ -248,6 +248,37 @@ class VLLMEngine:
                 return self._generation(resp, len(input_ids), time.perf_counter() - t0)
         raise await self._recover(failure, epoch)
 
+    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """PromptScorer through vLLM's /v1/completions: the sequences as one batch of token prompts,
+        `prompt_logprobs: 0` (the prompt token's own logprob at each position, the first null) and
+        one greedy token that is dropped. Untested here: no vLLM server runs on these CPUs."""
+        if self._dead is not None:
+            raise EngineError(self._dead)
+        seqs = [[int(i) for i in s] for s in sequences if len(s)]
+        if not seqs:
+            return [[] for _ in sequences]
+        payload = {"prompt": seqs, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+        async with self._gate.shared():
+            resp = await self._request("POST", "/v1/completions", json=payload)
+        try:
+            choices = sorted(resp.json()["choices"], key=lambda c: int(c["index"]))
+            scored = [
+                [
+                    0.0,
+                    *(
+                        float(pos[str(tid)]["logprob"])
+                        for pos, tid in zip(c["prompt_logprobs"][1:], ids[1:], strict=True)
+                    ),
+                ]
+                for c, ids in zip(choices, seqs, strict=True)
+            ]
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise EngineError(
+                f"vllm {self.url}: malformed prompt_logprobs response: {e!r}: {resp.text[:300]}"
+            ) from e
+        it = iter(scored)
+        return [next(it) if len(s) else [] for s in sequences]
+
     def _generation(self, resp: httpx.Response, prompt_len: int, latency: float) -> Generation:
         try:
             body = resp.json()
