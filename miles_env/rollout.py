@@ -106,7 +106,9 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
     finally:
         ctx.proxy.close_session(handle.session_id)
     resources = spec.resources if spec is not None else Resources()
-    usage = episode_usage(samples, timings["total_s"] if made else 0.0, ctx.provider.name, resources, ctx.cost)
+    usage = episode_usage(
+        samples, timings["total_s"] if made else 0.0, ctx.provider.name, resources, ctx.cost
+    )
     return Episode(
         id=episode_id,
         task_id=task.id,

@@ -173,7 +173,9 @@ def _print_report(report: Any) -> None:
         _out.print(f"[red]FAIL[/red] {escape(r.task_id)}: {escape(_first_reason(r))}", highlight=False)
     for r in report.results:  # reward-hacking flags the guards raised on the solution (miles_env/guards)
         if r.flags:
-            _out.print(f"[yellow]FLAG[/yellow] {escape(r.task_id)}: {escape(', '.join(r.flags))}", highlight=False)
+            _out.print(
+                f"[yellow]FLAG[/yellow] {escape(r.task_id)}: {escape(', '.join(r.flags))}", highlight=False
+            )
     colour = "green" if not report.failures else "red"
     _out.print(
         f"[{colour}]pass rate {report.pass_rate:.1%}[/{colour}] ({report.n_passed}/{report.n_total}) "
