@@ -2,7 +2,8 @@
 
 Each mode is one real `miles-env train` run of examples/terminal-cpu.yaml (hf engine, TITO proxy,
 bubblewrap sandboxes, sqlite queue, torch trainer) with the same seed and settings:
-- grpo: the baseline, task reward only;
+- grpo: the baseline, task reward only (every sample trained, as OPD trains every sample, so the
+  steps differ by the teacher only);
 - opd: pure distillation (kl_weight 1, reward_weight 0) from the teacher;
 - opd+reward: the teacher's signal plus the GRPO advantage (reward_weight 1).
 The teacher is an hf engine on `--teacher` (an HF model dir or a name miles_env.models knows), or,
@@ -68,7 +69,7 @@ def run_mode(name: str, args: argparse.Namespace, teacher: str, work: Path) -> l
         f"rollout.concurrency={args.group_size * args.groups}", f"harness.max_tokens={args.max_tokens}",
         f"trainer.lr={args.lr}", f"eval.enabled={str(not args.no_eval).lower()}", "trainer.keep_checkpoints=1",
         f"eval.rollouts={args.eval_rollouts}", "opd.teacher.kind=hf", f"opd.teacher.model={teacher}",
-        "opd.teacher.dtype=float32", *MODES[name],
+        "opd.teacher.dtype=float32", "trainer.skip_zero_advantage=false", *MODES[name],
     ]  # fmt: skip
     if name == "grpo":
         sets = [s for s in sets if not s.startswith("opd.")]

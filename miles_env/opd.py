@@ -11,7 +11,9 @@ reverse KL(student || teacher), and the policy gradient lowers it.
 
 Cost: a group's teacher seconds are spread over its episodes (`timings["teacher_s"]`), so a
 step's `opd/teacher_s` is the teacher time of exactly the groups it trained, also after a
-restart. `opd/teacher_share` is that over the step's wall time (report to report).
+restart; the teacher serves one group at a time, so these are its busy seconds, not time queued
+behind another group. `opd/teacher_share` is that over the step's wall time (rollout, wait,
+train, checkpoint and weight sync).
 
 Layering: core; the teacher engine is built by name (`build_engine`), imported lazily.
 """
@@ -23,6 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Literal
 
+import anyio
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles_env.engines.base import Engine, PromptScorer
@@ -65,13 +68,15 @@ class Teacher:
         if not isinstance(engine, PromptScorer):
             raise ConfigError(f"opd.teacher: a {type(engine).__name__} cannot score prompts (PromptScorer)")
         self.engine, self.scorer = engine, engine
+        self._busy = anyio.Lock()  # one call at a time: its seconds are the teacher's, not a queue's
 
     async def score_group(self, group: Sequence[Episode]) -> list[Episode]:
         """The group with every trajectory's `teacher_logprobs` filled, in one score call."""
         seqs = [traj.token_ids for ep in group for traj in ep.samples]
-        t0 = time.perf_counter()
-        scored = iter(await self.scorer.score(seqs) if seqs else [])
-        share = (time.perf_counter() - t0) / max(1, len(group))
+        async with self._busy:
+            t0 = time.perf_counter()
+            scored = iter(await self.scorer.score(seqs) if seqs else [])
+            share = (time.perf_counter() - t0) / max(1, len(group))
         out = []
         for ep in group:
             samples = [_with_teacher(traj, next(scored)) for traj in ep.samples]
