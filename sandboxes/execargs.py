@@ -1,9 +1,14 @@
 """What every provider does with exec()'s arguments before running anything.
 
 One place for the contract's defaults: the timeout falls back to the spec's
-`resources.timeout_s` and must be positive; the environment is PATH/HOME/LANG,
-then the spec's env, then the call's; a relative cwd is under the workdir;
+`resources.timeout_s` and must be positive; the environment is PATH/HOME/LANG and
+PYTHONDONTWRITEBYTECODE=1, then the spec's env, then the call's; a relative cwd is under the workdir;
 stdin text is UTF-8; a shell string runs as `/bin/sh -c` and an argv list as is.
+
+No bytecode cache by default: a .pyc is trusted on the source's mtime (whole seconds) and size,
+so an agent's same-size fix made in the second after a test imported the module (`a - b` ->
+`a + b`) would keep running the old code, in the agent's later runs and in the verifier: a
+correct episode graded 0. A spec's env may turn it back on.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ def command_argv(cmd: Command) -> list[str]:
 
 
 def exec_env(spec: SandboxSpec, workdir: str, env: Mapping[str, str] | None) -> dict[str, str]:
-    return {"PATH": DEFAULT_PATH, "HOME": workdir, "LANG": "C.UTF-8", **spec.env, **(env or {})}
+    base = {"PATH": DEFAULT_PATH, "HOME": workdir, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+    return {**base, **spec.env, **(env or {})}
 
 
 def exec_cwd(workdir: str, cwd: str | None) -> str:

@@ -123,6 +123,16 @@ class SandboxContract:
             await sb.exec("echo 1 > /workspace/x; echo 2 > /tmp/y")
             assert (await sb.exec("cat /workspace/x /tmp/y")).stdout == "1\n2\n"
 
+    async def test_a_same_size_edit_in_the_same_second_runs_the_new_code(self, provider):
+        # A bytecode cache trusts the source's mtime (whole seconds) and size: with it, the second
+        # run below would still print 1 (the agent's correct fix graded as wrong).
+        async with await provider.create(SandboxSpec()) as sb:
+            await sb.write_file("m.py", "x = 1\n")
+            run = "python3 -c 'import m; print(m.x)'"
+            script = f"touch -d @1000000000 m.py; {run}; echo 'x = 2' > m.py; touch -d @1000000000 m.py; {run}"
+            r = await sb.exec(script)
+            assert r.stdout == "1\n2\n", r.stderr
+
     async def test_expose_reaches_host_http(self, provider, host_http_server):
         async with await provider.create(SandboxSpec()) as sb:
             inner = await sb.expose(f"http://127.0.0.1:{host_http_server}/s/abc/v1")
