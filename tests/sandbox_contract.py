@@ -129,7 +129,9 @@ class SandboxContract:
         async with await provider.create(SandboxSpec()) as sb:
             await sb.write_file("m.py", "x = 1\n")
             run = "python3 -c 'import m; print(m.x)'"
-            script = f"touch -d @1000000000 m.py; {run}; echo 'x = 2' > m.py; touch -d @1000000000 m.py; {run}"
+            script = (
+                f"touch -d @1000000000 m.py; {run}; echo 'x = 2' > m.py; touch -d @1000000000 m.py; {run}"
+            )
             r = await sb.exec(script)
             assert r.stdout == "1\n2\n", r.stderr
 
