@@ -38,7 +38,7 @@ def child(mode: str, args: argparse.Namespace) -> dict[str, float]:
     from miles_env.trainer.weight_sync import encode_delta
 
     torch.set_num_threads(args.threads)
-    lora = LoraConfig(rank=args.rank, alpha=2.0 * args.rank) if mode == "lora" else None
+    lora = LoraConfig(rank=args.rank, alpha=2 * args.rank) if mode == "lora" else None
     trainer = TorchTrainer("smollm2", TrainerConfig(lr=1e-5, lora=lora))
     vocab = trainer.model.get_input_embeddings().weight.shape[0]
     groups = [make_group(args.batch, args.seq, vocab)]

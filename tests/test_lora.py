@@ -21,7 +21,7 @@ from miles_env.trainer.torch_backend import TorchTrainer
 from tests.train_support import rows, train_args
 from tests.trainer_support import episode, make_tiny_model, rollouts
 
-LORA = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "up_proj"))
+LORA = LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "up_proj"))
 
 
 def _trainer(model: Path, **kw: object) -> TorchTrainer:
@@ -168,7 +168,7 @@ def test_vllm_loads_the_adapter_at_run_time(tmp_path: Path) -> None:
     from miles_env.engines.base import SamplingParams
     from miles_env.trainer.lora import sync_adapter
 
-    lora = LoraConfig(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj"))
+    lora = LoraConfig(rank=8, alpha=16, target_modules=("q_proj", "v_proj"))
     trainer = TorchTrainer("smollm2", TrainerConfig(lora=lora, fused_adamw=False))
     with torch.no_grad():
         for p in trainer.model.parameters():

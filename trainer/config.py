@@ -24,7 +24,7 @@ class LoraConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     rank: int = Field(8, ge=1)
-    alpha: float = Field(16.0, gt=0, description="the update is scaled by alpha / rank")
+    alpha: int = Field(16, gt=0, description="the update is scaled by alpha / rank (PEFT takes an int)")
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: tuple[str, ...] = Field(
         ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), min_length=1
