@@ -13,9 +13,11 @@ so no family always runs first) so machine load hits them alike; each
 figure is the median over rounds of a per-round median (p90 likewise); the ratio is to the hermes
 path (the qwen3 family: hermes + think) of the same round. "parse" is `Parsers.parse` alone on the
 reply text. Every session must stay one stitched branch (checked), else a family would be
-measured on full re-renders.
+measured on full re-renders. Each family also runs, in the same rounds, with a zero-cost parser
+(`Canned`: the parse of the reply computed once, fresh call ids each turn): what its template,
+stitching, serialization and journal cost without the parser, so a gap is attributed.
 
-    python bench/bench_parsers.py [--rounds 15] [--sessions 2] [--turns 10] [--history 1000]
+    python bench/bench_parsers.py [--rounds 32] [--sessions 2] [--turns 10] [--history 1000]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -40,9 +43,14 @@ from bench_tito import filler, pct  # noqa: E402
 from miles_env.engines.base import Generation, SamplingParams  # noqa: E402
 from miles_env.http import loop_options  # noqa: E402
 from miles_env.tito import TitoConfig, TitoProxy  # noqa: E402
-from miles_env.tito.messages import ChatRequest, ChatResult, Message  # noqa: E402
+from miles_env.tito.messages import (  # noqa: E402
+    ChatRequest,
+    ChatResult,
+    Message,
+    ToolCall,  # noqa: E402
+)
 from miles_env.tito.openai_chat import completion_body  # noqa: E402
-from miles_env.tito.parsers import reasoning_of  # noqa: E402
+from miles_env.tito.parsers import Parsed, Parsers, reasoning_of  # noqa: E402
 from tests.tito_families import FAMILIES, Family, FamilyEngine  # noqa: E402
 from tests.tito_support import TOOLS  # noqa: E402
 
@@ -68,10 +76,27 @@ class TimedEngine(FamilyEngine):
             self.spent += time.perf_counter() - t0
 
 
+class Canned:
+    """A zero-cost stand-in for a family's Parsers: the reply's parse computed once, new call ids."""
+
+    def __init__(self, parsers: Parsers, text: str) -> None:
+        self.tool, self.reasoning = parsers.tool, parsers.reasoning
+        self.res = parsers.parse(text, tuple(TOOLS))
+        self.n = 0
+
+    def parse(self, text: str, tools: tuple[dict[str, Any], ...]) -> Parsed:
+        self.n += 1
+        calls = tuple(
+            ToolCall(f"call_{self.n}_{i}", c.name, c.arguments) for i, c in enumerate(self.res.tool_calls)
+        )
+        return Parsed(self.res.content, calls, self.res.reasoning)
+
+
 @dataclass(frozen=True)
 class Bench:
     """One family's proxy, engine, pre-tokenized reply and the ~1k-token opening message."""
 
+    key: str  # the family's name, "+ zero-cost parser" for the control
     family: Family
     proxy: TitoProxy
     engine: TimedEngine
@@ -79,7 +104,7 @@ class Bench:
     opening: str
 
 
-def build(family: Family, store: Path, history: int) -> Bench:
+def build(family: Family, store: Path, history: int, canned: bool = False) -> Bench:
     tok = family.tokenizer()
     stop = tok.convert_tokens_to_ids(family.stop)
     reply = (*tok.encode(family.call, add_special_tokens=False), stop)
@@ -87,7 +112,10 @@ def build(family: Family, store: Path, history: int) -> Bench:
     engine = TimedEngine(tok, stop_token=family.stop, eos=eos, record=False, max_context=65536)
     proxy = TitoProxy(engine, tok, TitoConfig(stop_token=family.stop), store_dir=store)
     assert (proxy.parsers.tool, proxy.parsers.reasoning) == (family.parser, family.reasoning), family.name
-    return Bench(family, proxy, engine, reply, filler(tok, history))
+    if canned:
+        proxy.parsers = Canned(proxy.parsers, family.call)  # type: ignore[assignment]
+    key = f"{family.name} + zero-cost parser" if canned else family.name
+    return Bench(key, family, proxy, engine, reply, filler(tok, history))
 
 
 def answered(res: ChatResult) -> list[Message]:
@@ -138,19 +166,19 @@ def parse_time(b: Bench, n: int = 200) -> float:
 async def one_round(
     benches: list[Bench], sessions: int, turns: int, shift: int = 0
 ) -> dict[str, dict[str, float]]:
-    lat: dict[str, list[float]] = {b.family.name: [] for b in benches}
+    lat: dict[str, list[float]] = {b.key: [] for b in benches}
     final: dict[str, int] = {}
     order = benches[shift % len(benches) :] + benches[: shift % len(benches)]  # no family always first
     for _ in range(sessions):  # families interleaved session by session
         for b in order:
-            xs, final[b.family.name] = await session(b, turns)
-            lat[b.family.name] += xs
+            xs, final[b.key] = await session(b, turns)
+            lat[b.key] += xs
     return {
-        b.family.name: {
-            "p50": med(lat[b.family.name]),
-            "p90": pct(lat[b.family.name], 0.9),
+        b.key: {
+            "p50": med(lat[b.key]),
+            "p90": pct(lat[b.key], 0.9),
             "parse": parse_time(b),
-            "final": final[b.family.name],
+            "final": final[b.key],
         }
         for b in benches
     }
@@ -164,10 +192,11 @@ def table(runs: list[dict[str, dict[str, float]]], benches: list[Bench]) -> list
     ]
     worst = 0.0
     for b in benches:
-        name = b.family.name
+        name = b.key
         p50 = [r[name]["p50"] for r in runs]
-        ratios = [r[name]["p50"] / r[BASELINE]["p50"] for r in runs]
-        worst = max(worst, med(ratios))
+        base = BASELINE if name == b.family.name else f"{BASELINE} + zero-cost parser"  # like for like
+        ratios = [r[name]["p50"] / r[base]["p50"] for r in runs]
+        worst = max(worst, med(ratios)) if name == b.family.name else worst
         rows.append(
             f"| {name} | {b.family.parser} / {b.family.reasoning} | {runs[-1][name]['final']:.0f} "
             f"| {med(r[name]['parse'] for r in runs) * 1e6:.0f} us "
@@ -182,7 +211,11 @@ def table(runs: list[dict[str, dict[str, float]]], benches: list[Bench]) -> list
 def main(a: argparse.Namespace) -> None:
     print(f"load average at start {os.getloadavg()[0]:.1f}")
     with tempfile.TemporaryDirectory() as tmp:
-        benches = [build(f, Path(tmp) / f.name, a.history) for f in FAMILIES]
+        benches = [
+            build(f, Path(tmp) / f"{f.name}{'-canned' if c else ''}", a.history, c)
+            for f in FAMILIES
+            for c in (False, True)
+        ]
         anyio.run(one_round, benches, 1, 2, backend_options=loop_options())  # warm-up
         runs = [
             anyio.run(one_round, benches, a.sessions, a.turns, i, backend_options=loop_options())
@@ -194,7 +227,7 @@ def main(a: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=32)  # two rotations of the order
     ap.add_argument("--sessions", type=int, default=2)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--history", type=int, default=1000, help="tokens of the opening user message")
