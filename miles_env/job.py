@@ -25,7 +25,7 @@ from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -35,8 +35,6 @@ from miles_env.config import Mode, RunConfig
 from miles_env.cost import RunCost
 from miles_env.engines.base import (
     Engine,
-    InProcessWeights,
-    PerServerSync,
     PrefixCacheCounter,
     PrefixCacheStats,
 )
@@ -45,6 +43,7 @@ from miles_env.errors import ConfigError
 from miles_env.evals import build_evaluator
 from miles_env.evals.base import EvalSetup, episode_stats, filter_tiers
 from miles_env.harness import Harness
+from miles_env.job_sync import build_syncer, sync_weights
 from miles_env.jsonio import write_json
 from miles_env.opd import Teacher, build_teacher, opd_metrics, trainer_options
 from miles_env.provenance import env_distribution
@@ -60,7 +59,6 @@ if TYPE_CHECKING:
 
     from miles_env.engines import EngineConfig
     from miles_env.stack import StackConfig
-    from miles_env.trainer.weight_sync import WeightSyncer
 
 __all__ = ["run_training"]
 
@@ -84,43 +82,6 @@ def _build_trainer(cfg: RunConfig, model_path: Path) -> TrainerBackend:
 
         return remote_trainer(cfg, model_path, options)
     return build_trainer(cfg.trainer.backend, model_path, options)
-
-
-def _nbytes(trainer: TrainerBackend) -> int:
-    seen: set[int] = set()
-    total = 0
-    for _, p in trainer.named_parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
-
-
-def _build_syncer(cfg: RunConfig, engine: Engine) -> WeightSyncer | None:
-    """The delta syncer (weight_sync: delta | delta_disk), in the dtype of an in-process engine."""
-    if not cfg.weight_sync.startswith("delta"):
-        return None
-    import torch
-
-    from miles_env.trainer.weight_sync import WeightSyncer
-
-    dtype = next(engine.model.parameters()).dtype if isinstance(engine, InProcessWeights) else torch.float32
-    transport: Literal["in_process", "disk"] = "disk" if cfg.weight_sync == "delta_disk" else "in_process"
-    return WeightSyncer(mode="delta", transport=transport, dtype=dtype, workdir=cfg.run_dir / "weights")
-
-
-def _per_server(engine: Engine, metrics: dict[str, float]) -> dict[str, float]:
-    """An engine over several servers (PerServerSync) adds `sync_engines` and, for server i (its
-    order in the engine's live URLs), `sync_s_engine{i}` (its load, timed by the engine) and
-    `sync_bytes_engine{i}` (what it read: every server loads the whole update)."""
-    if not isinstance(engine, PerServerSync) or not engine.last_sync():
-        return metrics
-    parts = engine.last_sync()
-    out = {**metrics, "sync_engines": float(len(parts))}
-    for i, part in enumerate(parts):
-        out[f"sync_s_engine{i}"] = part.seconds
-        out[f"sync_bytes_engine{i}"] = metrics["sync_bytes"]
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +120,7 @@ class _Job(StepHooks):
         self.ctx, self.eval_ctx = contexts
         self.queue, self.trainer, self.engine = queue, trainer, engine
         self.rng = random.Random(cfg.seed)  # picks the tasks; its state is the job's task cursor
-        self.syncer = _build_syncer(cfg, self.engine)
+        self.syncer = build_syncer(cfg, self.engine)
         self.limiter = anyio.CapacityLimiter(max(1, cfg.rollout.concurrency // cfg.rollout.group_size))
         self.progress: Progress | None = None  # while the loop runs
         self.bar: TaskID | None = None
@@ -294,26 +255,7 @@ class _Job(StepHooks):
 
     # -- the job's own -----------------------------------------------------------------------------
     async def sync_weights(self, step: int) -> dict[str, float]:
-        """Engine version := trainer step. Returns sync_s, sync_bytes (moved) and, for delta, more;
-        with several servers, each one's too (`_per_server`). With trainer.lora, the adapter only."""
-        from miles_env.trainer.lora import AdapterTrainer, sync_adapter
-
-        if isinstance(self.trainer, AdapterTrainer) and self.trainer.lora is not None:
-            return await sync_adapter(self.trainer, self.engine, step, self.cfg.run_dir / "weights")
-        if self.syncer is not None:
-            state = await anyio.to_thread.run_sync(self.trainer.state_dict)
-            return _per_server(self.engine, dict(await self.syncer.sync(self.engine, state, step)))
-        t0 = time.perf_counter()
-        # A remote engine (vllm, sglang) is not InProcessWeights: it always syncs through disk.
-        if self.cfg.weight_sync == "in_process" and isinstance(self.engine, InProcessWeights):
-            state = await anyio.to_thread.run_sync(self.trainer.state_dict)
-            await self.engine.update_weights(state, weight_version=step)
-        else:
-            path = await anyio.to_thread.run_sync(self.trainer.export_weights, self.cfg.run_dir / "weights")
-            await self.engine.update_weights_from_disk(path, weight_version=step)
-        return _per_server(
-            self.engine, {"sync_s": time.perf_counter() - t0, "sync_bytes": float(_nbytes(self.trainer))}
-        )
+        return await sync_weights(self.cfg, self.trainer, self.engine, self.syncer, step)
 
     def say(self, line: str) -> None:
         self.console.print(line)  # the progress bar's console while the loop runs
