@@ -249,35 +249,62 @@ class VLLMEngine:
         raise await self._recover(failure, epoch)
 
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
-        """PromptScorer through vLLM's /v1/completions: the sequences as one batch of token prompts,
-        `prompt_logprobs: 0` (the prompt token's own logprob at each position, the first null) and
-        one greedy token that is dropped. Untested here: no vLLM server runs on these CPUs."""
+        """PromptScorer through vLLM's /v1/completions (tests/test_opd_vllm.py): the sequences as one
+        batch of token prompts with `prompt_logprobs: 0` (per prompt a list, the first entry null, then
+        {"<prompt token id>": {logprob, rank, decoded_token}}: log_softmax of the raw logits, whatever
+        the temperature) and one generated token that is dropped. vLLM refuses a prompt of
+        max_model_len tokens (no room for that token), the length a generation that hit the context
+        limit ends at: such a sequence is scored without its last token, whose logprob is then read at
+        the generated position (`logprob_token_ids`, temperature 1) in a request of its own; a longer
+        one is an EngineRefused (context_length)."""
         if self._dead is not None:
             raise EngineError(self._dead)
         seqs = [[int(i) for i in s] for s in sequences if len(s)]
         if not seqs:
             return [[] for _ in sequences]
+        limit = (await self.info()).max_context
+        if (longest := max(map(len, seqs))) > limit:  # vLLM's own refusal would blame max_tokens
+            msg = f"vllm {self.url}: a sequence of {longest} tokens to score is longer than {limit} (max_model_len)"
+            raise EngineRefused(msg, "context_length", longest, limit)
+        short = [i for i, s in enumerate(seqs) if len(s) < limit]
+        async with self._gate.shared():  # one at a time: an error stays itself, not an ExceptionGroup
+            scored = dict(zip(short, await self._score_batch([seqs[i] for i in short]), strict=True))
+            for i in (i for i, s in enumerate(seqs) if len(s) == limit):  # rare: hit the context limit
+                scored[i] = await self._score_full(seqs[i])
+        it = iter(scored[i] for i in range(len(seqs)))
+        return [next(it) if len(s) else [] for s in sequences]
+
+    def _malformed(self, resp: httpx.Response, e: Exception) -> EngineError:
+        return EngineError(f"vllm {self.url}: malformed prompt_logprobs response: {e!r}: {resp.text[:300]}")
+
+    @staticmethod
+    def _prompt_logprobs(choice: dict[str, Any], ids: list[int]) -> list[float]:
+        pos = choice["prompt_logprobs"]
+        return [0.0, *(float(p[str(t)]["logprob"]) for p, t in zip(pos[1:], ids[1:], strict=True))]
+
+    async def _score_batch(self, seqs: list[list[int]]) -> list[list[float]]:
+        if not seqs:
+            return []
         payload = {"prompt": seqs, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
-        async with self._gate.shared():
-            resp = await self._request("POST", "/v1/completions", json=payload)
+        resp = await self._request("POST", "/v1/completions", json=payload)
         try:
             choices = sorted(resp.json()["choices"], key=lambda c: int(c["index"]))
-            scored = [
-                [
-                    0.0,
-                    *(
-                        float(pos[str(tid)]["logprob"])
-                        for pos, tid in zip(c["prompt_logprobs"][1:], ids[1:], strict=True)
-                    ),
-                ]
-                for c, ids in zip(choices, seqs, strict=True)
-            ]
+            return [self._prompt_logprobs(c, ids) for c, ids in zip(choices, seqs, strict=True)]
         except (ValueError, KeyError, TypeError, IndexError) as e:
-            raise EngineError(
-                f"vllm {self.url}: malformed prompt_logprobs response: {e!r}: {resp.text[:300]}"
-            ) from e
-        it = iter(scored)
-        return [next(it) if len(s) else [] for s in sequences]
+            raise self._malformed(resp, e) from e
+
+    async def _score_full(self, ids: list[int]) -> list[float]:
+        payload = {
+            "prompt": ids[:-1], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "logprobs": 0,
+            "logprob_token_ids": [ids[-1]], "return_tokens_as_token_ids": True,
+        }  # fmt: skip
+        resp = await self._request("POST", "/v1/completions", json=payload)
+        try:
+            c = resp.json()["choices"][0]
+            last = float(c["logprobs"]["top_logprobs"][0][f"token_id:{ids[-1]}"])
+            return [*self._prompt_logprobs(c, ids[:-1]), last]
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise self._malformed(resp, e) from e
 
     def _generation(self, resp: httpx.Response, prompt_len: int, latency: float) -> Generation:
         try:
