@@ -39,6 +39,7 @@ import torch
 
 from miles_env.errors import ConfigError
 from miles_env.models import resolve_model
+from miles_env.packing import pack_by_budget
 from miles_env.trainer.checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
 from miles_env.trainer.config import LoraConfig, TrainerConfig
 from miles_env.trainer.losses import group_advantages, microbatch_loss, token_logprobs
@@ -91,17 +92,7 @@ def flatten_groups(groups: Sequence[Sequence[Episode]], config: TrainerConfig) -
     return out
 
 
-def pack_microbatches(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Group sample indices so that (rows x longest row) <= budget; longest first to limit padding.
-    A sample longer than the budget goes alone."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    for i in order:
-        if batches and lengths[batches[-1][0]] * (len(batches[-1]) + 1) <= budget:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
+pack_microbatches = pack_by_budget  # the trainer's name for it (megatron, tests)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,19 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["score_sequences", "pack_by_budget"]
+from miles_env.packing import pack_by_budget
 
-
-def pack_by_budget(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Indices grouped so that rows x longest row <= budget, longest first; a longer one goes alone."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    for i in order:
-        if batches and lengths[batches[-1][0]] * (len(batches[-1]) + 1) <= budget:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
+__all__ = ["score_sequences"]
 
 
 def _score_batch(model: Any, device: Any, rows: list[list[int]]) -> list[list[float]]:

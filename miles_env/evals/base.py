@@ -18,6 +18,7 @@ so they spend the same `cost.budget_usd` as the training rollouts.
 
 from __future__ import annotations
 
+import abc
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -127,7 +128,7 @@ async def run_eval_episodes(
     return stats
 
 
-class Evaluator:
+class Evaluator(abc.ABC):
     """One eval mode; see the module docstring. Subclasses implement `evaluate` (and `open`)."""
 
     def __init__(self, setup: EvalSetup) -> None:
@@ -137,12 +138,12 @@ class Evaluator:
         self._tg: TaskGroup | None = None
         self._exit = AsyncExitStack()
 
-    async def open(self, stack: AsyncExitStack) -> None:
+    async def open(self, stack: AsyncExitStack) -> None:  # noqa: B027 - optional hook
         """Open what this mode owns (an engine, a stack) on `stack`; closed after the last eval."""
 
+    @abc.abstractmethod
     async def evaluate(self, step: int) -> None:
         """Evaluate the trainer's weights at `step` (now, or in the background)."""
-        raise NotImplementedError
 
     async def drain(self) -> None:
         """Wait for every eval still running."""
