@@ -11,6 +11,9 @@ from __future__ import annotations
 import random
 import shutil
 from pathlib import Path
+from typing import Any
+
+import anyio
 
 __all__ = [
     "TEST_SH",
@@ -20,6 +23,8 @@ __all__ = [
     "BINARY_SIZE",
     "SETUP_STEPS",
     "copy_task",
+    "harbor_trial_rewards",
+    "oracle_result",
 ]
 
 BINARY_SIZE = 5 * 1024 * 1024
@@ -188,3 +193,33 @@ def make_features_task(root: Path, name: str = "features") -> Path:
     (d / "tests" / "test.sh").write_text(FEATURES_TEST_SH)
     (d / "solution" / "solve.sh").write_text("#!/bin/bash\ntouch /app/done\n")
     return d
+
+
+def oracle_result(task_dir: Path, solution: str | None = None) -> Any:
+    """Our oracle (or `solution`, e.g. "true" for a do-nothing agent) on a harbor task directory,
+    through the registry and the real local provider: an OracleResult."""
+    from miles_env.oracle import run_solution
+    from miles_env.registry import load_environment
+    from miles_env.sandboxes import get_provider
+
+    env = load_environment(f"harbor:{task_dir}")
+    (task,) = env.tasks("test")
+    return anyio.run(run_solution, env, task, get_provider("local"), solution)
+
+
+def harbor_trial_rewards(task_dir: Path) -> list[Any]:
+    """Harbor's own Trial (its venv, its oracle then nop agent, its verifier) on the local provider:
+    each trial's `rewards`."""
+    from miles_env.adapters.framework_harness import close_workers
+    from miles_env.adapters.harbor import run_harbor_trial
+    from miles_env.adapters.venv import install
+    from miles_env.sandboxes import get_provider
+
+    install("harbor")
+
+    async def main() -> list[Any]:
+        out = [await run_harbor_trial(task_dir, agent, get_provider("local")) for agent in ("oracle", "nop")]
+        await close_workers()
+        return [t["rewards"] for t in out]
+
+    return anyio.run(main)

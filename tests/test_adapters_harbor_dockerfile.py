@@ -5,21 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import anyio
 import pytest
 
 from miles_env.adapters.harbor.dockerfile import Heredoc, parse_dockerfile
-from miles_env.oracle import run_solution
-from miles_env.registry import load_environment
-from tests.harbor_support import copy_task, make_features_task
-
-
-def _oracle(task_dir: Path, solution: str | None = None):  # type: ignore[no-untyped-def]
-    from miles_env.sandboxes import get_provider
-
-    env = load_environment(f"harbor:{task_dir}")
-    (task,) = env.tasks("test")
-    return anyio.run(run_solution, env, task, get_provider("local"), solution)
+from tests.harbor_support import copy_task, harbor_trial_rewards, make_features_task, oracle_result
 
 
 def test_parse_heredocs() -> None:
@@ -38,7 +27,7 @@ def test_parse_heredocs() -> None:
 @pytest.mark.parametrize(("solution", "score"), [(None, 1.0), ("true", 0.0)])  # oracle, nop
 def test_dockerfile_features_replayed(tmp_path: Path, solution: str | None, score: float) -> None:
     """Before: --chmod dropped, archives copied not unpacked, heredoc bodies run as instructions."""
-    res = _oracle(make_features_task(tmp_path), solution)
+    res = oracle_result(make_features_task(tmp_path), solution)
     assert res.error is None, res.error
     assert res.score == score, res.details.get("test_output")
 
@@ -59,7 +48,7 @@ def test_dockerfile_features_replayed(tmp_path: Path, solution: str | None, scor
 )
 def test_refused_by_name(tmp_path: Path, line: str, expect: str) -> None:
     d = copy_task(tmp_path, f"FROM ubuntu:24.04\nWORKDIR /app\n{line}\nRUN touch /app/after\n")
-    res = _oracle(d)
+    res = oracle_result(d)
     assert res.error is not None and expect in res.error, res.error
     assert "use the docker provider" in res.error or "file mode" in res.error
 
@@ -67,24 +56,10 @@ def test_refused_by_name(tmp_path: Path, line: str, expect: str) -> None:
 @pytest.mark.slow
 def test_parity_with_harbors_own_trial(tmp_path: Path) -> None:
     """Harbor's own Trial (oracle, nop) on the replayed environment scores as our oracle does."""
-    from miles_env.adapters.framework_harness import close_workers
-    from miles_env.adapters.harbor import run_harbor_trial
-    from miles_env.adapters.venv import install
-    from miles_env.sandboxes import get_provider
-
-    install("harbor")
     d = make_features_task(tmp_path)
-
-    async def main() -> list[dict]:
-        out = [await run_harbor_trial(d, agent, get_provider("local")) for agent in ("oracle", "nop")]
-        await close_workers()
-        return out
-
-    theirs = anyio.run(main)
-    ours = [_oracle(d).score, _oracle(d, "true").score]
-    assert (
-        [t["rewards"] for t in theirs] == [{"reward": s} for s in ours] == [{"reward": 1.0}, {"reward": 0.0}]
-    )
+    theirs = harbor_trial_rewards(d)
+    ours = [oracle_result(d).score, oracle_result(d, "true").score]
+    assert theirs == [{"reward": s} for s in ours] == [{"reward": 1.0}, {"reward": 0.0}]
 
 
 @pytest.mark.parametrize("with_ignore", [True, False])
@@ -98,13 +73,13 @@ def test_dockerignore_excludes_from_the_context(tmp_path: Path, with_ignore: boo
         (d / "environment" / "data" / name).write_text("x\n")
     if with_ignore:
         (d / "environment" / ".dockerignore").write_text("# logs\n**/*.log\n!data/keep.log\n")
-    res = _oracle(d)
+    res = oracle_result(d)
     assert (res.error is None) == with_ignore, res.error
 
 
 def test_copy_forms(tmp_path: Path) -> None:
     """The JSON form after flags, a wildcard into a folder, a file into an existing folder."""
-    from tests.harbor_support import copy_task
+    from tests.harbor_support import copy_task, oracle_result
 
     d = copy_task(
         tmp_path,
@@ -113,9 +88,9 @@ def test_copy_forms(tmp_path: Path) -> None:
         'RUN test "$(stat -c %a "/app/w x.txt")" = 700 && test -f /app/glob/words.txt '
         "&& test -f /app/dir/count-words\n",
     )
-    res = _oracle(d)
+    res = oracle_result(d)
     assert res.error is None, res.error
     (d / "environment" / "data" / "more.txt").write_text("x\n")
     (d / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nCOPY data/*.txt /app/one\n")
-    res = _oracle(d)
+    res = oracle_result(d)
     assert res.error is not None and "matches several files; the destination must end in /" in res.error

@@ -9,23 +9,14 @@ import anyio
 import pytest
 
 from miles_env.adapters.harbor.files import EMBED_LIMIT, read_tree, upload
-from miles_env.oracle import run_solution
 from miles_env.registry import load_environment
-from tests.harbor_support import BINARY_SIZE, make_binary_task
-
-
-def _oracle(task_dir: Path, solution: str | None = None):  # type: ignore[no-untyped-def]
-    from miles_env.sandboxes import get_provider
-
-    env = load_environment(f"harbor:{task_dir}")
-    (task,) = env.tasks("test")
-    return anyio.run(run_solution, env, task, get_provider("local"), solution)
+from tests.harbor_support import BINARY_SIZE, harbor_trial_rewards, make_binary_task, oracle_result
 
 
 @pytest.mark.parametrize(("solution", "score"), [(None, 1.0), ("true", 0.0)])  # oracle, nop
 def test_binary_large_executable_files(tmp_path: Path, solution: str | None, score: float) -> None:
     """Before: tests/fixture.bin and solution/payload.bin were dropped as non-text, the oracle scored 0."""
-    res = _oracle(make_binary_task(tmp_path), solution)
+    res = oracle_result(make_binary_task(tmp_path), solution)
     assert res.error is None, res.error
     assert res.score == score, res.details
 
@@ -38,14 +29,14 @@ def test_small_binary_solution_is_embedded_in_the_script(tmp_path: Path) -> None
         p.write_bytes(small)
     (task,) = load_environment(f"harbor:{d}").tasks("test")
     assert task.solution is not None and len(task.solution) < EMBED_LIMIT + 4096
-    res = _oracle(d, task.solution)  # an explicit script: the oracle stages nothing
+    res = oracle_result(d, task.solution)  # an explicit script: the oracle stages nothing
     assert res.error is None and res.score == 1.0, (res.error, res.details, res.solution_stderr)
 
 
 def test_large_solution_says_why_without_staging(tmp_path: Path) -> None:
     d = make_binary_task(tmp_path)
     (task,) = load_environment(f"harbor:{d}").tasks("test")
-    res = _oracle(d, task.solution)
+    res = oracle_result(d, task.solution)
     assert res.score == 0.0 and "too large for a script" in res.solution_stderr
 
 
@@ -74,24 +65,10 @@ def test_upload_keeps_bytes_and_modes(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_parity_with_harbors_own_trial(tmp_path: Path) -> None:
     """Harbor's Trial (its oracle and nop agents, its verifier) and ours agree on the binary task."""
-    from miles_env.adapters.framework_harness import close_workers
-    from miles_env.adapters.harbor import run_harbor_trial
-    from miles_env.adapters.venv import install
-    from miles_env.sandboxes import get_provider
-
-    install("harbor")
     d = make_binary_task(tmp_path)
-
-    async def main() -> list[dict]:
-        out = [await run_harbor_trial(d, agent, get_provider("local")) for agent in ("oracle", "nop")]
-        await close_workers()
-        return out
-
-    theirs = anyio.run(main)
-    ours = [_oracle(d).score, _oracle(d, "true").score]
-    assert (
-        [t["rewards"] for t in theirs] == [{"reward": s} for s in ours] == [{"reward": 1.0}, {"reward": 0.0}]
-    )
+    theirs = harbor_trial_rewards(d)
+    ours = [oracle_result(d).score, oracle_result(d, "true").score]
+    assert theirs == [{"reward": s} for s in ours] == [{"reward": 1.0}, {"reward": 0.0}]
 
 
 def test_env_validate_probes_stage_the_solution(tmp_path: Path) -> None:
