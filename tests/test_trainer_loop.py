@@ -111,7 +111,9 @@ def test_fully_async_producers_run_alongside_and_stop_with_the_loop(
     assert not any("rollout_s" in m for m in hooks.metrics)
     s = q.stats()
     assert s.acked_groups == 4 and s.leased_groups == 0
-    assert s.pending_groups <= 3  # back-pressure: producers wait while max_pending_groups are pending
+    # back-pressure: a producer waits while max_pending_groups (3) are pending; the check comes
+    # before its group is rolled out, so two producers that both saw room may overshoot by one
+    assert s.pending_groups <= 3 + (cfg.producers - 1)
 
 
 def test_resume_restores_the_job_state_and_reads_the_old_key(

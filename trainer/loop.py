@@ -15,7 +15,8 @@ the event loop keep going) -> checkpoint + ack every checkpoint_every steps and 
 -> hooks.after_step (weight sync; its metrics join the step's) -> hooks.report ->
 hooks.evaluate every eval_every steps, the last excepted (the caller evaluates after the loop).
 With `producers > 0` (fully_async) that many tasks call hooks.produce(1) for the whole run,
-throttled by the queue's back-pressure, and are cancelled when the loop ends. A non-None
+throttled by the queue's back-pressure (checked before each group is rolled out, so n producers
+may overshoot max_pending_groups by n - 1), and are cancelled when the loop ends. A non-None
 `hooks.stop_reason()` (the job's cost budget) ends it early instead: no new step starts,
 producers finish the group in flight (the queue keeps it), a step waiting for groups trains what
 there is, and what was trained is checkpointed and acked.
