@@ -69,6 +69,7 @@ def framework_reward(task: Task, transcript: Transcript) -> Reward:
 
 class FrameworkHarness:
     name = "framework"
+    verifies_in_run = True  # the framework scores inside run(): VerifiesInRun
 
     def __init__(self, **config: Any) -> None:
         from miles_env.adapters.isolation import isolation_of

@@ -16,7 +16,15 @@ from typing import Any, Protocol, runtime_checkable
 from miles_env.sandbox import Sandbox
 from miles_env.types import Status, Task, Trajectory
 
-__all__ = ["Endpoint", "HarnessResult", "Harness", "SessionRecorder", "SessionRef", "SessionState"]
+__all__ = [
+    "Endpoint",
+    "HarnessResult",
+    "Harness",
+    "SessionRecorder",
+    "SessionRef",
+    "SessionState",
+    "VerifiesInRun",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +51,14 @@ class Harness(Protocol):
     name: str
 
     async def run(self, task: Task, sandbox: Sandbox, endpoint: Endpoint) -> HarnessResult: ...
+
+
+@runtime_checkable
+class VerifiesInRun(Protocol):
+    """A harness whose `run` also runs the framework's own verifier (an adapter's agent loop, e.g.
+    Harbor's Trial): the rollout bounds its run by the task's agent + verifier timeouts."""
+
+    verifies_in_run: bool
 
 
 class SessionRef(Protocol):

@@ -19,7 +19,7 @@ from miles_env.cost import CostConfig, episode_usage
 from miles_env.environment import Environment
 from miles_env.errors import MilesEnvError
 from miles_env.guards import Guard, GuardReport, GuardsConfig
-from miles_env.harness import Harness, HarnessResult, SessionRecorder
+from miles_env.harness import Harness, HarnessResult, SessionRecorder, VerifiesInRun
 from miles_env.limits import (
     DEFAULT_VERIFIER_TIMEOUT_S,
     LimitsOverride,
@@ -74,6 +74,8 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
             guard = await Guard.start(ctx.guards, ctx.env, task, sandbox, ctx.provider, spec)
             t1 = time.perf_counter()
             agent_s = agent_timeout_s(spec.resources, ctx.episode_timeout_s)
+            if isinstance(ctx.harness, VerifiesInRun):  # its run() ends with the framework's verifier
+                agent_s += verifier_timeout_s(spec.resources, ctx.verifier_timeout_s)
             with anyio.move_on_after(agent_s) as scope:
                 result = await ctx.harness.run(task, sandbox, endpoint)
             timings["harness_s"] = time.perf_counter() - t1
