@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -23,36 +24,44 @@ SCRIPT = textwrap.dedent(
         async with await provider.create(SandboxSpec()) as sb:
             await sb.write_file("marker.txt", "x")
             print(sb.host_dir, flush=True)
-            await sb.exec("sleep 4242", timeout=600)
+            await sb.exec(f"sleep 4242.{sys.argv[2]}", timeout=600)
 
     anyio.run(main)
     """
 )
 
 
-def _sleepers() -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "sleep 4242"], capture_output=True, text=True).stdout
+def _sleepers(tag: str) -> list[int]:
+    """This run's sleeper (its own tag: a stray from another run must not count)."""
+    out = subprocess.run(["pgrep", "-f", f"sleep 4242.{tag}"], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
 
 
 @pytest.mark.slow
 def test_ctrl_c_kills_the_sandbox_processes_and_removes_its_files(tmp_path: Path) -> None:
-    root = tmp_path / "root"
+    root, tag = tmp_path / "root", str(uuid.uuid4().int % 10**9)  # digits: a fraction of a second
+    stderr = (tmp_path / "stderr.txt").open("w")  # never an unread pipe
     proc = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, str(root)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", SCRIPT, str(root), tag], stdout=subprocess.PIPE, stderr=stderr, text=True
     )
     assert proc.stdout is not None
     host_dir = Path(proc.stdout.readline().strip())
     assert (host_dir / "work" / "marker.txt").is_file()
     deadline = time.time() + 30
-    while not _sleepers() and time.time() < deadline:
+    while not _sleepers(tag) and time.time() < deadline:
         time.sleep(0.05)
-    assert _sleepers(), "the command never started in the sandbox"
+    assert _sleepers(tag), "the command never started in the sandbox"
     os.kill(proc.pid, signal.SIGINT)
-    proc.wait(timeout=30)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(
+            f"no exit 30 s after Ctrl-C: {(tmp_path / 'stderr.txt').read_text()[-2000:]}"
+        ) from None
     assert proc.returncode != 0  # KeyboardInterrupt, after cleanup
     deadline = time.time() + 10
-    while _sleepers() and time.time() < deadline:
+    while _sleepers(tag) and time.time() < deadline:
         time.sleep(0.05)
-    assert not _sleepers(), "a sandbox process survived Ctrl-C"
+    assert not _sleepers(tag), "a sandbox process survived Ctrl-C"
     assert not host_dir.exists(), "the sandbox's files survived Ctrl-C"
