@@ -143,19 +143,26 @@ class _Job(StepHooks):
             return
 
         async def one(task: Task) -> None:
-            async with self.limiter:
-                group = await run_group(self.ctx, task, self.cfg.rollout.group_size)
-            group = await self._teacher_scored(group)
-            self.cost.add(group)
-            for ep in group:
+            scored = None
+            while scored is None and not self.cost.exhausted:  # None: the teacher dropped the group
+                async with self.limiter:  # (miles_env/opd.py): the task is rolled out again
+                    group = await run_group(self.ctx, task, self.cfg.rollout.group_size)
+                self.cost.add(group)
+                scored = await self._teacher_scored(group)
+            for ep in scored or ():
                 await self._put(ep)  # back-pressure: waits while too many complete groups are pending
 
         async with anyio.create_task_group() as tg:
             for task in chosen:
                 tg.start_soon(one, task)
 
-    async def _teacher_scored(self, group: list[Episode]) -> list[Episode]:
-        return group if self.teacher is None else await self.teacher.score_group(group)
+    async def _teacher_scored(self, group: list[Episode]) -> list[Episode] | None:
+        if self.teacher is None:
+            return group
+        scored = await self.teacher.score_group(group)
+        if scored is None:
+            self.say(f"opd: group {group[0].group_id} dropped, the teacher failed: {self.teacher.last_error}")
+        return scored
 
     async def _put(self, ep: Episode) -> None:
         """queue.put, but once the budget is spent the wait for capacity ends: nobody may train
@@ -195,11 +202,11 @@ class _Job(StepHooks):
                 if self.cost.exhausted:  # a spent budget completes nothing: the group stays open
                     return
                 group = await run_group(self.ctx, task, missing, group_id=group_id)
-            group = await self._teacher_scored(group)
             self.cost.add(group)
-            for ep in group:
+            scored = await self._teacher_scored(group)
+            for ep in scored or ():  # None: the teacher failed and the group stays open
                 await anyio.to_thread.run_sync(partial(self.queue.sync.put, ep, block=False))
-            done += 1
+            done += scored is not None
 
         todo = [(tasks[g.task_id], g) for g in await self.queue.open_groups() if g.task_id in tasks]
         async with anyio.create_task_group() as tg:
@@ -218,6 +225,7 @@ class _Job(StepHooks):
         if self.teacher is not None:  # opd/reverse_kl, opd/teacher_s, opd/teacher_share
             parts = ("rollout_s", "rollout_wait_s", "train_s", "checkpoint_s", "sync_s")
             metrics.update(opd_metrics(episodes, sum(metrics.get(k, 0.0) for k in parts)))
+            metrics["opd/groups_dropped"] = float(self.teacher.take_dropped())
         if self.completed_on_resume:  # once, in the first step after the restart that completed them
             metrics["groups_completed_on_resume"] = float(self.completed_on_resume)
             self.completed_on_resume = 0
@@ -428,7 +436,7 @@ async def _run(job: _Job, loop: TrainLoop) -> dict[str, Any]:
     with _progress(job.console) as progress:
         console = job.console
         job.progress, job.console = progress, progress.console
-        job.bar = progress.add_task("train", total=cfg.trainer.steps, completed=trainer.step)
+        job.bar = progress.add_task("starting", total=cfg.trainer.steps, completed=trainer.step)
         await loop.run()
     job.progress, job.console = None, console
     if loop.stopped is not None:  # the cost budget: rollouts stopped, the last step is checkpointed

@@ -22,7 +22,7 @@ from miles_env.config import validate_config
 from miles_env.engines.base import PromptScorer, SamplingParams
 from miles_env.engines.hf import HFEngine, HFEngineConfig
 from miles_env.engines.scripted import ScriptedEngine, pseudo_logprob
-from miles_env.errors import ConfigError
+from miles_env.errors import ConfigError, EngineError
 from miles_env.opd import Teacher, opd_metrics
 from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.torch_backend import TorchTrainer, flatten_groups
@@ -277,3 +277,57 @@ def test_train_with_algorithm_opd_reports_the_teacher(tmp_path: Path, tiny_model
     for r in train:
         assert r["opd/teacher_s"] > 0 and 0 < r["opd/teacher_share"] < 1 and r["opd/teacher_tokens"] > 0
         assert r["samples"] == 4  # no sample skipped: the teacher signal is per token
+
+
+class _HangingScorer(ScriptedEngine):
+    async def score(self, sequences: Any) -> list[list[float]]:
+        await asyncio.sleep(30)
+        return []
+
+
+def test_a_teacher_fault_drops_one_group_and_a_dead_teacher_raises() -> None:
+    group = [_episode(i, [1, 2], [3, 4], [-0.5, -0.25]) for i in range(2)]
+
+    async def main() -> None:
+        teacher = Teacher(
+            ScriptedEngine(fail_score_calls=frozenset({1, 3, 4, 5})), max_consecutive_failures=3
+        )
+        assert await teacher.score_group(group) is None and "score call 1 fails" in teacher.last_error
+        scored = await teacher.score_group(group)  # a success resets the count of failures in a row
+        assert scored is not None and scored[0].samples[0].teacher_logprobs is not None
+        assert await teacher.score_group(group) is None and await teacher.score_group(group) is None
+        with pytest.raises(EngineError, match="opd teacher failed 3 groups in a row; last: EngineError"):
+            await teacher.score_group(group)
+        assert teacher.take_dropped() == 4 and teacher.take_dropped() == 0
+        hung = Teacher(_HangingScorer(), timeout_s=0.2)
+        assert await hung.score_group(group) is None and hung.last_error == "timed out after 0.2 s"
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_a_failing_teacher_costs_the_run_one_group_and_a_dead_one_ends_it(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """The job re-rolls a group the teacher dropped (the step still trains groups_per_step groups);
+    a teacher that keeps failing ends the run with the cause, not a hang."""
+    base = [
+        "eval.enabled=false",
+        "algorithm=opd",
+        "opd.teacher.kind=scripted",
+        f"opd.teacher.model={tiny_model}",
+    ]
+    run_dir = tmp_path / "flaky"
+    args = train_args(run_dir, tiny_model, 2, *base, "opd.teacher.fail_score_calls=[2]")
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = " ".join(proc.stdout.split())  # the console wraps long lines
+    assert "dropped, the teacher failed: EngineError: scripted: score call 2 fails" in said
+    train = rows(run_dir, "train")
+    assert [r["samples"] for r in train] == [4, 4]  # both steps trained 2 full groups
+    assert sum(r["opd/groups_dropped"] for r in train) == 1
+    dead = train_args(tmp_path / "dead", tiny_model, 2, *base, "opd.teacher.fail_score_calls=[1,2,3,4,5,6]")
+    proc = subprocess.run(dead, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert "opd teacher failed 3 groups in a row" in said, said[-3000:]

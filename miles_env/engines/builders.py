@@ -122,7 +122,10 @@ async def build_scripted(cfg: ScriptedEngineConfig) -> Engine:
     from miles_env.models import load_tokenizer
 
     tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model)
+    faults = frozenset(cfg.fail_score_calls)
     if cfg.script is None:
-        return ScriptedEngine(tokenizer)
+        return ScriptedEngine(tokenizer, fail_score_calls=faults)
     policy = load_policy(cfg.script)
-    return ScriptedEngine(tokenizer, policy=policy, max_context=cfg.max_context or 1 << 20)
+    return ScriptedEngine(
+        tokenizer, policy=policy, max_context=cfg.max_context or 1 << 20, fail_score_calls=faults
+    )

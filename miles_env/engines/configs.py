@@ -92,6 +92,9 @@ class ScriptedEngineConfig(_EngineBase):
     kind: Literal["scripted"] = "scripted"
     script: str | None = None  # a policy file (see scripted.load_policy)
     max_context: int | None = Field(default=None, ge=2)  # with a script; its prompts may be long
+    fail_score_calls: list[int] = Field(
+        default_factory=list
+    )  # failure injection: these score calls (1-based) raise
 
 
 def _default_kind(value: Any) -> Any:

@@ -18,7 +18,8 @@ script drives any harness; past the end of the script the default reply is used.
 Invariant: every Generation returned is also appended to `generations` (and the
 full call to `calls`), so tests can compare a proxy's trajectory with what the
 engine really produced. Logprobs are a deterministic function of (position, id).
-`score` (PromptScorer) gives a token that value at its position, as if it had been sampled there.
+`score` (PromptScorer) gives a token that value at its position, as if it had been sampled there;
+the calls numbered in `fail_score_calls` (1-based) raise EngineError instead (failure injection).
 `cached_tokens` is what a per-session prefix cache would hold, as hf counts it: the
 prompt's common prefix with the session's previous prompt + output on this engine,
 less the last sampled id (never fed), at most the prompt less one token; a session
@@ -37,7 +38,7 @@ from typing import Any
 import anyio
 
 from miles_env.engines.base import EngineInfo, Generation, PrefixCacheStats, SamplingParams
-from miles_env.errors import ConfigError
+from miles_env.errors import ConfigError, EngineError
 
 __all__ = [
     "ScriptedEngine",
@@ -145,8 +146,10 @@ class ScriptedEngine:
         delay_s: float = 0.0,
         record: bool = True,
         policy: ScriptedPolicy | None = None,
+        fail_score_calls: frozenset[int] = frozenset(),
     ) -> None:
         self.tokenizer = tokenizer
+        self.fail_score_calls, self.score_calls = fail_score_calls, 0
         self.max_context = max_context
         self.weight_version = weight_version
         self.echo_tokens = echo_tokens
@@ -267,6 +270,9 @@ class ScriptedEngine:
         """PromptScorer, consistent with generate: token t of a sequence scores
         `pseudo_logprob(t, id)`, what it would have been recorded with when sampled there."""
         await anyio.lowlevel.checkpoint()
+        self.score_calls += 1
+        if self.score_calls in self.fail_score_calls:
+            raise EngineError(f"scripted: score call {self.score_calls} fails (fail_score_calls)")
         return [[0.0, *(pseudo_logprob(t, i) for t, i in enumerate(s) if t > 0)][: len(s)] for s in sequences]
 
     async def update_weights_from_disk(self, path: str | Path, weight_version: int | None = None) -> int:
