@@ -5,6 +5,9 @@ continuous-batching worker, `miles-env train` end to end. What they pin down: a 
 adapter (the base stays bit-identical); a checkpoint holds only adapter tensors and resuming from it
 takes exactly the step an uninterrupted run takes; an adapter sync makes the engine's logprobs the
 trainer's (zero-KL) while moving a small fraction of a full sync, and bumps the weight version.
+On the real SmolLM2, the LoRA GRPO loop (engine samples with the adapter, adapter-only step, sync)
+raises the exact probability of what is rewarded at every step, two seeds. The default run's
+learning bar with LoRA (10 steps, two seeds, ~10-20 min each on 2 cores) is bench/results/lora.md.
 """
 
 from __future__ import annotations
@@ -235,3 +238,62 @@ def test_train_with_lora_keeps_zero_kl_and_syncs_the_adapter(tmp_path: Path, tin
         assert r["sync_lora"] == 1.0 and 0 < r["sync_bytes"] < 0.05 * r["sync_full_bytes"]
     ckpt = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     assert "adapter" in torch.load(ckpt / "state.pt", weights_only=False)
+
+
+@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lora_grpo_on_smollm2_learns_what_is_rewarded(tmp_path: Path, seed: int) -> None:
+    """The LoRA RL loop in miniature, on the real SmolLM2: the hf engine samples (adapter applied),
+    the reward is 1 when the reply to "Reply with the number only" starts with a digit, one GRPO
+    group of 16 a step, the adapter alone is trained and synced back. The exact probability of a
+    digit first (a forward pass of the trainer's model) rises at every step, two seeds; zero-KL
+    holds at every step (the engine sampled with the adapter the trainer has)."""
+    from miles_env.engines.base import SamplingParams
+    from miles_env.engines.hf import HFEngine, HFEngineConfig
+    from miles_env.models import load_tokenizer
+    from miles_env.trainer.lora import sync_adapter
+    from miles_env.types import Episode, Reward, Status, Trajectory
+
+    tok = load_tokenizer()
+    chat = [{"role": "user", "content": "Pick a number between 1 and 9. Reply with the number only."}]
+    encoded = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    prompt = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+    digits = {i for i in range(len(tok)) if tok.decode([i]).strip()[:1].isdigit()}
+    lora = LoraConfig(rank=8, alpha=16)  # all seven projections, README's LoRA recipe
+    trainer = TorchTrainer("smollm2", TrainerConfig(lr=2e-4, seed=seed, lora=lora, fused_adamw=False))
+    engine = HFEngine(HFEngineConfig(model="smollm2", dtype="float32", seed=seed))
+
+    def p_digit() -> float:
+        with torch.no_grad():
+            logits = trainer.model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+        return float(torch.softmax(logits, -1)[sorted(digits)].sum())
+
+    async def main() -> tuple[list[float], list[dict[str, float]]]:
+        p, steps = [p_digit()], []
+        for step in range(3):
+            gens = [
+                await engine.generate(prompt, SamplingParams(max_new_tokens=2, temperature=1.0, seed=1000 * seed + 16 * step + k))
+                for k in range(16)
+            ]  # fmt: skip
+            assert all(g.weight_version == step for g in gens)  # sampled by the adapter of the last sync
+            group = [
+                Episode(id=f"e{step}-{k}", task_id="t", env="toy", group_id=f"g{step}", status=Status.COMPLETED,
+                        reward=Reward(score=float(g.output_ids[0] in digits)),
+                        samples=[Trajectory(token_ids=prompt + g.output_ids,
+                                            loss_mask=[0] * len(prompt) + [1] * len(g.output_ids),
+                                            logprobs=[0.0] * len(prompt) + g.logprobs)])
+                for k, g in enumerate(gens)
+            ]  # fmt: skip
+            steps.append(await anyio.to_thread.run_sync(trainer.train_step, [group]))
+            await sync_adapter(trainer, engine, step + 1, tmp_path / "weights")
+            p.append(p_digit())
+        await engine.close()
+        return p, steps
+
+    p, steps = anyio.run(main)
+    print(f"seed {seed}: P(digit first) per step {[round(x, 3) for x in p]}")
+    assert all(b > a for a, b in zip(p, p[1:], strict=False)), p
+    assert p[-1] > p[0] + 0.15, p
+    for m in steps:
+        assert m["samples"] > 0 and m["logprob_diff_max"] < 1e-4, m
