@@ -21,6 +21,7 @@ import torch
 
 from miles_env.trainer.config import LoraConfig, TrainerConfig
 from miles_env.trainer.torch_backend import TorchTrainer
+from tests.bandit_support import Bandit
 from tests.train_support import rows, train_args
 from tests.trainer_support import episode, make_tiny_model, rollouts
 
@@ -244,55 +245,31 @@ def test_train_with_lora_keeps_zero_kl_and_syncs_the_adapter(tmp_path: Path, tin
 @pytest.mark.model
 @pytest.mark.parametrize("seed", [0, 1])
 def test_lora_grpo_on_smollm2_learns_what_is_rewarded(tmp_path: Path, seed: int) -> None:
-    """The LoRA RL loop in miniature, on the real SmolLM2: the hf engine samples (adapter applied),
-    the reward is 1 when the reply to "Reply with the number only" starts with a digit, one GRPO
-    group of 16 a step, the adapter alone is trained and synced back. The exact probability of a
-    digit first (a forward pass of the trainer's model) rises at every step, two seeds; zero-KL
-    holds at every step (the engine sampled with the adapter the trainer has)."""
-    from miles_env.engines.base import SamplingParams
+    """The LoRA RL loop in miniature, on the real SmolLM2 (tests/bandit_support.py): the hf engine
+    samples one GRPO group of 16 a step with the adapter applied, the adapter alone is trained and
+    synced back. The exact probability of the rewarded reply rises at every step, two seeds;
+    zero-KL holds at every step (the engine sampled with the adapter the trainer has)."""
     from miles_env.engines.hf import HFEngine, HFEngineConfig
-    from miles_env.models import load_tokenizer
     from miles_env.trainer.lora import sync_adapter
-    from miles_env.types import Episode, Reward, Status, Trajectory
 
-    tok = load_tokenizer()
-    chat = [{"role": "user", "content": "Pick a number between 1 and 9. Reply with the number only."}]
-    encoded = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-    prompt = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
-    digits = {i for i in range(len(tok)) if tok.decode([i]).strip()[:1].isdigit()}
+    bandit = Bandit()
     lora = LoraConfig(rank=8, alpha=16)  # all seven projections, README's LoRA recipe
     trainer = TorchTrainer("smollm2", TrainerConfig(lr=2e-4, seed=seed, lora=lora, fused_adamw=False))
     engine = HFEngine(HFEngineConfig(model="smollm2", dtype="float32", seed=seed))
 
-    def p_digit() -> float:
-        with torch.no_grad():
-            logits = trainer.model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
-        return float(torch.softmax(logits, -1)[sorted(digits)].sum())
-
     async def main() -> tuple[list[float], list[dict[str, float]]]:
-        p, steps = [p_digit()], []
+        p, steps = [bandit.p_rewarded(trainer.model)], []
         for step in range(3):
-            gens = [
-                await engine.generate(prompt, SamplingParams(max_new_tokens=2, temperature=1.0, seed=1000 * seed + 16 * step + k))
-                for k in range(16)
-            ]  # fmt: skip
-            assert all(g.weight_version == step for g in gens)  # sampled by the adapter of the last sync
-            group = [
-                Episode(id=f"e{step}-{k}", task_id="t", env="toy", group_id=f"g{step}", status=Status.COMPLETED,
-                        reward=Reward(score=float(g.output_ids[0] in digits)),
-                        samples=[Trajectory(token_ids=prompt + g.output_ids,
-                                            loss_mask=[0] * len(prompt) + [1] * len(g.output_ids),
-                                            logprobs=[0.0] * len(prompt) + g.logprobs)])
-                for k, g in enumerate(gens)
-            ]  # fmt: skip
+            group = await bandit.sample_group(engine, step, seed)
+            assert all(ep.min_weight_version == step for ep in group)  # sampled by the last synced adapter
             steps.append(await anyio.to_thread.run_sync(trainer.train_step, [group]))
             await sync_adapter(trainer, engine, step + 1, tmp_path / "weights")
-            p.append(p_digit())
+            p.append(bandit.p_rewarded(trainer.model))
         await engine.close()
         return p, steps
 
     p, steps = anyio.run(main)
-    print(f"seed {seed}: P(digit first) per step {[round(x, 3) for x in p]}")
+    print(f"seed {seed}: P(rewarded) per step {[round(x, 3) for x in p]}")
     assert all(b > a for a, b in zip(p, p[1:], strict=False)), p
     assert p[-1] > p[0] + 0.15, p
     for m in steps:
