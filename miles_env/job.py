@@ -371,8 +371,8 @@ async def run_training(cfg: RunConfig, console: Console) -> dict[str, Any]:
 
     started = time.time()
     rank, world = torchrun_rank()
-    if world > 1 and cfg.trainer.backend != "megatron":
-        raise ConfigError(f"torchrun with {world} processes: only trainer.backend=megatron shards a model")
+    if world > 1 and cfg.trainer.backend not in ("megatron", "torch"):  # torch: FSDP2 (trainer/fsdp.py)
+        raise ConfigError(f"torchrun with {world} processes: only trainer.backend=megatron|torch shard a model")
     if rank > 0:
         return await _follow(cfg, rank)
     plan = _plan(cfg)
