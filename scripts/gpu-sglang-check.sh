@@ -9,8 +9,12 @@
 # `tito audit` on the store. Then two real SGLang servers behind sglang-router (engine.router:
 # sglang-router; needs the `scale` extra): 4 sessions x 3 turns, each turn after the first must find
 # its session's previous prompt in SGLang's own meta_info.cached_tokens (the other server never saw
-# it, so the turn reached the server holding its prefix). Prints one JSON line per stage and exits 0
-# on success.
+# it, so the turn reached the server holding its prefix). Then LoRA and OPD scoring (issue 19) on one
+# server started with `--enable-lora --max-lora-rank 8 --lora-target-modules all`: the trainer's
+# adapter (PEFT dir, all seven projections) loaded through /load_lora_adapter must make the server's
+# logprobs the trainer's (float32 CPU reference, bf16 tolerance) and bump the weight version, and
+# `score` (prefill-only /generate) must give the base model's logprobs. Prints one JSON line per
+# stage and exits 0 on success.
 # Usage: bash scripts/gpu-sglang-check.sh [OUT_DIR]     (env: SGLANG_VERSION, PYTHON)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -130,5 +134,71 @@ async def main() -> dict:
 result = anyio.run(main)
 print(json.dumps(result))
 (out / "result-router.json").write_text(json.dumps(result, indent=2))
+sys.exit(0 if result["ok"] else 1)
+PY
+
+# Stage 3: LoRA adapter sync and OPD scoring on a real SGLang server (issue 19).
+timeout 1500 python - "$out" <<'PY'
+import json, sys
+from pathlib import Path
+
+import anyio
+import torch
+
+from miles_env.engines import SGLangEngineConfig, build_engine
+from miles_env.engines.base import SamplingParams
+from miles_env.models import load_tokenizer
+from miles_env.trainer.config import LoraConfig, TrainerConfig
+from miles_env.trainer.lora import sync_adapter
+from miles_env.trainer.torch_backend import TorchTrainer
+from miles_env.types import Trajectory
+
+out = Path(sys.argv[1]).resolve()
+ids = load_tokenizer().encode("<|im_start|>user\nName three colors.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def reference(trainer: TorchTrainer, seq: list[int]) -> torch.Tensor:
+    traj = Trajectory(token_ids=seq, loss_mask=[0] * len(ids) + [1] * (len(seq) - len(ids)), logprobs=[0.0] * len(seq))
+    return trainer.logprobs([traj])[0]
+
+
+async def main() -> dict:
+    lora = TorchTrainer("smollm2", TrainerConfig(device="cpu", lora=LoraConfig(rank=8, alpha=16)))
+    with torch.no_grad():  # a trained-looking adapter (B = 0 at init would change nothing)
+        for p in lora.model.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn_like(p) * 0.07)
+    base = TorchTrainer("smollm2", TrainerConfig(device="cpu"))
+    engine = await build_engine(SGLangEngineConfig(
+        launch=True, dtype="bfloat16", log_dir=str(out / "engine-lora"),
+        server_args=["--mem-fraction-static", "0.5", "--enable-lora", "--max-lora-rank", "8",
+                     "--lora-target-modules", "all"]))
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+    try:
+        before = await engine.generate(ids, greedy)
+        seq = [*ids, *before.output_ids]
+        [scored] = await engine.score([seq])  # OPD's teacher call: prefill-only, the base model
+        base_ref = reference(base, seq)
+        score_diff = float((torch.tensor(scored[1:]) - base_ref[1:]).abs().mean())
+        sync = await sync_adapter(lora, engine, 1, out / "lora-weights")
+        after = await engine.generate(ids, greedy)
+    finally:
+        await engine.close()
+    n = len(ids)
+    lora_ref = reference(lora, [*ids, *after.output_ids])[n:]
+    base_on_after = reference(base, [*ids, *after.output_ids])[n:]
+    lora_diff = float((torch.tensor(after.logprobs) - lora_ref).abs().mean())
+    adapter_effect = float((lora_ref - base_on_after).abs().mean())
+    ok = (len(scored) == len(seq) and scored[0] == 0.0 and score_diff < 0.05 and before.weight_version == 0
+          and after.weight_version == 1 and lora_diff < 0.05 and adapter_effect > 4 * lora_diff
+          and sync["sync_bytes"] < 0.05 * sync["sync_full_bytes"])
+    return {"ok": ok, "score_vs_base_mean_abs": round(score_diff, 4), "lora_vs_trainer_mean_abs": round(lora_diff, 4),
+            "adapter_effect_mean_abs": round(adapter_effect, 4), "versions": [before.weight_version, after.weight_version],
+            "sync_bytes": sync["sync_bytes"], "sync_full_bytes": sync["sync_full_bytes"]}
+
+
+result = anyio.run(main)
+print(json.dumps(result))
+(out / "result-lora.json").write_text(json.dumps(result, indent=2))
 sys.exit(0 if result["ok"] else 1)
 PY
