@@ -123,8 +123,11 @@ def adapter_name(step: int) -> str:
     return f"policy-v{step}"
 
 
-def save_adapter(model: Any, cfg: LoraConfig, path: Path, base_model: str) -> Path:
-    """Write a PEFT adapter dir at `path` (atomic: a tmp dir, then rename)."""
+def save_adapter(
+    model: Any, cfg: LoraConfig, path: Path, base_model: str, state: dict[str, torch.Tensor] | None = None
+) -> Path:
+    """Write a PEFT adapter dir at `path` (atomic: a tmp dir, then rename); `state`: the adapter's
+    full tensors when the model's are shards (FSDP2), else read from `model`."""
     from peft import LoraConfig as PeftLoraConfig
     from safetensors.torch import save_file
 
@@ -133,7 +136,7 @@ def save_adapter(model: Any, cfg: LoraConfig, path: Path, base_model: str) -> Pa
     tmp.mkdir(parents=True)
     tensors = {
         _FILE_PREFIX + n.replace(f".{ADAPTER_NAME}.", "."): t.contiguous().cpu()
-        for n, t in adapter_state(model).items()
+        for n, t in (adapter_state(model) if state is None else state).items()
     }
     save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
     PeftLoraConfig(

@@ -2,7 +2,8 @@
 
 Concept: under torchrun every rank runs `miles-env train`, but only rank 0 runs the job
 (engine, sandboxes, proxy, queue, eval, logs). Every rank builds its trainer (the
-megatron backend's collective set-up shards the model over tp x pp x dp); then rank 0's
+megatron backend's collective set-up shards the model over tp x pp x dp; the torch backend's
+FSDP2 shards it over every rank, trainer/fsdp.py); then rank 0's
 trainer is wrapped in `Leader`, which broadcasts each collective call (its name and
 pickled arguments, over the default process group) before making it, and every other
 rank runs `follow(trainer)`, which receives each call and makes the same one.
@@ -22,9 +23,9 @@ from typing import Any
 
 __all__ = ["COLLECTIVE", "Leader", "follow", "torchrun_rank"]
 
-# The trainer methods every rank must enter together.
+# The trainer methods every rank must enter together (export_adapter: a sharded LoRA is gathered).
 COLLECTIVE = frozenset(
-    {"train_step", "state_dict", "export_weights", "save_checkpoint", "load_checkpoint", "logprobs"}
+    {"train_step", "state_dict", "export_weights", "export_adapter", "save_checkpoint", "load_checkpoint", "logprobs"}
 )
 
 

@@ -1,4 +1,4 @@
-"""The torch trainer backend: GRPO/PPO steps on an HF causal LM (one process; FSDP2 on GPUs).
+"""The torch trainer backend: GRPO/PPO steps on an HF causal LM (one process, or FSDP2 under torchrun).
 
 Concept: `train_step(groups)` turns leased GRPO groups into samples (one per
 Trajectory, carrying its episode's group-normalised advantage), packs them into
@@ -19,9 +19,15 @@ are its only trainable parameters; the optimizer, checkpoints and weight sync ca
 Lifecycle: build -> (load_checkpoint) -> train_step* with export_weights /
 state_dict for weight sync -> save_checkpoint. `step` is the weight version.
 
-FSDP2: when torch.distributed is initialised with world_size > 1 and CUDA is
-available (torchrun), every decoder layer and the root are wrapped with
-`fully_shard`. That path is written but untested on these CPU machines.
+FSDP2 (trainer/fsdp.py): under torchrun with world_size > 1, the trainer joins (or creates: gloo
+on CPU, nccl on CUDA) the default process group and `fully_shard`s every decoder layer and the root.
+It is data parallel: every rank gets the same groups (trainer/ranks.py's Leader), trains
+`samples[rank::world]`, and the summed gradient and reduced metrics are the single process's.
+`state_dict`, `export_*` and checkpoints gather full tensors to rank 0, which writes one process's
+format (a checkpoint resumes on any world size). Tested on CPU with gloo (tests/test_fsdp2.py:
+2 ranks vs 1 process, full and LoRA, resume 2 -> 1 and 1 -> 2, `torchrun miles-env train`); the
+nccl/CUDA path is the same code but has never run on a GPU here. The KL reference model
+(kl_coef > 0) is not sharded: each rank holds a full copy.
 """
 
 from __future__ import annotations
@@ -36,63 +42,43 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from miles_env.errors import ConfigError
 from miles_env.models import resolve_model
-from miles_env.packing import pack_by_budget
 from miles_env.trainer.checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
 from miles_env.trainer.config import LoraConfig, TrainerConfig
-from miles_env.trainer.losses import group_advantages, microbatch_loss, token_logprobs
+from miles_env.trainer.fsdp import (
+    World,
+    deal,
+    full_optimizer_state,
+    full_state,
+    init_world,
+    load_full_model_state,
+    load_optimizer_state,
+    merged_lora_state,
+    shard,
+)
+from miles_env.trainer.losses import microbatch_loss, token_logprobs
+from miles_env.trainer.samples import (
+    Sample,
+    StepMetrics,
+    flatten_groups,
+    opd_token_advantages,
+    pack_microbatches,
+)
 from miles_env.types import Episode, Trajectory
 
-__all__ = ["TorchTrainer", "Sample", "flatten_groups", "opd_token_advantages", "pack_microbatches"]
+__all__ = [
+    "TorchTrainer",
+    "Sample",
+    "flatten_groups",
+    "masked_logprobs",
+    "opd_token_advantages",
+    "pack_microbatches",
+]
 
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    token_ids: Sequence[int]
-    loss_mask: Sequence[int]
-    rollout_logprobs: Sequence[float]
-    advantage: float
-    reward: float
-    token_advantages: Sequence[float] | None = None  # OPD: one per token (0 where the mask is 0)
-
-
-def opd_token_advantages(traj: Trajectory, advantage: float, config: TrainerConfig) -> list[float]:
-    """On-policy distillation: reward_weight * A + kl_weight * (teacher - rollout logprob) at each
-    sampled token, i.e. minus the per-token reverse-KL estimate log pi(x) - log teacher(x)."""
-    teacher = traj.teacher_logprobs
-    if teacher is None:
-        raise ValueError(f"opd_kl_weight={config.opd_kl_weight}: a trajectory has no teacher_logprobs")
-    kl_w, r_w = config.opd_kl_weight, config.opd_reward_weight
-    return [
-        r_w * advantage + kl_w * (t - r) if m else 0.0
-        for m, t, r in zip(traj.loss_mask, teacher, traj.logprobs, strict=True)
-    ]
-
-
-def flatten_groups(groups: Sequence[Sequence[Episode]], config: TrainerConfig) -> list[Sample]:
-    """One Sample per Trajectory; advantages are computed over each group's episode rewards.
-    Samples with no trainable token, or (by default) with a zero advantage, are dropped: they carry
-    no gradient. With token-mean aggregation this also leaves them out of the normaliser (as DAPO's
-    dynamic sampling does). Under OPD (`opd_kl_weight > 0`) every sample carries per-token
-    advantages (`opd_token_advantages`) and none is skipped: the teacher signal is never zero."""
-    opd = config.opd_kl_weight > 0
-    out = []
-    for group in groups:
-        rewards = torch.tensor([ep.score for ep in group], dtype=torch.float64)
-        adv = group_advantages(rewards, config.advantage, config.adv_eps).tolist()
-        for ep, a in zip(group, adv, strict=True):
-            if config.skip_zero_advantage and a == 0.0 and config.kl_coef == 0.0 and not opd:
-                continue  # with a KL term the sample still has a gradient (toward the reference)
-            for traj in ep.samples:
-                if any(traj.loss_mask[1:]):
-                    tok = opd_token_advantages(traj, float(a), config) if opd else None
-                    out.append(Sample(traj.token_ids, traj.loss_mask, traj.logprobs, float(a), ep.score, tok))
-    return out
-
-
-pack_microbatches = pack_by_budget  # the trainer's name for it (megatron, tests)
+_Metrics = StepMetrics  # the megatron backend's name for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,33 +90,20 @@ class _Batch:
     lengths: list[int]
 
 
-class _Metrics:
-    def __init__(self) -> None:
-        self.pg = self.kl = self.clip = self.tis = self.diff_sum = self.diff_max = 0.0
-        self.mask_tokens = 0
-
-    def add(
-        self,
-        pg: float,
-        kl: float,
-        clipped: torch.Tensor,
-        tis: torch.Tensor | None,
-        diff: torch.Tensor,
-        mask: torch.Tensor,
-    ) -> None:
-        on = mask.bool()
-        self.pg += pg
-        self.kl += kl
-        self.clip += float(clipped[on].sum())
-        self.tis += float(tis[on].sum()) if tis is not None else float(on.sum())
-        d = diff[on].abs()
-        self.diff_sum += float(d.sum())
-        self.diff_max = max(self.diff_max, float(d.max()) if d.numel() else 0.0)
-        self.mask_tokens += int(on.sum())
+def masked_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The decoder, then the LM head at the positions that predict a mask-1 token only."""
+    hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+    sel = mask[:, 1:] > 0  # the logprob of token t comes from position t - 1
+    logits = model.get_output_embeddings()(hidden[:, :-1][sel]).float() / temperature
+    picked = logits.gather(-1, ids[:, 1:][sel].unsqueeze(-1)).squeeze(-1)
+    out = torch.zeros(ids.shape, dtype=logits.dtype, device=logits.device)
+    out[:, 1:][sel] = picked - torch.logsumexp(logits, dim=-1)
+    return out
 
 
 class TorchTrainer:
     config_type: ClassVar[type[TrainerConfig]] = TrainerConfig  # what trainer/build.py validates options with
+    world: World = World()  # one process unless __init__ finds a torchrun world (a subclass may not)
 
     def __init__(self, model_path: str | os.PathLike[str], config: TrainerConfig | None = None) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -148,7 +121,10 @@ class TorchTrainer:
             attach(model, self.config.lora)
         self.model = model.to(self.device)
         self.ref_model = self._frozen_copy() if self.config.kl_coef > 0 else None
-        self.sharded = self._maybe_shard()
+        self.world = World(*init_world(self.device))
+        self.sharded = self.world.sharded
+        if self.sharded:  # after LoRA: the adapters are sharded with the layers they sit in
+            shard(self.model, self.device, self.world.world, {"masked_logprobs": masked_logprobs})
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],  # LoRA: the adapter only
             lr=self.config.lr,
@@ -171,19 +147,6 @@ class TorchTrainer:
         for p in ref.parameters():
             p.requires_grad_(False)
         return ref
-
-    def _maybe_shard(self) -> bool:
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return False
-        if self.device.type != "cuda":
-            return False
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in self.model.model.layers:
-            fully_shard(layer)
-        fully_shard(self.model)
-        return True
 
     # -- batches -------------------------------------------------------------------------------
 
@@ -214,18 +177,14 @@ class TorchTrainer:
         """[B, L] logprobs of each next token (column 0 is 0). With `mask`, the LM head runs only
         where mask == 1: agentic samples are mostly prompt, and [tokens x vocab] logits dominate
         both time and memory; positions outside the mask are 0."""
-        head = model.get_output_embeddings() if mask is not None else None
-        if head is None:
+        T = self.config.temperature
+        if mask is None or model.get_output_embeddings() is None:
             logits = model(input_ids=ids, use_cache=False).logits
-            return token_logprobs(logits, ids, self.config.temperature)
-        assert mask is not None
-        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
-        sel = mask[:, 1:] > 0  # the logprob of token t comes from position t - 1
-        logits = head(hidden[:, :-1][sel]).float() / self.config.temperature
-        picked = logits.gather(-1, ids[:, 1:][sel].unsqueeze(-1)).squeeze(-1)
-        out = torch.zeros(ids.shape, dtype=logits.dtype, device=logits.device)
-        out[:, 1:][sel] = picked - torch.logsumexp(logits, dim=-1)
-        return out
+            return token_logprobs(logits, ids, T)
+        if model is self.model and self.sharded:  # FSDP2 gathers the root's weights for it
+            out: torch.Tensor = model.masked_logprobs(ids, mask, T)
+            return out
+        return masked_logprobs(model, ids, mask, T)
 
     # -- training ------------------------------------------------------------------------------
 
@@ -241,19 +200,28 @@ class TorchTrainer:
         }
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        acc = _Metrics()
-        n_tokens = 0
-        for idx in pack_microbatches([len(s.token_ids) for s in samples], cfg.max_tokens_per_microbatch):
-            batch = self._collate([samples[i] for i in idx])
-            n_tokens += sum(batch.lengths)
+        acc = StepMetrics()
+        lengths = [len(s.token_ids) for s in samples]
+        budget, rank, world = cfg.max_tokens_per_microbatch, self.world.rank, self.world.world
+        for idx in deal(lengths, budget, pack_microbatches, rank, world):
+            real = idx is not None  # None: this rank's zero-weight filler (FSDP2's passes are collective)
+            batch = self._collate(
+                [samples[i] for i in idx] if real else [min(samples, key=lambda s: len(s.token_ids))]
+            )
             logp = self._forward_logprobs(self.model, batch.ids, batch.mask)
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref = self._forward_logprobs(self.ref_model, batch.ids, batch.mask)
             m = microbatch_loss(logp, batch.rollout, batch.adv, batch.mask, ref, cfg, totals)
-            m.loss.backward()
-            acc.add(m.pg, m.kl, m.clipped, m.weights, m.old - batch.rollout, batch.mask)
+            (m.loss if real else m.loss * 0.0).backward()
+            if real:
+                acc.add(
+                    m.pg, m.kl, m.clipped, m.weights, m.old - batch.rollout, batch.mask, sum(batch.lengths)
+                )
+        if self.sharded:
+            acc.reduce(self.device)
+        n_tokens = acc.tokens
         grad_norm = self._clip_and_step()
         self.step += 1
         dt = time.perf_counter() - t0
@@ -293,6 +261,8 @@ class TorchTrainer:
         limit = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, limit)
         self.optimizer.step()
+        if isinstance(norm, DTensor):  # sharded grads: the norm over every rank's shard
+            norm = norm.full_tensor()
         return float(norm)
 
     @torch.no_grad()
@@ -323,49 +293,66 @@ class TorchTrainer:
         return self.config.lora
 
     def full_weight_bytes(self) -> int:
-        """What a full sync moves: every distinct weight tensor of the base model (adapter excluded)."""
+        """What a full sync moves: every distinct weight tensor of the base model (adapter excluded).
+        A sharded parameter counts its full size (a DTensor's numel is global; its data_ptr is 0)."""
         seen: set[int] = set()
         total = 0
         for name, p in self.model.named_parameters():
-            if ".lora_" not in name and p.data_ptr() not in seen:
-                seen.add(p.data_ptr())
+            key = id(p) if isinstance(p, DTensor) else p.data_ptr()
+            if ".lora_" not in name and key not in seen:
+                seen.add(key)
                 total += p.numel() * p.element_size()
         return total
 
+    def _adapter(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter's full tensors on the CPU (collective when sharded: each is gathered)."""
+        from miles_env.trainer.lora import adapter_state
+
+        return {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu()
+            for k, v in adapter_state(self.model).items()
+        }
+
     def export_adapter(self, path: str | os.PathLike[str]) -> Path:
-        """Write the LoRA adapter as a PEFT adapter dir (what vLLM / SGLang / the hf engine load)."""
+        """Write the LoRA adapter as a PEFT adapter dir (what vLLM / SGLang / the hf engine load).
+        Sharded: every rank gathers, rank 0 writes."""
         from miles_env.trainer.lora import save_adapter
 
         if self.config.lora is None:
             raise ConfigError("export_adapter: trainer.lora is not set")
-        return save_adapter(self.model, self.config.lora, Path(path), str(self.model_path))
+        state = self._adapter()
+        if self.world.rank != 0:
+            return Path(path)
+        return save_adapter(self.model, self.config.lora, Path(path), str(self.model_path), state)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full, HF-named weights (gathered to every rank's CPU under FSDP2); with LoRA, merged."""
+        """Full, HF-named weights; with LoRA, merged. Sharded: gathered to rank 0's CPU (tied tensors
+        stay one tensor), {} on the other ranks, which must all enter the call."""
+        if self.sharded:
+            full = _retie(self.model, full_state(self.model))
+            return merged_lora_state(self.model, full) if self.config.lora is not None else full
         if self.config.lora is not None:
             from miles_env.trainer.lora import merged_state
 
             return merged_state(self.model)
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            full: dict[str, torch.Tensor] = get_model_state_dict(self.model, options=opts)  # type: ignore[assignment]
-            return full
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def export_weights(self, path: str | os.PathLike[str]) -> Path:
         """Write an HF checkpoint dir (model.safetensors + config.json) for update_weights_from_disk.
-        Tied tensors are stored once, as save_pretrained does. Atomic: tmp dir, then rename."""
+        Tied tensors are stored once, as save_pretrained does. Atomic: tmp dir, then rename.
+        Sharded: every rank gathers, rank 0 writes."""
         from safetensors.torch import save_file
 
         target = Path(path)
+        state = self.state_dict()
+        if self.world.rank != 0:
+            return target
         tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         seen: set[int] = set()
         tensors = {}
-        for name, t in self.state_dict().items():
+        for name, t in state.items():
             if t.data_ptr() in seen:
                 continue  # tied (lm_head = embed_tokens)
             seen.add(t.data_ptr())
@@ -380,38 +367,72 @@ class TorchTrainer:
     # -- checkpoints ---------------------------------------------------------------------------
 
     def save_checkpoint(self, ckpt_dir: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> Path:
+        """One process's format whatever the world size: full (or adapter) weights, the optimizer
+        state keyed by parameter index, the RNG. Sharded: every rank gathers, rank 0 writes."""
         rng: dict[str, Any] = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        state: dict[str, Any] = {"optimizer": self.optimizer.state_dict(), "rng": rng}
+        optim = (
+            full_optimizer_state(self.model, self.optimizer) if self.sharded else self.optimizer.state_dict()
+        )
+        state: dict[str, Any] = {"optimizer": optim, "rng": rng}
         if self.config.lora is not None:  # the base is model_path, unchanged: store the adapter only
-            from miles_env.trainer.lora import adapter_state
-
-            state["adapter"] = {k: v.cpu() for k, v in adapter_state(self.model).items()}
+            state["adapter"] = self._adapter()
         else:
             state["model"] = self.state_dict()
+        if self.world.rank != 0:
+            return Path(ckpt_dir) / f"step_{self.step:08d}"
         meta = {"extra": extra or {}, "model_path": str(self.model_path)}
         return write_checkpoint(Path(ckpt_dir), self.step, state, meta, self.config.keep_checkpoints)
 
     def load_checkpoint(self, ckpt_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-        """Restore the newest checkpoint under `ckpt_dir` (or that step dir itself); None if none."""
-        root = Path(ckpt_dir)
-        path = root if (root / "trainer.json").is_file() else latest_checkpoint(root)
-        if path is None:
+        """Restore the newest checkpoint under `ckpt_dir` (or that step dir itself); None if none.
+        Sharded: rank 0 reads it and broadcasts (any world size resumes any other's checkpoint)."""
+        state, head = _read(Path(ckpt_dir)) if self.world.rank == 0 else ({}, None)
+        head = self.world.broadcast(head)
+        if head is None:
             return None
-        state, meta = read_checkpoint(path)
-        if self.config.lora is not None or "adapter" in state:
-            from miles_env.trainer.lora import load_adapter_state
+        meta, rng, adapter_keys, where = head
+        if (self.config.lora is not None) != (adapter_keys is not None):
+            raise ConfigError(f"checkpoint {where!r}: trainer.lora must match the run that wrote it")
+        if adapter_keys is not None:
+            from miles_env.trainer.lora import adapter_state, load_adapter_state
 
-            if self.config.lora is None or "adapter" not in state:
-                raise ConfigError(f"checkpoint {str(path)!r}: trainer.lora must match the run that wrote it")
-            load_adapter_state(self.model, state["adapter"])
+            if missing := sorted(set(adapter_state(self.model)) ^ set(adapter_keys)):
+                raise ConfigError(f"checkpoint adapter does not match trainer.lora: {missing[0]!r} differs")
+        weights = state.get("adapter", state.get("model", {}))
+        if self.sharded:
+            load_full_model_state(self.model, weights, strict=adapter_keys is None)
+            load_optimizer_state(self.model, self.optimizer, state.get("optimizer", {}))
         else:
-            self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"]["torch"])
-        if "cuda" in state["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+            if adapter_keys is not None:
+                load_adapter_state(self.model, weights)
+            else:
+                self.model.load_state_dict(weights)
+            self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
         self.step = int(meta["step"])
         extra: dict[str, Any] = meta["extra"]
         return extra
+
+
+def _read(root: Path) -> tuple[dict[str, Any], tuple[Any, ...] | None]:
+    """The newest checkpoint's state and what every rank needs of it (meta, RNG, adapter names or
+    None, path); ({}, None) when there is none."""
+    path = root if (root / "trainer.json").is_file() else latest_checkpoint(root)
+    if path is None:
+        return {}, None
+    state, meta = read_checkpoint(path)
+    adapter = sorted(state["adapter"]) if "adapter" in state else None
+    return state, (meta, state["rng"], adapter, str(path))
+
+
+def _retie(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A gathered state's tied entries (lm_head = embed_tokens) as one tensor again, as in the model."""
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name in state:
+            state[name] = state[first.setdefault(id(p), name)]
+    return state

@@ -1,0 +1,122 @@
+"""The FSDP2 tests' fixed step, their torchrun worker and what they compare (tests/test_fsdp2.py).
+
+`groups()` is one step's worth of GRPO groups (3 + 2 episodes: an odd number of samples, so under
+2 ranks one rank trains 3 and the other 2 plus a zero-weight filler); `trainer(model, lora)` builds
+the TorchTrainer every run uses (a microbatch budget that packs each sample alone); `steps(...)`
+trains and records. Run as a script under torchrun (`run_torchrun`), this module is one rank of the
+2-rank side: it trains 2 steps (checkpointing after the first) and then resumes a checkpoint the
+single process wrote and takes its next step; rank 0 writes metrics, weights and exports to `out`.
+
+Under torchrun this file runs as a script: it puts the repository root on sys.path first, so
+`tests.*` resolves as under pytest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from miles_env.trainer.config import LoraConfig, TrainerConfig
+from miles_env.trainer.torch_backend import TorchTrainer
+from miles_env.types import Episode, Reward, Status, Trajectory, Turn
+
+__all__ = ["METRICS", "WORKER", "groups", "run_torchrun", "save_run", "steps", "trainer"]
+
+WORKER = Path(__file__)
+VOCAB = 96
+# what a 2-rank step must report as one process does (summed or maxed over ranks)
+METRICS = (
+    "loss", "pg_loss", "clip_frac", "tis_mean", "grad_norm", "samples", "tokens", "loss_tokens",
+    "logprob_diff_mean", "logprob_diff_max", "reward_mean",
+)  # fmt: skip
+
+
+def groups(seed: int = 0) -> list[list[Episode]]:
+    """Two groups (3 and 2 episodes) of random trajectories: 5 samples, 13 to 19 tokens each."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for gi, scores in enumerate([[1.0, 0.0, 0.5], [0.0, 1.0]]):
+        group = []
+        for i, score in enumerate(scores):
+            p, n = 5, 8 + 3 * i + gi
+            ids = torch.randint(0, VOCAB, (p + n,), generator=g).tolist()
+            lps = (-torch.rand(n, generator=g) * 3).tolist()
+            traj = Trajectory(token_ids=ids, loss_mask=[0] * p + [1] * n, logprobs=[0.0] * p + lps,
+                              turns=[Turn(start=p, prompt_len=p, completion_len=n, finish_reason="length",
+                                          weight_version=0)])  # fmt: skip
+            group.append(Episode(id=f"e{gi}{i}", task_id=f"t{gi}", env="toy", group_id=f"g{gi}",
+                                 status=Status.COMPLETED, reward=Reward(score=score), samples=[traj]))  # fmt: skip
+        out.append(group)
+    return out
+
+
+def trainer(model: Path, lora: bool) -> TorchTrainer:
+    """A float32 trainer whose microbatches hold one sample each (two 13-token rows exceed 24)."""
+    cfg = TrainerConfig(
+        lr=1e-3, max_tokens_per_microbatch=24, lora=LoraConfig(rank=4, alpha=8) if lora else None
+    )
+    return TorchTrainer(model, cfg)
+
+
+def steps(t: TorchTrainer, n: int, ckpt: Path | None = None) -> list[dict[str, float]]:
+    """`n` steps on `groups(step)`; a checkpoint into `ckpt` after the first."""
+    out = []
+    for _ in range(n):
+        out.append(t.train_step(groups(t.step)))
+        if ckpt is not None and t.step == 1:
+            t.save_checkpoint(ckpt, {"step": t.step})
+    return out
+
+
+def save_run(t: TorchTrainer, out: Path, metrics: list[dict[str, float]]) -> None:
+    """Metrics, full (merged) weights and the adapter; every rank enters, rank 0 writes."""
+    state = t.state_dict()
+    if t.lora is not None:
+        t.export_adapter(out / "adapter")
+    if t.world.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(state, out / "state.pt")
+        (out / "metrics.json").write_text(json.dumps(metrics))
+
+
+def run_torchrun(out: Path, nproc: int, *args: str) -> None:
+    """`torchrun --nproc_per_node nproc WORKER out *args`; its output goes to out/torchrun.log."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(WORKER), str(out), *args]  # fmt: skip
+    log = out / "torchrun.log"
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=600, env=_env())
+    assert proc.returncode == 0, log.read_text()[-4000:]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def _main(out: Path, model: Path, lora: bool, resume_from: Path) -> None:
+    """2 fresh steps (checkpoint after the first) -> out/fresh; then `resume_from`'s checkpoint,
+    one step -> out/resumed."""
+    t = trainer(model, lora)
+    save_run(t, out / "fresh", steps(t, 2, out / "ckpt"))
+    r = trainer(model, lora)
+    extra: Any = r.load_checkpoint(resume_from)
+    assert extra == {"step": 1}, extra
+    save_run(r, out / "resumed", steps(r, 1))
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1", Path(sys.argv[4]))

@@ -1,0 +1,93 @@
+"""FSDP2 on the torch backend (trainer/fsdp.py): 2 gloo CPU ranks under torchrun take the single
+process's step on the same groups (data parallel, an odd number of samples, a zero-weight filler
+on the short rank), full weights and LoRA; a checkpoint written by 2 ranks resumes on 1 process and
+one written by 1 process resumes on 2, each taking the same next step; and `torchrun
+--nproc_per_node 2 miles-env train` with trainer.backend=torch runs its zero-KL job end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.fsdp_support import METRICS, run_torchrun, save_run, steps, trainer
+from tests.train_support import rows, train_args
+from tests.trainer_support import make_tiny_model
+
+
+def _same_metrics(a: list[dict[str, float]], b: list[dict[str, float]]) -> None:
+    assert len(a) == len(b)
+    for ma, mb in zip(a, b, strict=True):
+        for key in METRICS:
+            assert mb[key] == pytest.approx(ma[key], rel=1e-5, abs=1e-6), key
+
+
+def _same_state(a: Path, b: Path) -> None:
+    sa, sb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    assert sorted(sa) == sorted(sb)
+    for k in sa:
+        torch.testing.assert_close(sb[k], sa[k], rtol=0, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_two_ranks_take_the_single_process_step_and_resume_across_world_sizes(
+    tmp_path: Path, lora: bool
+) -> None:
+    model = make_tiny_model(tmp_path / "model")
+    one = trainer(model, lora)  # the single process, in this one
+    save_run(one, tmp_path / "one", steps(one, 2, tmp_path / "one_ckpt"))
+    run_torchrun(tmp_path / "two", 2, str(model), str(int(lora)), str(tmp_path / "one_ckpt"))
+    one_m = json.loads((tmp_path / "one" / "metrics.json").read_text())
+    two = tmp_path / "two"
+    # (a) the same 2 steps: metrics reduced over ranks, weights (merged, with LoRA) equal
+    _same_metrics(one_m, json.loads((two / "fresh" / "metrics.json").read_text()))
+    _same_state(tmp_path / "one" / "state.pt", two / "fresh" / "state.pt")
+    # the checkpoints have one format: the same keys, the same tensors
+    ca = torch.load(next((tmp_path / "one_ckpt").glob("step_*")) / "state.pt", weights_only=False)
+    cb = torch.load(next((two / "ckpt").glob("step_*")) / "state.pt", weights_only=False)
+    assert sorted(ca) == sorted(cb) and sorted(ca["optimizer"]["state"]) == sorted(cb["optimizer"]["state"])
+    assert ("adapter" in cb) == lora
+    # (b) 1 -> 2: the single process's checkpoint, resumed on 2 ranks, takes the same step 2
+    _same_metrics(one_m[1:], json.loads((two / "resumed" / "metrics.json").read_text()))
+    _same_state(tmp_path / "one" / "state.pt", two / "resumed" / "state.pt")
+    # (b) 2 -> 1: the 2 ranks' checkpoint, resumed here, takes the same step 2
+    back = trainer(model, lora)
+    assert back.load_checkpoint(two / "ckpt") == {"step": 1}
+    save_run(back, tmp_path / "back", steps(back, 1))
+    _same_metrics(one_m[1:], json.loads((tmp_path / "back" / "metrics.json").read_text()))
+    _same_state(tmp_path / "one" / "state.pt", tmp_path / "back" / "state.pt")
+    if lora:  # the sharded adapter export is the single process's, file for file
+        from safetensors.torch import load_file
+
+        a = load_file(str(tmp_path / "one" / "adapter" / "adapter_model.safetensors"))
+        b = load_file(str(two / "fresh" / "adapter" / "adapter_model.safetensors"))
+        assert sorted(a) == sorted(b) and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+@pytest.mark.parametrize("extra", [[], ["trainer.lora.rank=4"]], ids=["full", "lora"])
+def test_torchrun_train_with_the_torch_backend(tmp_path: Path, tiny_model: Path, extra: list[str]) -> None:
+    """Rank 0 runs the job and its engine; both ranks hold half the model. The engine samples
+    what the sharded trainer computes (zero KL), through full or adapter weight syncs."""
+    run_dir = tmp_path / "run"
+    args = train_args(run_dir, tiny_model, 2, "trainer.backend=torch", "eval.enabled=false", *extra)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as f:
+        proc = subprocess.run([*torchrun, "-m", *args[2:]], stdout=f, stderr=subprocess.STDOUT, timeout=600)
+    out = log.read_text()
+    assert proc.returncode == 0, out[-6000:]
+    assert "rank 1: made" in out, out[-3000:]  # the follower made rank 0's calls and stopped
+    train = rows(run_dir, "train")
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert r["samples"] >= 1
+        assert r["logprob_diff_mean"] < 1e-4  # the 2-rank trainer recomputes the engine's logprobs
+    assert (run_dir / "summary.json").is_file()
+    ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert [c.name for c in ckpts] == ["step_00000001", "step_00000002"]
+    state = torch.load(ckpts[-1] / "state.pt", weights_only=False)
+    assert ("adapter" in state) == bool(extra) and ("model" in state) != bool(extra)
