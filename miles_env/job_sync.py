@@ -29,8 +29,9 @@ def _nbytes(trainer: TrainerBackend) -> int:
     seen: set[int] = set()
     total = 0
     for _, p in trainer.named_parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
+        key = p.data_ptr() or id(p)  # an FSDP2 shard (DTensor) has data_ptr 0; its numel is global
+        if key not in seen:
+            seen.add(key)
             total += p.numel() * p.element_size()
     return total
 

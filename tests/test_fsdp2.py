@@ -86,6 +86,12 @@ def test_torchrun_train_with_the_torch_backend(tmp_path: Path, tiny_model: Path,
     for r in train:
         assert r["samples"] >= 1
         assert r["logprob_diff_mean"] < 1e-4  # the 2-rank trainer recomputes the engine's logprobs
+    if not extra:  # a full sync counts every weight once, though rank 0 holds half of each
+        from safetensors import safe_open
+
+        with safe_open(str(tiny_model / "model.safetensors"), "pt") as f:
+            size = sum(f.get_tensor(k).nbytes for k in f.keys())  # tied lm_head is not stored
+        assert [r["sync_bytes"] for r in train] == [size, size]
     assert (run_dir / "summary.json").is_file()
     ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
     assert [c.name for c in ckpts] == ["step_00000001", "step_00000002"]
