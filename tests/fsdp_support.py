@@ -78,13 +78,16 @@ def steps(t: TorchTrainer, n: int, ckpt: Path | None = None) -> list[dict[str, f
 
 
 def save_run(t: TorchTrainer, out: Path, metrics: list[dict[str, float]]) -> None:
-    """Metrics, full (merged) weights and the adapter; every rank enters, rank 0 writes."""
+    """Metrics, full (merged) weights, the logprobs of step 0's samples and the adapter; every rank
+    enters (each call is collective when sharded), rank 0 writes."""
     state = t.state_dict()
+    logprobs = t.logprobs([traj for g in groups(0) for ep in g for traj in ep.samples])
     if t.lora is not None:
         t.export_adapter(out / "adapter")
     if t.world.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         torch.save(state, out / "state.pt")
+        torch.save(logprobs, out / "logprobs.pt")
         (out / "metrics.json").write_text(json.dumps(metrics))
 
 

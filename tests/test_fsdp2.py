@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from miles_env.trainer.fsdp import deal
+from miles_env.trainer.samples import pack_microbatches
 from tests.fsdp_support import METRICS, run_torchrun, save_run, steps, trainer
 from tests.train_support import rows, train_args
 from tests.trainer_support import make_tiny_model
@@ -27,10 +29,28 @@ def _same_metrics(a: list[dict[str, float]], b: list[dict[str, float]]) -> None:
 
 
 def _same_state(a: Path, b: Path) -> None:
-    sa, sb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    """Same weights (state.pt) and same logprobs from them (logprobs.pt) in run dirs `a` and `b`."""
+    sa, sb = torch.load(a / "state.pt", weights_only=True), torch.load(b / "state.pt", weights_only=True)
     assert sorted(sa) == sorted(sb)
     for k in sa:
         torch.testing.assert_close(sb[k], sa[k], rtol=0, atol=1e-6, msg=k)
+    la, lb = (
+        torch.load(a / "logprobs.pt", weights_only=True),
+        torch.load(b / "logprobs.pt", weights_only=True),
+    )
+    assert len(la) == len(lb) == 5
+    for x, y in zip(la, lb, strict=True):
+        torch.testing.assert_close(y, x, rtol=0, atol=1e-5)
+
+
+def test_deal_gives_every_rank_as_many_microbatches() -> None:
+    """samples[rank::world] packed per rank; the short rank is topped up with fillers (None)."""
+    lengths = [13, 14, 15, 16, 17]
+    assert deal(lengths, 24, pack_microbatches, 0, 2) == [[4], [2], [0]]
+    assert deal(lengths, 24, pack_microbatches, 1, 2) == [[3], [1], None]
+    assert deal(lengths, 100, pack_microbatches, 1, 2) == [[3, 1]]  # one microbatch each: no filler
+    assert deal(lengths, 24, pack_microbatches, 3, 4) == [[3], None]
+    assert deal([], 24, pack_microbatches, 1, 2) == []
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -45,7 +65,7 @@ def test_two_ranks_take_the_single_process_step_and_resume_across_world_sizes(
     two = tmp_path / "two"
     # (a) the same 2 steps: metrics reduced over ranks, weights (merged, with LoRA) equal
     _same_metrics(one_m, json.loads((two / "fresh" / "metrics.json").read_text()))
-    _same_state(tmp_path / "one" / "state.pt", two / "fresh" / "state.pt")
+    _same_state(tmp_path / "one", two / "fresh")
     # the checkpoints have one format: the same keys, the same tensors
     ca = torch.load(next((tmp_path / "one_ckpt").glob("step_*")) / "state.pt", weights_only=False)
     cb = torch.load(next((two / "ckpt").glob("step_*")) / "state.pt", weights_only=False)
@@ -53,13 +73,13 @@ def test_two_ranks_take_the_single_process_step_and_resume_across_world_sizes(
     assert ("adapter" in cb) == lora
     # (b) 1 -> 2: the single process's checkpoint, resumed on 2 ranks, takes the same step 2
     _same_metrics(one_m[1:], json.loads((two / "resumed" / "metrics.json").read_text()))
-    _same_state(tmp_path / "one" / "state.pt", two / "resumed" / "state.pt")
+    _same_state(tmp_path / "one", two / "resumed")
     # (b) 2 -> 1: the 2 ranks' checkpoint, resumed here, takes the same step 2
     back = trainer(model, lora)
     assert back.load_checkpoint(two / "ckpt") == {"step": 1}
     save_run(back, tmp_path / "back", steps(back, 1))
     _same_metrics(one_m[1:], json.loads((tmp_path / "back" / "metrics.json").read_text()))
-    _same_state(tmp_path / "one" / "state.pt", tmp_path / "back" / "state.pt")
+    _same_state(tmp_path / "one", tmp_path / "back")
     if lora:  # the sharded adapter export is the single process's, file for file
         from safetensors.torch import load_file
 
