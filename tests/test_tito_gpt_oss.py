@@ -1,14 +1,17 @@
-"""gpt-oss (harmony): the offline o200k vocabulary, openai-harmony's parsing, and turns in all dialects.
+"""gpt-oss (harmony): the offline o200k vocabulary, the framing reader against openai-harmony, turns.
 
 The vocabulary is written from the bpe-openai wheel, byte-identical to OpenAI's file, and harmony
-loads it with no download. The parser is checked on completions rendered by openai-harmony itself
-(the canonical form) and on the family's non-canonical script; what harmony cannot read stays text.
-The served turns use the gpt-oss template (tests/templates/gpt_oss.jinja) over SmolLM2's vocabulary
-plus harmony's special tokens (the parser re-encodes the decoded text with harmony's own encoding,
-so the policy's vocabulary does not matter to it), the scripted engine as the policy, and the
-official openai / anthropic clients: reasoning in each dialect's own field, exact ids, mask 1,
-`tito audit` clean. The three-turn session in every dialect, stitched to one branch
-that keeps the sampled analysis and `<|return|>` the template drops and rewrites, is in
+loads it with no download. The parser reads harmony's framing itself (harmony_reader.py); openai-
+harmony is its oracle (tests/harmony_support.py): on completions harmony renders (random mixes of
+analysis, preambles, calls with and without a content type, finals, the recipient before or after
+the channel) and on hostile text (random framing fragments, mutated and truncated completions) the
+reader finds harmony's messages and the parse and reasoning split are the harmony-based ones; a
+megabyte parses in linear time. The served turns use the gpt-oss template
+(tests/templates/gpt_oss.jinja) over SmolLM2's vocabulary plus harmony's special tokens (the parser
+reads the decoded text, so the policy's vocabulary does not matter to it), the scripted engine as
+the policy, and the official openai / anthropic clients: reasoning in each dialect's own field,
+exact ids, mask 1, `tito audit` clean. The three-turn session in every dialect, stitched to one
+branch that keeps the sampled analysis and `<|return|>` the template drops and rewrites, is in
 tests/test_tito_parsers_families.py (gpt-oss is one of FAMILIES).
 """
 
@@ -17,8 +20,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,28 +33,24 @@ from anthropic import AsyncAnthropic
 
 from miles_env.tito import audit
 from miles_env.tito.parsers import Parsers, detect, gpt_oss
+from miles_env.tito.parsers.harmony_reader import read
 from miles_env.tito.parsers.harmony_vocab import VOCAB_FILE, VOCAB_SHA256, ensure_vocab
+from tests.harmony_support import (
+    calls_of,
+    harmony_messages,
+    hostile,
+    message_text,
+    oracle_parse,
+    oracle_reasoning,
+    rendered,
+    starts_only_between,
+)
+from tests.harmony_support import completion as _completion
 from tests.tito_families import ANSWER, GPT_OSS
 from tests.tito_support import TOOLS, Served, check_fidelity, served
 
 CALL = {"command": "ls -la"}
 FUNCTIONS: list[Any] = [t["function"] for t in TOOLS]
-
-
-def _harmony() -> Any:
-    return gpt_oss._encoding()
-
-
-def _completion(*messages: Any) -> str:
-    """Messages rendered by openai-harmony, as a completion: the prompt's `<|start|>assistant` and
-    the stop token (`<|call|>` / `<|return|>`, stripped by the proxy) left off."""
-    enc = _harmony()
-    ids = [t for m in messages for t in enc.render(m)]
-    text = enc.decode(ids)
-    text = text.removeprefix("<|start|>assistant")
-    for stop in ("<|call|>", "<|return|>", "<|end|>"):
-        text = text.removesuffix(stop)
-    return str(text)
 
 
 def test_vocab_is_written_offline_byte_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,8 +76,9 @@ def test_harmony_loads_the_vocabulary_without_a_download(tmp_path: Path) -> None
     }
     env.pop("TIKTOKEN_ENCODINGS_BASE", None)
     code = (
-        "from miles_env.tito.parsers import gpt_oss; enc = gpt_oss._encoding(); "
-        "print(enc.encode('<|start|>assistant<|channel|>final', allowed_special='all'))"
+        "from miles_env.tito.parsers.harmony_vocab import ensure_vocab; ensure_vocab(); "
+        "from openai_harmony import HarmonyEncodingName as N, load_harmony_encoding as load; "
+        "enc = load(N.HARMONY_GPT_OSS); print(enc.encode('<|start|>assistant<|channel|>final', allowed_special='all'))"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -155,6 +158,112 @@ def test_without_tools_a_call_stays_text_and_an_answer_leaves_its_frame() -> Non
 
 def test_the_gpt_oss_template_selects_harmony() -> None:
     assert detect(GPT_OSS.tokenizer()) == ("gpt_oss", "harmony")
+
+
+# -- the framing reader against openai-harmony ------------------------------------------------------
+
+
+def _agrees_with_harmony(text: str) -> bool:
+    """The reader finds harmony's messages, and parse (with and without tools) and, where the oracle's
+    split can find message n, the reasoning split are the harmony-based ones; the split is exact."""
+    msgs = harmony_messages(text)
+    frames = read(text)
+    want = None if msgs is None else [(m.channel, m.recipient, message_text(m)) for m in msgs]
+    assert want == (None if frames is None else [(f.channel, f.recipient, f.text) for f in frames]), text
+    for tools in (tuple(TOOLS), ()):
+        (c0, k0), (c1, k1) = oracle_parse(text, tools), gpt_oss.parse(text, tools)
+        assert (c0, calls_of(k0)) == (c1, calls_of(k1)), (text, tools)
+    got, rest = gpt_oss.reasoning(text)
+    assert (got.raw if got else "") + rest == text
+    if msgs is not None and not starts_only_between(text, msgs):
+        return False
+    assert oracle_reasoning(text) == (got, rest), text
+    return msgs is not None
+
+
+def test_the_reader_agrees_with_harmony_on_rendered_completions() -> None:
+    texts = [rendered(random.Random(seed)) for seed in range(300)]
+    assert all(_agrees_with_harmony(t) for t in texts)
+    calls = [t for t in texts if gpt_oss.parse(t, tuple(TOOLS))[1]]
+    assert len(calls) > 50 and sum("<|constrain|>" not in t for t in calls) > 10  # the mix is a mix
+    assert sum("<|channel|>commentary to=" in t for t in calls) > 10
+
+
+TWO_CALLS = (
+    "<|channel|>analysis<|message|>Plan: ✓ two calls.<|end|><|start|>assistant<|channel|>commentary<|message|>"
+    "Listing.<|end|><|start|>assistant to=functions.bash<|channel|>commentary json<|message|>"
+    '{"command": "ls"}<|call|><|start|>assistant<|channel|>commentary to=functions.bash <|constrain|>json'
+    '<|message|>{"command": "pwd"}'
+)
+
+
+def test_the_reader_agrees_with_harmony_on_hostile_text() -> None:
+    read_by_harmony = sum(_agrees_with_harmony(hostile(random.Random(seed))) for seed in range(1500))
+    assert 200 < read_by_harmony < 1400  # both kinds, framing harmony reads and framing it rejects
+    for cut in range(len(TWO_CALLS) + 1):  # truncated anywhere
+        _agrees_with_harmony(TWO_CALLS[:cut])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<|channel|>final<|message|>a <|message|> b<|message|>",  # a stray <|message|> is text
+        "<|channel|>final<|message|>x<|end|><|start|><|start|>assistant<|channel|>final<|message|>y",
+        "<|channel|>final<|message|>x<|end|><|end|>",  # only <|start|> may follow a stop
+        "<|channel|><|channel|>final<|message|>x",  # no channel name
+        "<|channel|>final<|channel|>final<|message|>x",  # the second marker is a lone word: a recipient
+        "<|channel|>commentary to=functions.bash json extra<|message|>{}",  # a word too many
+        "<|start|>assistant<|channel|>final<|message|>x",  # the prompt's header again: a recipient
+        "<|channel|>final\x1c<|message|>x",  # not whitespace to harmony
+        "<|channel|>final\u3000json<|message|>x",  # whitespace to the channel cut and the trim
+        "<|channel|>commentary to=functions.bash\u3000json<|message|>{}",  # not to the split: one word
+        "<|channel|>analysis<|message|>a<|end|><|start|>user<|channel|>final<|message|>hi",
+        "<|channel|>analysis<|message|>a<|end|><|start|>bash to=x<|channel|>final<|message|>hi",
+        "<|channel|>analysis<|message|>a<|call|><|return|>",
+        "",
+    ],
+)
+def test_nested_and_duplicated_specials_read_as_harmony_reads_them(text: str) -> None:
+    _agrees_with_harmony(text)
+
+
+def test_a_start_inside_the_reasoning_does_not_move_the_split() -> None:
+    """The oracle cuts at the n-th `<|start|>` of the text; the reader at message n's own."""
+    text = "<|channel|>analysis<|message|>a<|start|>b<|end|><|start|>assistant<|channel|>final<|message|>c"
+    r, rest = gpt_oss.reasoning(text)
+    assert r is not None and (r.text, r.trail) == ("a<|start|>b", "<|end|><|start|>assistant")
+    assert rest == "<|channel|>final<|message|>c"
+    assert gpt_oss.parse(rest) == ("c", ()) and oracle_reasoning(text)[0] != r
+
+
+def _best(text: str, reps: int = 5) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        _, rest = gpt_oss.reasoning(text)
+        gpt_oss.parse(rest, tuple(TOOLS))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+CALL_TURN = '<|channel|>commentary to=functions.bash json<|message|>{"a": 1}<|call|><|start|>assistant'
+FINAL = "<|channel|>final<|message|>done"
+HUGE: dict[str, Callable[[int], str]] = {  # a shape of hostile completion of about n characters
+    "one long answer": lambda n: "<|channel|>final<|message|>" + "é x<|" * (n // 5),
+    "many analysis": lambda n: (
+        "<|channel|>analysis<|message|>hm<|end|><|start|>assistant" * (n // 52) + FINAL
+    ),
+    "many calls": lambda n: CALL_TURN * (n // len(CALL_TURN)) + FINAL,
+    "a long header": lambda n: "<|channel|>" + "a" * n + " to=functions.bash<|message|>{}",
+    "specials": lambda n: "<|start|><|message|><|end|><|call|>" * (n // 40),
+    "whitespace": lambda n: "<|channel|>final" + " \u3000\t" * (n // 3) + "json<|message|>x",
+}
+
+
+@pytest.mark.parametrize("shape", sorted(HUGE))
+def test_a_megabyte_parses_in_linear_time(shape: str) -> None:
+    small, big = HUGE[shape](100_000), HUGE[shape](1_000_000)
+    assert _best(big) / _best(small) < 20  # quadratic would be ~100
 
 
 # -- served turns, in every dialect -------------------------------------------------------------------
