@@ -2,7 +2,7 @@
 
 Concept: a completion is split in two steps, reasoning first (`think`: `<think>...</think>`),
 then tool calls in the family's native format (hermes, qwen3_coder, glm45, llama3_json,
-kimi_k2, deepseek_v31, gpt_oss: harmony's channels, read by openai-harmony; its reasoning
+kimi_k2, deepseek_v31, gpt_oss: harmony's channels, read by harmony_reader.py, openai-harmony's rules in Python; its reasoning
 parser is `harmony`, and its parser also runs without tools, since even a plain answer is framed). `build_parsers` picks both from the template's markers
 (`detect`) unless the config names them (`tito.tool_parser`, `tito.reasoning_parser`);
 an unknown name is a config error listing the known ones.

