@@ -1,10 +1,10 @@
 """The FSDP2 tests' fixed step, their torchrun worker and what they compare (tests/test_fsdp2.py).
 
 `groups()` is one step's worth of GRPO groups (3 + 2 episodes: an odd number of samples, so under
-2 ranks one rank trains 3 and the other 2 plus a zero-weight filler); `trainer(model, lora)` builds
+2 ranks one rank trains 3 and the other 2 plus a zero-weight filler); `lone_group()` trains one sample; `trainer(model, lora)` builds
 the TorchTrainer every run uses (a microbatch budget that packs each sample alone); `steps(...)`
 trains and records. Run as a script under torchrun (`run_torchrun`), this module is one rank of the
-2-rank side: it trains 2 steps (checkpointing after the first) and then resumes a checkpoint the
+2-rank side: it trains 2 steps (checkpointing after the first) and a lone-sample step, and then resumes a checkpoint the
 single process wrote and takes its next step; rank 0 writes metrics, weights and exports to `out`.
 
 Under torchrun this file runs as a script: it puts the repository root on sys.path first, so
@@ -29,7 +29,7 @@ from miles_env.trainer.config import LoraConfig, TrainerConfig
 from miles_env.trainer.torch_backend import TorchTrainer
 from miles_env.types import Episode, Reward, Status, Trajectory, Turn
 
-__all__ = ["METRICS", "WORKER", "groups", "run_torchrun", "save_run", "steps", "trainer"]
+__all__ = ["METRICS", "WORKER", "groups", "lone_group", "run_torchrun", "save_run", "steps", "trainer"]
 
 WORKER = Path(__file__)
 VOCAB = 96
@@ -57,6 +57,15 @@ def groups(seed: int = 0) -> list[list[Episode]]:
                                  status=Status.COMPLETED, reward=Reward(score=score), samples=[traj]))  # fmt: skip
         out.append(group)
     return out
+
+
+def lone_group() -> list[list[Episode]]:
+    """A group whose second episode has no sampled token: one sample, so under 2 ranks one rank has
+    no microbatch of its own and runs only the zero-weight filler."""
+    (a, b, _), _ = groups(7)
+    masked = b.samples[0].model_copy(update={"loss_mask": [0] * len(b.samples[0].token_ids),
+                                             "logprobs": [0.0] * len(b.samples[0].token_ids)})  # fmt: skip
+    return [[a, b.model_copy(update={"samples": [masked]})]]
 
 
 def trainer(model: Path, lora: bool) -> TorchTrainer:
@@ -111,6 +120,7 @@ def _main(out: Path, model: Path, lora: bool, resume_from: Path) -> None:
     one step -> out/resumed."""
     t = trainer(model, lora)
     save_run(t, out / "fresh", steps(t, 2, out / "ckpt"))
+    save_run(t, out / "lone", [t.train_step(lone_group())])
     r = trainer(model, lora)
     extra: Any = r.load_checkpoint(resume_from)
     assert extra == {"step": 1}, extra

@@ -16,7 +16,7 @@ import torch
 
 from miles_env.trainer.fsdp import deal
 from miles_env.trainer.samples import pack_microbatches
-from tests.fsdp_support import METRICS, run_torchrun, save_run, steps, trainer
+from tests.fsdp_support import METRICS, lone_group, run_torchrun, save_run, steps, trainer
 from tests.train_support import rows, train_args
 from tests.trainer_support import make_tiny_model
 
@@ -66,6 +66,13 @@ def test_two_ranks_take_the_single_process_step_and_resume_across_world_sizes(
     # (a) the same 2 steps: metrics reduced over ranks, weights (merged, with LoRA) equal
     _same_metrics(one_m, json.loads((two / "fresh" / "metrics.json").read_text()))
     _same_state(tmp_path / "one", two / "fresh")
+    # (a) one sample: rank 1 trains nothing of its own, yet takes part (a zero-weight filler)
+    save_run(one, tmp_path / "one_lone", [one.train_step(lone_group())])
+    assert json.loads((tmp_path / "one_lone" / "metrics.json").read_text())[0]["samples"] == 1
+    _same_metrics(
+        *(json.loads((d / "metrics.json").read_text()) for d in (tmp_path / "one_lone", two / "lone"))
+    )
+    _same_state(tmp_path / "one_lone", two / "lone")
     # the checkpoints have one format: the same keys, the same tensors
     ca = torch.load(next((tmp_path / "one_ckpt").glob("step_*")) / "state.pt", weights_only=False)
     cb = torch.load(next((two / "ckpt").glob("step_*")) / "state.pt", weights_only=False)
