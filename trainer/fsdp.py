@@ -97,7 +97,13 @@ def shard(model: Any, device: torch.device, world: int, methods: dict[str, Calla
         register_fsdp_forward_method(model, name)
 
 
-def deal(lengths: Sequence[int], budget: int, pack: Any, rank: int, world: int) -> list[list[int] | None]:
+def deal(
+    lengths: Sequence[int],
+    budget: int,
+    pack: Callable[[Sequence[int], int], list[list[int]]],
+    rank: int,
+    world: int,
+) -> list[list[int] | None]:
     """This rank's microbatches (global sample indices) of `samples[rank::world]`, packed under
     `budget`, then None (a zero-weight filler) up to the busiest rank's count."""
     per_rank = []

@@ -205,9 +205,12 @@ class TorchTrainer:
         budget, rank, world = cfg.max_tokens_per_microbatch, self.world.rank, self.world.world
         for idx in deal(lengths, budget, pack_microbatches, rank, world):
             real = idx is not None  # None: this rank's zero-weight filler (FSDP2's passes are collective)
-            batch = self._collate(
-                [samples[i] for i in idx] if real else [min(samples, key=lambda s: len(s.token_ids))]
+            rows = (
+                [samples[i] for i in idx]
+                if idx is not None
+                else [min(samples, key=lambda s: len(s.token_ids))]
             )
+            batch = self._collate(rows)
             logp = self._forward_logprobs(self.model, batch.ids, batch.mask)
             ref = None
             if self.ref_model is not None:
@@ -267,7 +270,8 @@ class TorchTrainer:
 
     @torch.no_grad()
     def logprobs(self, samples: Sequence[Trajectory | Sample]) -> list[torch.Tensor]:
-        """Per-sample [L] logprobs under the current weights (position 0 is 0), on the CPU."""
+        """Per-sample [L] logprobs under the current weights (position 0 is 0), on the CPU. Sharded:
+        every rank computes every sample (the forward is collective)."""
         self.model.eval()
         wrapped = [
             s if isinstance(s, Sample) else Sample(s.token_ids, s.loss_mask, s.logprobs, 0.0, 0.0)
