@@ -127,12 +127,16 @@ def reduce_metrics(
 
 
 def full_state(model: Any) -> dict[str, torch.Tensor]:
-    """The model's full state dict (its own names) on rank 0's CPU; {} on the other ranks.
-    Collective: every rank must call it."""
+    """The model's full state dict (its own names) on rank 0's CPU, tied entries (lm_head =
+    embed_tokens) one tensor again as in the model; {} on the other ranks. Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     out: dict[str, torch.Tensor] = get_model_state_dict(model, options=opts)  # type: ignore[assignment]
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name in out:
+            out[name] = out[first.setdefault(id(p), name)]
     return out
 
 

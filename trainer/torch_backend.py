@@ -333,7 +333,7 @@ class TorchTrainer:
         """Full, HF-named weights; with LoRA, merged. Sharded: gathered to rank 0's CPU (tied tensors
         stay one tensor), {} on the other ranks, which must all enter the call."""
         if self.sharded:
-            full = _retie(self.model, full_state(self.model))
+            full = full_state(self.model)
             return merged_lora_state(self.model, full) if self.config.lora is not None else full
         if self.config.lora is not None:
             from miles_env.trainer.lora import merged_state
@@ -431,12 +431,3 @@ def _read(root: Path) -> tuple[dict[str, Any], tuple[Any, ...] | None]:
     state, meta = read_checkpoint(path)
     adapter = sorted(state["adapter"]) if "adapter" in state else None
     return state, (meta, state["rng"], adapter, str(path))
-
-
-def _retie(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A gathered state's tied entries (lm_head = embed_tokens) as one tensor again, as in the model."""
-    first: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if name in state:
-            state[name] = state[first.setdefault(id(p), name)]
-    return state
