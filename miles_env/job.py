@@ -1,7 +1,7 @@
 """The main job: agentic RL in one process (`miles-env train CONFIG`).
 
-This module only builds and wires: config -> environment, harness, engine, stack (proxy,
-sandboxes), replay queue, trainer, then hands them to the one training loop
+This module only wires: config -> environment, harness, engine, stack (proxy, sandboxes),
+replay queue, trainer (resolved and built by job_plan.py), then hands them to the one training loop
 (`miles_env.trainer.loop.TrainLoop`), whose `StepHooks` `_Job` implements: rollouts into the
 queue (in line for sync, concurrent producers for fully_async), weight sync after each step
 (engine version = trainer step), eval every N steps, metrics and console output, and its rng
@@ -17,84 +17,51 @@ its missing episodes, under its own group id, then trained like any other
 
 from __future__ import annotations
 
-import json
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, nullcontext
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import replace
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
-import yaml
 
-from miles_env.config import Mode, RunConfig
+from miles_env.config import RunConfig
 from miles_env.cost import RunCost
 from miles_env.engines.base import (
     Engine,
     PrefixCacheCounter,
     PrefixCacheStats,
 )
-from miles_env.environment import Environment
 from miles_env.errors import ConfigError
 from miles_env.evals import build_evaluator
-from miles_env.evals.base import EvalSetup, episode_stats, filter_tiers
-from miles_env.harness import Harness
+from miles_env.evals.base import EvalSetup, episode_stats
+from miles_env.job_plan import (
+    Dispatch,
+    JobPlan,
+    build_job_trainer,
+    job_engine,
+    loop_config,
+    plan_job,
+    rollout_dispatch,
+    write_resolved,
+)
 from miles_env.job_sync import build_syncer, sync_weights
 from miles_env.jsonio import write_json
-from miles_env.opd import Teacher, build_teacher, opd_metrics, trainer_options
-from miles_env.provenance import env_distribution
+from miles_env.opd import Teacher, build_teacher, opd_metrics
 from miles_env.queue import AsyncReplayQueue
 from miles_env.rollout import RolloutContext, run_group
 from miles_env.runlog import RunLog
-from miles_env.trainer.loop import LoopConfig, StepHooks, StepResult, TrainerBackend, TrainLoop
+from miles_env.trainer.loop import StepHooks, StepResult, TrainerBackend, TrainLoop
 from miles_env.types import Episode, Task
 
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress, TaskID
 
-    from miles_env.engines import EngineConfig
-    from miles_env.stack import StackConfig
 
 __all__ = ["run_training"]
-
-# where a scaled-out job sends the tasks it chose (cluster/driver.py); None: rolled out in this process
-Dispatch = Callable[[Sequence[Task]], Awaitable[None]]
-
-LEASE_S = 24 * 3600.0  # acked after the checkpoint; a restart recovers leases, not the lease timer
-
-
-def _build_trainer(cfg: RunConfig, model_path: Path) -> TrainerBackend:
-    from miles_env.trainer.build import build_trainer
-
-    options = {
-        "seed": cfg.seed,
-        "keep_checkpoints": cfg.trainer.keep_checkpoints,
-        **cfg.trainer.backend_options,
-        **trainer_options(cfg.opd),  # algorithm=opd: per-token teacher advantages (miles_env/opd.py)
-    }
-    if cfg.cluster.address is not None and cfg.cluster.trainer is not None:  # an actor on a trainer node
-        from miles_env.cluster.trainer import remote_trainer
-
-        return remote_trainer(cfg, model_path, options)
-    return build_trainer(cfg.trainer.backend, model_path, options)
-
-
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    """What the run config resolves to before anything heavy is built."""
-
-    env: Environment
-    train_tasks: list[Task]
-    harness: Harness
-    eval_harness: Harness
-    engine_cfg: EngineConfig
-    model_path: Path
-    stack_cfg: StackConfig
 
 
 class _Job(StepHooks):
@@ -103,7 +70,7 @@ class _Job(StepHooks):
     def __init__(
         self,
         cfg: RunConfig,
-        plan: _Plan,
+        plan: JobPlan,
         *,
         contexts: tuple[RolloutContext, RolloutContext],  # (train, eval)
         queue: AsyncReplayQueue,
@@ -281,85 +248,13 @@ def _progress(console: Console) -> Progress:
     return Progress(*columns, console=console)
 
 
-def _write_resolved(cfg: RunConfig, env: Environment) -> None:
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    data = json.loads(cfg.model_copy(update={"env_dist": env_distribution(env)}).model_dump_json())
-    (cfg.run_dir / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
-
-
-def _loop_config(cfg: RunConfig) -> LoopConfig:
-    fully_async = cfg.mode != Mode.SYNC
-    workers = cfg.cluster.rollout_workers if cfg.cluster.address is not None else 1
-    return LoopConfig(
-        steps=cfg.trainer.steps,
-        groups_per_step=cfg.rollout.groups_per_step,
-        ckpt_dir=cfg.run_dir / "checkpoints",
-        ckpt_every=cfg.trainer.checkpoint_every,
-        max_staleness=cfg.rollout.max_staleness,
-        producers=workers * max(1, cfg.rollout.concurrency // cfg.rollout.group_size) if fully_async else 0,
-        eval_every=cfg.eval.every if cfg.eval.enabled else 0,
-        lease_s=LEASE_S,
-        poll_s=0.2,
-    )
-
-
-def _plan(cfg: RunConfig) -> _Plan:
-    """Environment, harnesses, engine and stack configs from the run config (nothing heavy built)."""
-    from miles_env.engines import ServerEngineConfig
-    from miles_env.harnesses import build_harness
-    from miles_env.models import resolve_model
-    from miles_env.registry import load_environment
-    from miles_env.stack import StackConfig, run_fleet
-
-    env = load_environment(cfg.env)
-    train_tasks = filter_tiers(env.tasks("train"), cfg.rollout.tiers)
-    if not train_tasks:
-        raise ConfigError(f"env={cfg.env!r} with rollout.tiers={cfg.rollout.tiers}: no train tasks")
-    harness = build_harness(cfg.harness)
-    eval_harness = harness
-    if cfg.eval.temperature is not None:  # RunConfig checked that this harness has a temperature
-        eval_harness = build_harness(cfg.harness.model_copy(update={"temperature": cfg.eval.temperature}))
-    engine_cfg = cfg.engine
-    if "seed" in type(engine_cfg).model_fields and "seed" not in engine_cfg.model_fields_set:
-        engine_cfg = engine_cfg.model_copy(update={"seed": cfg.seed})  # the run's seed, unless its own
-    if isinstance(engine_cfg, ServerEngineConfig) and engine_cfg.log_dir is None:  # logs stay with the run
-        engine_cfg = engine_cfg.model_copy(update={"log_dir": str(cfg.run_dir / "engine")})
-    model_path = resolve_model(engine_cfg.model)
-    stack_cfg = StackConfig(
-        engine=engine_cfg, tito=cfg.tito, sandbox=cfg.sandbox, store_dir=cfg.run_dir / "sessions",
-        fleet=run_fleet(cfg), cost=cfg.cost,
-    )  # fmt: skip
-    return _Plan(env, train_tasks, harness, eval_harness, engine_cfg, model_path, stack_cfg)
-
-
-def _rollouts(cfg: RunConfig, engine: Engine) -> AbstractAsyncContextManager[Dispatch | None]:
-    """With `cluster.address`, Ray actors roll the groups out (cluster/driver.py); else nothing."""
-    if cfg.cluster.address is None:
-        return nullcontext(None)
-    from miles_env.cluster.driver import cluster_rollouts
-
-    return cluster_rollouts(cfg, engine)
-
-
-async def _engine(cfg: RunConfig, plan: _Plan) -> Engine:
-    """The job's engine: with `cluster.engines`, a client of engine actors Ray placed
-    (cluster/engines.py); else built in this process."""
-    if cfg.cluster.address is not None and cfg.cluster.engines is not None:
-        from miles_env.cluster.engines import placed_engines
-
-        return await placed_engines(cfg, plan.engine_cfg, plan.model_path)
-    from miles_env.engines import build_engine
-
-    return await build_engine(plan.engine_cfg)
-
-
 async def _follow(cfg: RunConfig, rank: int) -> dict[str, Any]:
     """A torchrun rank > 0: build the same trainer and repeat rank 0's calls (trainer/ranks.py)."""
     from miles_env.models import resolve_model
     from miles_env.trainer.ranks import follow
 
     model = resolve_model(cfg.engine.model)
-    trainer = await anyio.to_thread.run_sync(_build_trainer, cfg, model)
+    trainer = await anyio.to_thread.run_sync(build_job_trainer, cfg, model)
     return {"rank": rank, "trainer_calls": await anyio.to_thread.run_sync(follow, trainer)}
 
 
@@ -372,13 +267,15 @@ async def run_training(cfg: RunConfig, console: Console) -> dict[str, Any]:
     started = time.time()
     rank, world = torchrun_rank()
     if world > 1 and cfg.trainer.backend not in ("megatron", "torch"):  # torch: FSDP2 (trainer/fsdp.py)
-        raise ConfigError(f"torchrun with {world} processes: only trainer.backend=megatron|torch shard a model")
+        raise ConfigError(
+            f"torchrun with {world} processes: only trainer.backend=megatron|torch shard a model"
+        )
     if rank > 0:
         return await _follow(cfg, rank)
-    plan = _plan(cfg)
-    _write_resolved(cfg, plan.env)
+    plan = plan_job(cfg)
+    write_resolved(cfg, plan.env)
     log = RunLog(cfg.run_dir, config=cfg.logging)
-    trainer = await anyio.to_thread.run_sync(_build_trainer, cfg, plan.model_path)
+    trainer = await anyio.to_thread.run_sync(build_job_trainer, cfg, plan.model_path)
     if world > 1:
         trainer = Leader(trainer)
     queue_sync = build_queue(
@@ -387,10 +284,13 @@ async def run_training(cfg: RunConfig, console: Console) -> dict[str, Any]:
         group_size=cfg.rollout.group_size,
         max_pending_groups=2 * cfg.rollout.groups_per_step,
     )
-    engine = await _engine(cfg, plan)
+    engine = await job_engine(cfg, plan)
     teacher = None if cfg.opd is None else await build_teacher(cfg.opd)
     try:
-        async with open_stack(plan.stack_cfg, engine=engine) as stack, _rollouts(cfg, engine) as dispatch:
+        async with (
+            open_stack(plan.stack_cfg, engine=engine) as stack,
+            rollout_dispatch(cfg, engine) as dispatch,
+        ):
             timeout_s, limits = cfg.rollout.episode_timeout_s, cfg.rollout.limits
             ctx = replace(stack.rollout_context(plan.env, plan.harness, timeout_s, limits), guards=cfg.guards)
             eval_ctx = replace(
@@ -400,7 +300,7 @@ async def run_training(cfg: RunConfig, console: Console) -> dict[str, Any]:
             job = _Job(cfg, plan, contexts=(ctx, eval_ctx), queue=queue, trainer=trainer, engine=engine,
                        log=log, console=console, dispatch=dispatch, teacher=teacher)  # fmt: skip
             async with job.evaluator:  # what eval.mode owns (a dedicated engine) lives for the run
-                summary = await _run(job, TrainLoop(queue, trainer, _loop_config(cfg), job))
+                summary = await _run(job, TrainLoop(queue, trainer, loop_config(cfg), job))
     finally:
         if isinstance(trainer, Leader):
             await anyio.to_thread.run_sync(trainer.close)
