@@ -25,7 +25,15 @@ __all__ = ["COLLECTIVE", "Leader", "follow", "torchrun_rank"]
 
 # The trainer methods every rank must enter together (export_adapter: a sharded LoRA is gathered).
 COLLECTIVE = frozenset(
-    {"train_step", "state_dict", "export_weights", "export_adapter", "save_checkpoint", "load_checkpoint", "logprobs"}
+    {
+        "train_step",
+        "state_dict",
+        "export_weights",
+        "export_adapter",
+        "save_checkpoint",
+        "load_checkpoint",
+        "logprobs",
+    }
 )
 
 
