@@ -17,38 +17,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from tests import train_support as e2e
-from tests.cluster_support import STEPS, cluster_config, queue_stats, train_cmd
+from tests.cluster_support import STEPS, actor_pids, cluster_config, queue_stats, train_cmd, wait_for
 
 # the replacement is placed in the background while the survivor carries on: steps enough (~1 s
 # each) for it to be placed and to roll groups out before the run ends
 REPLACE_STEPS = 32  # it took ~8 steps on 2 shared cores: 4x margin
-
-
-def _wait(proc: subprocess.Popen[bytes], done: Any, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert proc.poll() is None, f"the run ended before {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
-        time.sleep(0.05)
-
-
-def _worker_pids(cluster: Any) -> list[int]:
-    """PIDs of this cluster's RolloutWorker actor processes (children of its raylets)."""
-    out = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if not any("ray::RolloutWorker" in part for part in p.info["cmdline"] or ()):
-                continue
-            parent = p.parent()
-            if parent is not None and cluster.address in " ".join(parent.cmdline()):
-                out.append(p.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return out
 
 
 def _assert_trained_once(run_dir: Path, stats: Any, steps: int = STEPS) -> None:
@@ -74,8 +50,8 @@ def test_a_killed_rollout_worker_is_replaced_and_nothing_is_lost(
                                 stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
         try:
             both = lambda: all(any((run_dir / "sessions" / f"worker-{i}").glob("*.jsonl")) for i in (0, 1))  # noqa: E731
-            _wait(proc, both, "rollouts on both workers")
-            pids = _worker_pids(ray_cluster)
+            wait_for(proc, both, "rollouts on both workers")
+            pids = actor_pids(ray_cluster, "RolloutWorker")
             assert len(pids) == 2, pids
             os.kill(pids[0], signal.SIGKILL)  # the actor's process dies; its node lives on
             assert proc.wait(timeout=300) == 0, (tmp_path / "train.log").read_text()[-4000:]
@@ -92,7 +68,7 @@ def test_a_killed_rollout_worker_is_replaced_and_nothing_is_lost(
     assert new["replaces"] == lost["name"] and new["name"] == "worker-2" and new["alive"], placed
     assert new["groups"] >= 1, placed  # the replacement rolled groups out (on the freed node)
     assert new["node_id"] in {n.node_id for n in ray_cluster.worker_nodes}
-    assert len(_worker_pids(ray_cluster)) == 0  # every worker stopped at the end
+    assert len(actor_pids(ray_cluster, "RolloutWorker")) == 0  # every worker stopped at the end
     # what the dead worker left short stays open, never trained; at most its one group in flight
     assert stats.open_groups <= 1, stats
 
@@ -111,7 +87,7 @@ def test_redis_killed_and_restarted_mid_run_loses_nothing(
         proc = subprocess.Popen(train_cmd(cluster_config(tmp_path, tiny_model, ray_cluster, server.url)),
                                 stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
         try:
-            _wait(proc, lambda: (run_dir / "checkpoints" / "step_00000001").exists(), "step 1")
+            wait_for(proc, lambda: (run_dir / "checkpoints" / "step_00000001").exists(), "step 1")
             server.kill9()  # a crash: no shutdown, no final flush; the AOF holds what was acked
             time.sleep(2.0)  # down for a while: the driver and both workers meet a dead Redis
             server.start()

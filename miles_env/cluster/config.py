@@ -8,9 +8,10 @@ loop, and hands every group to one of `rollout_workers` Ray actors spread over t
 `RunConfig` checks at load time. A worker that dies is replaced (`replace_workers`). With
 `engines` set, the run's engine is not built in the driver: `engines.count` Ray actors
 (cluster/engines.py) each build it on an engine node and serve it over the SGLang native API, and
-the driver and the workers are clients of all of them. With `trainer` set, the trainer too runs
-as an actor (cluster/trainer.py) and the driver only orchestrates. Invariant: pydantic and stdlib
-only (the run config composes it without importing Ray).
+the driver and the workers are clients of all of them; one that dies is replaced
+(`engines.replace`). With `trainer` set, the trainer too runs as an actor (cluster/trainer.py)
+and the driver only orchestrates. Invariant: pydantic and stdlib only (the run config composes it
+without importing Ray).
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ class EnginesConfig(BaseModel):
     )
     router: Literal["ring", "sglang-router"] = Field(
         "ring", description="the driver's client: its own hash ring over the engines, or sglang-router"
+    )
+    replace: bool = Field(
+        True,
+        description="start a new engine actor for each one that dies; it joins every ring once it "
+        "serves the current weight version (cluster/engine_faults.py)",
     )
 
 

@@ -27,6 +27,10 @@ open groups). A group the worker finished just before dying is re-run too: an ex
 the same episode twice. No worker left (none alive, none being started) is a ClusterError.
 RUN_DIR/cluster.json records, per worker, its node, groups, episodes and whom it replaced, and
 the losses, replacements and re-dispatches (and the placed engines, engines.py).
+Placed engines (`cluster.engines.replace`): `watch_engines` (engine_faults.py) runs in the
+background; once an engine is found dead, and again once its replacement has joined,
+`set_engine_urls` hands the live URLs to every living worker (`RolloutWorker.set_engine_urls`), and a worker started later is told them as soon
+as it is placed.
 
 Lifecycle: `async with cluster_rollouts(cfg, engine) as dispatch:` joins the cluster (ray.init),
 starts the engine server if needed and the workers; on exit cancels what is in flight, closes and
@@ -87,6 +91,7 @@ class ClusterRollouts:
     redispatched: int = 0  # tasks re-run after their worker died under them
     replaced: int = 0  # workers started for dead ones
     reports: list[GroupReport] = field(default_factory=list)
+    engine_urls: list[str] | None = None  # the placed engines' live URLs once one was replaced
     _requested: int = 0  # replacements asked for (they name worker-{n})
     _starting: int = 0  # replacements under way
     _changed: anyio.Event = field(default_factory=anyio.Event)  # set when one of them is done
@@ -159,10 +164,20 @@ class ClusterRollouts:
             self.workers.append(new)
             self.replaced += 1
             log.warning("rollout worker %s replaced by %s (node %s)", dead.name, new.name, new.node_id)
+            if self.engine_urls is not None:  # an engine replaced while it started: the list now
+                await _tell(new, self.engine_urls)
         finally:
             self._starting -= 1
             self._changed.set()
             self._changed = anyio.Event()
+
+    async def set_engine_urls(self, urls: list[str]) -> None:
+        """A placed engine was replaced (engine_faults.py): every living worker reaches `urls`."""
+        self.engine_urls = list(urls)
+        async with anyio.create_task_group() as tg:
+            for w in self.workers:
+                if w.alive:
+                    tg.start_soon(_tell, w, self.engine_urls)
 
     def summary(self) -> dict[str, Any]:
         keys = ("name", "node_id", "alive", "groups", "episodes", "lost_error", "replaces")
@@ -172,6 +187,19 @@ class ClusterRollouts:
             "workers": workers, "workers_lost": lost, "workers_replaced": self.replaced,
             "groups_redispatched": self.redispatched,
         }  # fmt: skip
+
+
+async def _tell(worker: _Worker, urls: list[str]) -> None:
+    """Hand `urls` to one worker; a dead one is the dispatch's to find (RayActorError there), and
+    a worker that could not take them keeps its ring (its client drops a dead engine itself)."""
+    from ray.exceptions import RayActorError, RayError
+
+    try:
+        await worker.actor.set_engine_urls.remote(urls)
+    except RayActorError:
+        pass
+    except RayError as e:
+        log.warning("rollout worker %s: engine URLs not updated: %s", worker.name, str(e).splitlines()[0])
 
 
 async def _call(method: Any, *args: Any) -> Any:
@@ -283,6 +311,7 @@ async def _finish(cfg: RunConfig, engine: Engine, rollouts: ClusterRollouts) -> 
     summary = rollouts.summary()
     if isinstance(engine, PlacedEngines):
         summary["engines"] = await engine.summary()
+        summary["engines_replaced"] = sum(1 for e in summary["engines"] if e["replaces"] is not None)
     write_json(cfg.run_dir / "cluster.json", summary)
     await _stop_workers(rollouts.workers)
 
@@ -290,6 +319,8 @@ async def _finish(cfg: RunConfig, engine: Engine, rollouts: ClusterRollouts) -> 
 @asynccontextmanager
 async def cluster_rollouts(cfg: RunConfig, engine: Engine) -> AsyncIterator[ClusterRollouts]:
     """Join the Ray cluster at `cfg.cluster.address` and run the rollouts there (module docstring)."""
+    from miles_env.cluster.engines import PlacedEngines
+
     assert cfg.cluster.address is not None
     joined = session.join(cfg.cluster.address)
     cfg = cfg.model_copy(update={"run_dir": cfg.run_dir.resolve()})  # the workers' cwd is not ours
@@ -303,6 +334,10 @@ async def cluster_rollouts(cfg: RunConfig, engine: Engine) -> AsyncIterator[Clus
                 async with anyio.create_task_group() as background:
                     if cfg.cluster.replace_workers:
                         rollouts.spawn, rollouts.background = spawn, background
+                    if isinstance(engine, PlacedEngines) and engine.replaces:
+                        from miles_env.cluster.engine_faults import watch_engines
+
+                        background.start_soon(watch_engines, engine, rollouts.set_engine_urls)
                     try:
                         yield rollouts
                     finally:

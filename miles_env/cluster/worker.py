@@ -80,6 +80,7 @@ class RolloutWorker:
         self._holder: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
         self._running: set[asyncio.Task[Any]] = set()  # run_group calls, cancelled by close()
+        self._engine: Any = None  # the stack's engine client (an SGLangEngine)
 
     async def start(self) -> str:
         """Open the stack and the queue; return this worker's Ray node id."""
@@ -112,6 +113,7 @@ class RolloutWorker:
                 max_pending_groups=2 * cfg.rollout.groups_per_step,
             )  # fmt: skip
             async with open_stack(stack_cfg) as stack:
+                self._engine = stack.engine
                 self._ctx = replace(
                     stack.rollout_context(env, harness, cfg.rollout.episode_timeout_s, cfg.rollout.limits),
                     guards=cfg.guards,
@@ -126,7 +128,7 @@ class RolloutWorker:
             self._failure = e
             self._ready.set()
         finally:
-            self._ctx = self._queue = None
+            self._ctx = self._queue = self._engine = None
             if queue_sync is not None:
                 queue_sync.close()
 
@@ -155,6 +157,14 @@ class RolloutWorker:
         group_id = group[0].group_id if group else ""
         return GroupReport(worker=self.name, node_id=self.node_id, group_id=group_id,
                            episodes=len(group), put=put)  # fmt: skip
+
+    async def set_engine_urls(self, urls: list[str]) -> None:
+        """The engines to reach from now on (a placed engine was replaced: cluster/engine_faults.py);
+        turns in flight finish where they are, a session's next turn follows the new ring."""
+        from miles_env.engines.sglang import SGLangEngine
+
+        if isinstance(self._engine, SGLangEngine):
+            self._engine.set_urls(urls)
 
     async def close(self) -> None:
         """Cancel the groups in flight (nothing more is put), close the stack and the queue client."""

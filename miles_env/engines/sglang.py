@@ -133,6 +133,16 @@ class SGLangEngine:
             return self.router
         return self._ring.pick(session_id) if session_id else next(self._rotation)
 
+    def set_urls(self, urls: Sequence[str]) -> None:
+        """Serve from exactly `urls` from now on (a placed engine replaced, cluster/engine_faults.py);
+        the ring is consistent, so only the sessions of a URL that left or joined move."""
+        new = [u.rstrip("/") for u in urls]
+        if not new:
+            raise ConfigError("sglang engine: urls is empty")
+        self.urls = new
+        self._ring = HashRing(new)
+        self._rotation = itertools.cycle(new)
+
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self._cache
 
