@@ -107,7 +107,7 @@ async def watch_engines(engines: PlacedEngines, on_change: OnChange) -> None:
 
 async def replace_engine(engines: PlacedEngines, dead: Placed, on_change: OnChange) -> None:
     """Place, load and join one engine for `dead`; a failure is logged and the run goes on."""
-    name = f"engine-{len(engines.placed)}"
+    name = engines.next_name()
     timeout = engines.cfg.cluster.start_timeout_s
     try:
         with anyio.fail_after(timeout):

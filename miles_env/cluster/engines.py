@@ -167,6 +167,12 @@ class PlacedEngines(SGLangEngine):
         self.served: Served | None = None  # None: the engines serve the weights they were built with
         self.sync_lock = anyio.Lock()  # a weight sync and a replacement joining never interleave
         self._joined = joined
+        self._named = len(self.placed)  # engines named so far: a replacement is engine-{n}
+
+    def next_name(self) -> str:
+        """The name of the next replacement (unique even while several are being placed)."""
+        self._named += 1
+        return f"engine-{self._named - 1}"
 
     @property
     def engine_urls(self) -> list[str]:
