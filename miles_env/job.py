@@ -67,6 +67,8 @@ __all__ = ["run_training"]
 class _Job(StepHooks):
     """The job's side of the training loop: rollouts, weight sync, eval, reporting."""
 
+    produces = True  # produce() rolls the groups out (trainer/loop.py)
+
     def __init__(
         self,
         cfg: RunConfig,
@@ -196,8 +198,9 @@ class _Job(StepHooks):
         if self.completed_on_resume:  # once, in the first step after the restart that completed them
             metrics["groups_completed_on_resume"] = float(self.completed_on_resume)
             self.completed_on_resume = 0
-        metrics["staleness_mean"] = sum(result.step - 1 - ep.min_weight_version for ep in episodes) / max(
-            1, len(episodes)
+        sampled = [ep for ep in episodes if ep.sampled]  # an episode with no turn has no version
+        metrics["staleness_mean"] = sum(result.step - 1 - ep.min_weight_version for ep in sampled) / max(
+            1, len(sampled)
         )
         if self.dispatch is not None:  # cluster: nodes that rolled this step out (cluster/worker.py)
             nodes = {(ep.metadata.get("cluster") or {}).get("node_id") for ep in episodes}

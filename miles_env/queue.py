@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict
 from miles_env.episode_codec import decode_episode, encode_episode, payload_checksum
 from miles_env.errors import MilesEnvError
 from miles_env.queue_aio import POLL_S, AsyncReplayQueue
-from miles_env.queue_contract import wait_for_capacity
+from miles_env.queue_contract import group_version, wait_for_capacity
 from miles_env.sqlite_db import SqliteFile
 from miles_env.types import Episode
 
@@ -241,14 +241,14 @@ class SqliteReplayQueue:
             row = conn.execute(
                 "SELECT n, min_version, state FROM groups WHERE group_id=?", (episode.group_id,)
             ).fetchone()
-            n, min_v = (0, episode.min_weight_version) if row is None else (row[0], row[1])
+            n, min_v = (0, group_version(episode)) if row is None else (row[0], row[1])
             if row is not None and row[2] != GroupState.OPEN:
                 raise QueueError(
                     f"episode {episode.id!r}: group {episode.group_id!r} already has group_size="
                     f"{self.group_size} episodes"
                 )
             n += 1
-            min_v = min(min_v, episode.min_weight_version)
+            min_v = min(min_v, group_version(episode))
             state = GroupState.PENDING if n == self.group_size else GroupState.OPEN
             done_at = time.time() if state == GroupState.PENDING else None
             conn.execute(

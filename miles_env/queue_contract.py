@@ -24,7 +24,18 @@ if TYPE_CHECKING:
     from miles_env.queue import Lease, OpenGroup, QueueStats
     from miles_env.queue_aio import AsyncReplayQueue
 
-__all__ = ["ReplayQueue", "wait_for_capacity"]
+__all__ = ["UNSAMPLED_VERSION", "ReplayQueue", "group_version", "wait_for_capacity"]
+
+# what an episode with no sampled turn contributes to its group's weight version (the group's
+# version is the min over its episodes, which staleness is judged by): nothing, so an episode
+# aborted before its first turn (a dead engine, a sandbox that never started) cannot make a fresh
+# group stale. A group of such episodes only is never stale: nothing in it was sampled.
+UNSAMPLED_VERSION = 2**31 - 1
+
+
+def group_version(episode: Episode) -> int:
+    """The weight version `episode` gives its group: its oldest sampled turn's, else UNSAMPLED_VERSION."""
+    return episode.min_weight_version if episode.sampled else UNSAMPLED_VERSION
 
 
 class ReplayQueue(Protocol):

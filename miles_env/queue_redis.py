@@ -50,7 +50,7 @@ from miles_env.episode_codec import decode_episode, encode_episode, payload_chec
 from miles_env.jsonio import dumps
 from miles_env.queue import GroupState, Lease, OpenGroup, QueueError, QueueStats
 from miles_env.queue_aio import POLL_S, AsyncReplayQueue
-from miles_env.queue_contract import wait_for_capacity
+from miles_env.queue_contract import group_version, wait_for_capacity
 from miles_env.types import Episode
 
 if TYPE_CHECKING:
@@ -191,7 +191,7 @@ class RedisReplayQueue:
             "PUT",
             episode.id,
             episode.group_id,
-            episode.min_weight_version,
+            group_version(episode),
             self.group_size,
             meta,
             blob,

@@ -210,3 +210,8 @@ class Episode(_Model):
     def min_weight_version(self) -> int:
         versions = [v for s in self.samples for v in s.weight_versions]
         return min(versions) if versions else 0
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the policy sampled any turn (an episode aborted before its first turn did not)."""
+        return any(s.turns for s in self.samples)

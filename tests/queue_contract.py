@@ -226,6 +226,21 @@ class QueueContract:
         got = q.take(10, current_version=5, max_staleness=None)
         assert {lease.group_id for lease in got} == {"new", "edge"}  # stale groups never return
 
+    def test_an_episode_with_no_sampled_turn_does_not_age_its_group(self, backend: QueueBackend) -> None:
+        """An episode aborted before its first turn (a dead engine, a sandbox that never started) has
+        no weight version: its group is as fresh as its sampled episodes, and a group of such
+        episodes only is never stale (nothing in it was sampled)."""
+        q = backend.open(group_size=2)
+        aborted = make_episode("x", "x").model_copy(update={"samples": [], "status": Status.ABORTED})
+        q.put(make_episode("mix-0", "mix", version=5), block=False)
+        q.put(aborted.model_copy(update={"id": "mix-1", "group_id": "mix"}), block=False)
+        q.put(aborted.model_copy(update={"id": "none-0", "group_id": "none"}), block=False)
+        q.put(aborted.model_copy(update={"id": "none-1", "group_id": "none"}), block=False)
+        fill(q, "old", 2, version=1)
+        leases = q.take(10, current_version=5, max_staleness=1)
+        assert sorted(lease.group_id for lease in leases) == ["mix", "none"]
+        assert q.stats().stale_groups == 1  # "old" only
+
     def test_back_pressure_blocks_until_taken(self, backend: QueueBackend) -> None:
         q = backend.open(group_size=1, max_pending_groups=2)
         fill(q, "a", 1)

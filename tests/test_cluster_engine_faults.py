@@ -49,11 +49,9 @@ def test_a_killed_engine_actor_is_replaced_on_the_current_weights(
     engines = "cluster.engines={count: 2, resources: {engine: 1}, router: sglang-router}"
     log = tmp_path / "train.log"
     with RedisServer(tmp_path / "redis") as server, log.open("wb") as out:
-        # an episode whose only turn hit the dead engine has no turn, so it counts as weight version
-        # 0: with the default staleness 1 its group is dropped from step 3 on, and a sync run (one
-        # produce per step) would wait for it forever; the point here is the replacement
-        argv = train_argv(run_dir, tiny_model, STEPS, engine_cluster, server.url, engines,
-                          "engine.threads=1", f"rollout.max_staleness={STEPS}")  # fmt: skip
+        # the default staleness (1): an episode whose only turn hit the dead engine has no turn and
+        # no weight version, so it does not make its group stale (queue_contract.group_version)
+        argv = train_argv(run_dir, tiny_model, STEPS, engine_cluster, server.url, engines, "engine.threads=1")
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
         try:
             wait_for(proc, lambda: (run_dir / "checkpoints" / "step_00000001").exists(), "step 1", 300)

@@ -98,6 +98,54 @@ def test_sync_mode_produces_in_line_and_holds_leases_until_the_checkpoint(
     assert s.acked_groups == 6 and s.leased_groups == 0 and s.pending_groups == 0
 
 
+class StaleOnce(Recorder):
+    """A job-like producer (`produces`): its groups carry the engine's version; at step 3 one group
+    comes from weights too old to train (dropped as stale by the take)."""
+
+    produces = True
+
+    def __init__(self, queue: SqliteReplayQueue, trajs: tuple[Trajectory, Trajectory]) -> None:
+        super().__init__(queue, trajs)
+        self.version, self.stale_left = 0, 1
+
+    async def produce(self, n_groups: int) -> None:
+        self.calls.append(("produce", n_groups))
+        for _ in range(n_groups):
+            g, v = f"g{next(self.cursor)}", self.version
+            if self.stale_left and self.version >= 2:
+                v, self.stale_left = 0, 0
+            for i, score in enumerate((1.0, 0.0)):
+                turns = [t.model_copy(update={"weight_version": v}) for t in self.trajs[i].turns]
+                traj = self.trajs[i].model_copy(update={"turns": turns})
+                await self.queue.aio.put(episode(f"{g}-{i}", g, traj, score))
+
+    async def after_step(self, step: int) -> dict[str, float]:
+        self.version = step
+        return await super().after_step(step)
+
+
+def test_sync_mode_rolls_out_again_what_a_take_came_short_of(
+    tiny: Path, trajs: tuple[Trajectory, Trajectory], tmp_path: Path
+) -> None:
+    """A group dropped as stale does not leave a sync step waiting forever for a group nobody is
+    rolling out: the loop asks the producer for the missing one (it hung before)."""
+    q = SqliteReplayQueue(tmp_path / "queue.db", group_size=2, max_pending_groups=4)
+    hooks = StaleOnce(q, trajs)
+    cfg = LoopConfig(steps=3, groups_per_step=2, ckpt_dir=tmp_path / "ckpt", max_staleness=0)
+    trainer = TorchTrainer(tiny, TrainerConfig(lr=1e-3))
+
+    async def main() -> int:
+        with anyio.fail_after(120):
+            return await TrainLoop(q.aio, trainer, cfg, hooks).run()
+
+    assert anyio.run(main) == 3
+    produced = [c for c in hooks.calls if c[0] == "produce"]
+    assert produced == [("produce", 2), ("produce", 2), ("produce", 2), ("produce", 1)]
+    assert [m.get("groups_reproduced") for m in hooks.metrics] == [None, None, 1.0]
+    s = q.stats()
+    assert s.stale_groups == 1 and s.acked_groups == 6 and s.pending_groups == 0
+
+
 def test_fully_async_producers_run_alongside_and_stop_with_the_loop(
     tiny: Path, trajs: tuple[Trajectory, Trajectory], tmp_path: Path
 ) -> None:

@@ -21,6 +21,11 @@ may overshoot max_pending_groups by n - 1), and are cancelled when the loop ends
 producers finish the group in flight (the queue keeps it), a step waiting for groups trains what
 there is, and what was trained is checkpointed and acked.
 
+Sync mode never waits for a group nobody is rolling out: when `hooks.produces`, the step's
+groups are all in the queue once `produce` returns, so a take that comes short (a group dropped as
+stale or quarantined, a cluster task given up after its attempts) rolls the missing groups out
+again (`groups_reproduced` in the step's metrics) instead of waiting forever.
+
 `StepHooks` is the job's seam and does nothing by default, so draining a filled queue is
 `await TrainLoop(queue, trainer, LoopConfig(...)).run()`.
 """
@@ -31,7 +36,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import anyio
 import anyio.to_thread
@@ -104,6 +109,10 @@ class Resumed:
 class StepHooks:
     """The job's seams into the loop; every default does nothing. Subclass and override."""
 
+    # True when `produce` rolls the groups out (the job); False when someone else fills the queue.
+    # In sync mode a producing loop rolls out again what a take came short of (module docstring).
+    produces: ClassVar[bool] = False
+
     async def produce(self, n_groups: int) -> None:
         """Roll out `n_groups` groups into the queue (default: someone else fills it)."""
 
@@ -153,6 +162,7 @@ class TrainLoop:
         self.stopped: str | None = None  # why the run ended before `steps` (StepHooks.stop_reason)
         self._started = False
         self._producing = 0  # producers inside hooks.produce now
+        self._reproduced = 0  # sync: groups rolled out again this step, for a take that came short
 
     async def resume(self) -> Resumed | None:
         """Restore the newest checkpoint (if any) and settle the queue with it; idempotent."""
@@ -213,6 +223,8 @@ class TrainLoop:
         if not leases:
             raise _Stopped
         metrics["rollout_wait_s"] = time.perf_counter() - t1
+        if self._reproduced:
+            metrics["groups_reproduced"], self._reproduced = float(self._reproduced), 0
         groups = tuple(lease.episodes for lease in leases)
         t2 = time.perf_counter()
         metrics.update(await anyio.to_thread.run_sync(self.trainer.train_step, groups))
@@ -255,6 +267,10 @@ class TrainLoop:
                 return leases
             if self._producing == 0 and self.hooks.stop_reason() is not None:
                 return leases  # stopping, and no group is coming: train what there is
+            if cfg.producers == 0 and self.hooks.produces:  # sync: nothing else is coming (docstring)
+                self._reproduced += n - len(leases)
+                await self.hooks.produce(n - len(leases))
+                continue
             await anyio.sleep(cfg.poll_s)
 
 
