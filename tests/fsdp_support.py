@@ -27,7 +27,8 @@ import torch
 
 from miles_env.trainer.config import LoraConfig, TrainerConfig
 from miles_env.trainer.torch_backend import TorchTrainer
-from miles_env.types import Episode, Reward, Status, Trajectory, Turn
+from miles_env.types import Episode
+from tests.trainer_support import random_groups
 
 __all__ = ["METRICS", "WORKER", "groups", "lone_group", "run_torchrun", "save_run", "steps", "trainer"]
 
@@ -42,21 +43,7 @@ METRICS = (
 
 def groups(seed: int = 0) -> list[list[Episode]]:
     """Two groups (3 and 2 episodes) of random trajectories: 5 samples, 13 to 19 tokens each."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for gi, scores in enumerate([[1.0, 0.0, 0.5], [0.0, 1.0]]):
-        group = []
-        for i, score in enumerate(scores):
-            p, n = 5, 8 + 3 * i + gi
-            ids = torch.randint(0, VOCAB, (p + n,), generator=g).tolist()
-            lps = (-torch.rand(n, generator=g) * 3).tolist()
-            traj = Trajectory(token_ids=ids, loss_mask=[0] * p + [1] * n, logprobs=[0.0] * p + lps,
-                              turns=[Turn(start=p, prompt_len=p, completion_len=n, finish_reason="length",
-                                          weight_version=0)])  # fmt: skip
-            group.append(Episode(id=f"e{gi}{i}", task_id=f"t{gi}", env="toy", group_id=f"g{gi}",
-                                 status=Status.COMPLETED, reward=Reward(score=score), samples=[traj]))  # fmt: skip
-        out.append(group)
-    return out
+    return random_groups([[1.0, 0.0, 0.5], [0.0, 1.0]], seed, VOCAB, stagger=True)
 
 
 def lone_group() -> list[list[Episode]]:

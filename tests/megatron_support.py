@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-from miles_env.types import Episode, Reward, Status, Trajectory, Turn
+from miles_env.types import Episode
+from tests.trainer_support import random_groups
 
 __all__ = ["PP_WORKER", "assert_same_run", "groups", "run_torchrun", "tiny_model"]
 
@@ -55,21 +56,8 @@ def tiny_model(path: Path, kind: str = "llama", seed: int = 0) -> Path:
 
 
 def groups(seed: int = 0, vocab: int = 96) -> list[list[Episode]]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for gi in range(2):
-        group = []
-        for i, score in enumerate([1.0, 0.0, 0.5]):
-            p, n = 5, 8 + 3 * i
-            ids = torch.randint(0, vocab, (p + n,), generator=g).tolist()
-            lps = (-torch.rand(n, generator=g) * 3).tolist()
-            traj = Trajectory(token_ids=ids, loss_mask=[0] * p + [1] * n, logprobs=[0.0] * p + lps,
-                              turns=[Turn(start=p, prompt_len=p, completion_len=n, finish_reason="length",
-                                          weight_version=0)])  # fmt: skip
-            group.append(Episode(id=f"e{gi}{i}", task_id=f"t{gi}", env="toy", group_id=f"g{gi}",
-                                 status=Status.COMPLETED, reward=Reward(score=score), samples=[traj]))  # fmt: skip
-        out.append(group)
-    return out
+    """Two GRPO groups of three random trajectories each (trainer_support.random_groups)."""
+    return random_groups([[1.0, 0.0, 0.5]] * 2, seed, vocab)
 
 
 def run_torchrun(out: Path, nproc: int, *args: str, script: str = str(PP_WORKER)) -> list[dict[str, float]]:

@@ -22,25 +22,13 @@ from typing import Any
 import pytest
 
 from tests import train_support as e2e
-from tests.cluster_support import MB, queue_stats, train_argv
+from tests.cluster_support import engine_nodes, queue_stats, train_argv
 
 
 @pytest.fixture
 def engine_cluster() -> Iterator[Any]:
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "include_dashboard": False, "object_store_memory": 100 * MB},
-    )
-    try:
-        for _ in range(2):
-            resources = {"rollout": 1, "engine": 1}
-            cluster.add_node(num_cpus=2, resources=resources, object_store_memory=100 * MB)
-        cluster.wait_for_nodes()
+    with engine_nodes() as cluster:
         yield cluster
-    finally:
-        cluster.shutdown()
 
 
 @pytest.mark.slow

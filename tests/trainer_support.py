@@ -3,7 +3,8 @@
 `make_tiny_model(path)` saves a 2-layer Llama over a 96-token vocabulary (seeded, so two calls
 give the same weights); `rollouts(model_dir)` samples two trajectories from it with a plain HF
 forward loop, recording log_softmax(logits / T) of each sampled id as the engine would;
-`episode(...)` wraps one as a completed episode of a GRPO group.
+`episode(...)` wraps one as a completed episode of a GRPO group; `random_groups(scores)` builds
+GRPO groups of random trajectories (the distributed trainers' tests compare ranks on them).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from miles_env.types import Episode, Reward, Status, Trajectory, Turn
 
-__all__ = ["VOCAB", "episode", "make_tiny_model", "rollouts", "sample_trajectory"]
+__all__ = ["VOCAB", "episode", "make_tiny_model", "random_groups", "rollouts", "sample_trajectory"]
 
 VOCAB = 96
 
@@ -73,3 +74,25 @@ def rollouts(model_dir: Path, temperature: float = 1.0) -> tuple[Trajectory, Tra
     a = sample_trajectory(model, [1, 2, 3, 4, 5], 12, temperature, seed=1)
     b = sample_trajectory(model, [1, 2, 3, 4, 5], 9, temperature, seed=2)
     return a, b
+
+
+def random_groups(
+    scores: list[list[float]], seed: int = 0, vocab: int = VOCAB, stagger: bool = False
+) -> list[list[Episode]]:
+    """One group per entry of `scores` (one episode per score) of random trajectories: a 5-token
+    prompt and 8 + 3i sampled tokens for episode i (+ the group's index with `stagger`)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for gi, group_scores in enumerate(scores):
+        group = []
+        for i, score in enumerate(group_scores):
+            p, n = 5, 8 + 3 * i + (gi if stagger else 0)
+            ids = torch.randint(0, vocab, (p + n,), generator=g).tolist()
+            lps = (-torch.rand(n, generator=g) * 3).tolist()
+            traj = Trajectory(token_ids=ids, loss_mask=[0] * p + [1] * n, logprobs=[0.0] * p + lps,
+                              turns=[Turn(start=p, prompt_len=p, completion_len=n, finish_reason="length",
+                                          weight_version=0)])  # fmt: skip
+            group.append(Episode(id=f"e{gi}{i}", task_id=f"t{gi}", env="toy", group_id=f"g{gi}",
+                                 status=Status.COMPLETED, reward=Reward(score=score), samples=[traj]))  # fmt: skip
+        out.append(group)
+    return out
