@@ -96,3 +96,13 @@ def ray_cluster() -> Iterator[Any]:
         yield cluster
     finally:
         cluster.shutdown()
+
+
+@pytest.fixture
+def engine_cluster() -> Iterator[Any]:
+    """A real local Ray cluster whose two nodes offer {"rollout": 1} and {"engine": 1} each (the
+    placed-engine tests; tests/cluster_support.py `engine_nodes`)."""
+    from tests.cluster_support import engine_nodes
+
+    with engine_nodes() as cluster:
+        yield cluster

@@ -19,24 +19,17 @@ import json
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests import train_support as e2e
-from tests.cluster_support import actor_pids, engine_nodes, queue_stats, train_argv, wait_for
+from tests.cluster_support import actor_pids, queue_stats, train_argv, wait_for
 
 # the replacement is placed, loads the current weights and joins while the survivor carries on:
 # steps enough after the kill for the workers' sessions to reach it
 STEPS = 64  # ~0.5-1 s each; the replacement joined 13-18 steps after the kill on 2 shared cores: 3x
-
-
-@pytest.fixture
-def engine_cluster() -> Iterator[Any]:
-    with engine_nodes() as cluster:
-        yield cluster
 
 
 @pytest.mark.slow

@@ -15,20 +15,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests import train_support as e2e
-from tests.cluster_support import engine_nodes, queue_stats, train_argv
-
-
-@pytest.fixture
-def engine_cluster() -> Iterator[Any]:
-    with engine_nodes() as cluster:
-        yield cluster
+from tests.cluster_support import queue_stats, train_argv
 
 
 @pytest.mark.slow
