@@ -1,0 +1,34 @@
+"""ImageConfig: the part of an OCI image config that a sandbox applies to its execs.
+
+Concept: a container runs each `docker exec` with the image's `Env` (PATH included), as its
+`User`, in its `WorkingDir`; a sandbox built from the same image must do the same, unless the
+caller sets them. `ImageConfig.from_oci` reads the `config` object of an OCI image config
+(the image-spec's `config.json`, or `docker image inspect`'s `.Config`); missing fields stay
+None / empty, meaning "the provider's default".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ImageConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class ImageConfig:
+    env: Mapping[str, str] = field(default_factory=dict)  # the image's ENV, in order
+    user: str | None = None  # "name", "uid", "uid:gid" or "name:group", as in USER
+    workdir: str | None = None  # WORKDIR (absolute)
+
+    @classmethod
+    def from_oci(cls, config: Mapping[str, Any] | None) -> ImageConfig:
+        """From an OCI config's `config` object (`Env` as "K=V" strings, `User`, `WorkingDir`)."""
+        config = config or {}
+        env: dict[str, str] = {}
+        for item in config.get("Env") or []:
+            key, sep, value = str(item).partition("=")
+            if key and sep:
+                env[key] = value
+        return cls(env=env, user=config.get("User") or None, workdir=config.get("WorkingDir") or None)
