@@ -1,7 +1,7 @@
 """The providers' layout: one lookup table, configs importable without any SDK, no sibling's private names.
 
 A provider is a module or subpackage of sandboxes/; what several need lives beside
-them (execargs, results, expose, ownership, cloud), so no provider's package is
+them (execargs, results, expose, ownership, cloud, the images/ package), so no provider's package is
 imported from outside itself and nothing there reaches for another's `_private` name.
 Optional capabilities are Protocols (Reapable, AsyncClosable), not attribute probes.
 """
@@ -24,7 +24,10 @@ from miles_env.sandboxes.local import LocalSandboxConfig, LocalSandboxProvider
 from miles_env.sandboxes.pool import SandboxPool
 
 SANDBOXES = Path(__file__).resolve().parents[1] / "sandboxes"
-PACKAGES = sorted(p.name for p in SANDBOXES.iterdir() if (p / "__init__.py").is_file())  # local, docker
+SHARED_PACKAGES = {"images"}  # shared by several providers (task images), like execargs.py
+PACKAGES = sorted(
+    p.name for p in SANDBOXES.iterdir() if (p / "__init__.py").is_file() and p.name not in SHARED_PACKAGES
+)  # local, docker
 SDKS = ("docker", "e2b", "daytona", "modal", "agent_env")
 
 
