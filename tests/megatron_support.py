@@ -25,7 +25,7 @@ import torch
 from miles_env.types import Episode
 from tests.trainer_support import random_groups
 
-__all__ = ["PP_WORKER", "assert_same_run", "groups", "run_torchrun", "tiny_model"]
+__all__ = ["PP_WORKER", "assert_same_run", "groups", "odd_groups", "run_torchrun", "tiny_model"]
 
 PP_WORKER = Path(__file__).with_name("test_megatron_pp.py")  # its __main__: one worker rank
 
@@ -58,6 +58,12 @@ def tiny_model(path: Path, kind: str = "llama", seed: int = 0) -> Path:
 def groups(seed: int = 0, vocab: int = 96) -> list[list[Episode]]:
     """Two GRPO groups of three random trajectories each (trainer_support.random_groups)."""
     return random_groups([[1.0, 0.0, 0.5]] * 2, seed, vocab)
+
+
+def odd_groups(seed: int = 0, vocab: int = 96) -> list[list[Episode]]:
+    """Groups of 3 and 2 episodes, 5 samples of 13 to 19 tokens: 3 microbatches under a budget of 40
+    padded tokens, so two data-parallel ranks run 2 and 1 (+ a filler)."""
+    return random_groups([[1.0, 0.0, 0.3], [0.0, 1.0]], seed, vocab, stagger=True)
 
 
 def run_torchrun(out: Path, nproc: int, *args: str, script: str = str(PP_WORKER)) -> list[dict[str, float]]:

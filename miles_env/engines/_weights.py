@@ -61,10 +61,13 @@ def _inject_lora(model: Any, adapter: LoraAdapter) -> None:
             inject_adapter_in_model(adapter.config, model, adapter_name=_ADAPTER)
         model.requires_grad_(False)
         return
-    same = (current.r, current.lora_alpha, set(current.target_modules or ())) == (
-        adapter.config.r, adapter.config.lora_alpha, set(adapter.config.target_modules or ()))  # fmt: skip
+
+    def shape(c: Any) -> tuple[Any, ...]:
+        return c.r, c.lora_alpha, set(c.target_modules or ()), set(c.target_parameters or ())
+
+    same = shape(current) == shape(adapter.config)
     if not same:
-        raise EngineError(f"load_lora_adapter {adapter.name!r}: rank, alpha or target modules differ from "
+        raise EngineError(f"load_lora_adapter {adapter.name!r}: rank, alpha, target modules or parameters differ from "
                           "the adapter loaded first (restart the engine to change them)")  # fmt: skip
 
 

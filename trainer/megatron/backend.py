@@ -40,8 +40,10 @@ from miles_env.models import resolve_model
 from miles_env.trainer.checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
 from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.losses import token_logprobs
+from miles_env.trainer.megatron.batches import all_gather_dispatch
 from miles_env.trainer.megatron.convert import model_shape, transformer_config
 from miles_env.trainer.megatron.cpu_shims import apply_cpu_shims, init_distributed
+from miles_env.trainer.megatron.layout import check_layout, world_size
 from miles_env.trainer.megatron.parallel import (
     build_stage_model,
     distributed_optimizer,
@@ -51,8 +53,10 @@ from miles_env.trainer.megatron.parallel import (
     pipeline_train_step,
     reduce_grads,
 )
+from miles_env.trainer.moe import MoeAux
 from miles_env.trainer.torch_backend import Sample, TorchTrainer
 from miles_env.types import Episode, Trajectory
+from miles_env.weight_layout import to_checkpoint, to_model
 
 __all__ = ["MegatronTrainer", "MegatronTrainerConfig"]
 
@@ -61,7 +65,14 @@ class MegatronTrainerConfig(TrainerConfig):
     """TrainerConfig plus megatron's parallel layout."""
 
     tp: int = Field(1, ge=1, description="tensor-parallel size")
-    pp: int = Field(1, ge=1, description="pipeline-parallel size; data parallel = world / (tp * pp)")
+    pp: int = Field(1, ge=1, description="pipeline-parallel size; data parallel = world / (tp * pp * cp)")
+    cp: int = Field(1, ge=1, description="context-parallel size (GPUs with TransformerEngine only)")
+    ep: int = Field(
+        1,
+        ge=1,
+        description="expert-parallel size: a MoE model's experts sharded over ep "
+        "of the data x context parallel ranks",
+    )
     distributed_optimizer: bool = Field(
         False,
         description="megatron DDP + DistributedOptimizer (grads reduce-scattered, AdamW state sharded "
@@ -93,11 +104,9 @@ class MegatronTrainer(TorchTrainer):
         self.hf_config = AutoConfig.from_pretrained(str(self.model_path))
         self.shape = model_shape(self.hf_config)
         self.device = self._pick_device()
+        check_layout(cfg, world_size(), self.shape)  # one line per impossible layout, before any group
         apply_cpu_shims()
-        init_distributed(cfg.tp, cfg.pp)
-        world = torch.distributed.get_world_size()
-        if world % (cfg.tp * cfg.pp):
-            raise ValueError(f"world size {world} is not a multiple of tp * pp = {cfg.tp * cfg.pp}")
+        init_distributed(cfg.tp, cfg.pp, cfg.cp, cfg.ep)
         if torch.cuda.is_available():  # megatron's model-parallel CUDA RNG streams (the CPU shim skips them)
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -110,6 +119,10 @@ class MegatronTrainer(TorchTrainer):
         )
         self.pp_rank, self.pp_size = ps.get_pipeline_model_parallel_rank(), cfg.pp
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.ep_rank, self.ep_size = ps.get_expert_model_parallel_rank(), cfg.ep
+        self.cp_rank, self.cp_size = ps.get_context_parallel_rank(), cfg.cp
+        moe = self.shape.moe
+        self.moe = MoeAux(moe, cfg.moe_aux_loss_coef, self.shape.layers) if moe is not None else None
         self.layer_offset = 0
         self.step = 0
         self.model = self._build_model()
@@ -136,13 +149,20 @@ class MegatronTrainer(TorchTrainer):
             dtype,
             tensor_model_parallel_size=self.tp_size,
             pipeline_model_parallel_size=self.pp_size,
+            context_parallel_size=self.cp_size,
+            expert_model_parallel_size=self.ep_size,
             pipeline_dtype=dtype,
-            variable_seq_lengths=True,  # microbatches differ in shape: stages exchange shapes first
-            moe_token_dispatcher_type="alltoall",  # no MoE; the default one refuses variable lengths
+            # microbatches differ in shape: stages exchange shapes first; the all-gather token
+            # dispatcher (MoE on CPU) refuses that, and its microbatches are padded to one shape
+            variable_seq_lengths=not all_gather_dispatch(self.shape),
             batch_p2p_comm=False,  # plain isend/irecv (batched p2p syncs CUDA)
             calculate_per_token_loss=True,  # the losses carry global denominators: no 1/num_microbatches
+            **(
+                {} if self.shape.moe else {"moe_token_dispatcher_type": "alltoall"}
+            ),  # the default refuses variable lengths
         )
-        return build_stage_model(self, tcfg, _read_hf_weights(self.model_path))
+        hf = to_model(_read_hf_weights(self.model_path))  # the checkpoint files' layout -> the model's
+        return build_stage_model(self, tcfg, hf)
 
     def _frozen_copy(self) -> torch.nn.Module:
         """The reference model: a second build from the HF weights (a deepcopy would have to copy the
@@ -187,9 +207,22 @@ class MegatronTrainer(TorchTrainer):
         return out
 
     def train_step(self, groups: Sequence[Sequence[Episode]]) -> dict[str, float]:
-        if self.pp_size == 1 and self.dp_size == 1 and self.ddp is None:
+        if self.pp_size == 1 and self.dp_size == 1 and self.cp_size == 1 and self.ddp is None:
             return super().train_step(groups)  # exactly the torch backend's step
-        return pipeline_train_step(self, groups)
+        return self._with_moe(pipeline_train_step(self, groups))
+
+    def _sum_over_ranks(self, vec: torch.Tensor) -> torch.Tensor:
+        """Summed over the data-parallel ranks (other microbatches) and pipeline stages (other layers)."""
+        from megatron.core import parallel_state as ps
+
+        t = vec.to(self.device)
+        for size, group in (
+            (self.dp_size, ps.get_data_parallel_group()),
+            (self.pp_size, ps.get_pipeline_model_parallel_group()),
+        ):
+            if size > 1:
+                torch.distributed.all_reduce(t, group=group)
+        return t.cpu()
 
     def logprobs(self, samples: Sequence[Trajectory | Sample]) -> list[torch.Tensor]:
         if self.pp_size == 1:
@@ -231,7 +264,7 @@ class MegatronTrainer(TorchTrainer):
         atomically (tmp dir, then rename) by global rank 0; every rank takes part in the gather."""
         from safetensors.torch import save_file
 
-        state = self.state_dict()
+        state = to_checkpoint(self.state_dict())  # MoE: one tensor per expert, as HF checkpoints are
         target = Path(path)
         if torch.distributed.get_rank() == 0:
             tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
@@ -257,9 +290,18 @@ class MegatronTrainer(TorchTrainer):
 
     def _rank_dir(self, ckpt_dir: str | os.PathLike[str]) -> Path:
         root = Path(ckpt_dir)
+        if self.ep_size > 1:  # each ep rank holds its own experts (and a copy of the dense weights)
+            return root / f"tp{self.tp_rank}_pp{self.pp_rank}_ep{self.ep_rank}"
         if self.pp_size > 1:
             return root / f"tp{self.tp_rank}_pp{self.pp_rank}"
         return root if self.tp_size == 1 else root / f"tp{self.tp_rank}"
+
+    def _writes_checkpoint(self) -> bool:
+        """Data-parallel rank 0 writes (the replicas are identical); with expert parallelism the first
+        of the ranks holding the same experts does."""
+        from megatron.core import parallel_state as ps
+
+        return (ps.get_expert_data_parallel_rank() if self.ep_size > 1 else self.dp_rank) == 0
 
     def _sharded_optimizers(self) -> list[Any]:
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
@@ -271,7 +313,7 @@ class MegatronTrainer(TorchTrainer):
         param_states = None
         if self.ddp is not None:
             param_states = [o.get_parameter_state_dp_zero() for o in self._sharded_optimizers()]
-        if self.dp_rank != 0:
+        if not self._writes_checkpoint():
             torch.distributed.barrier()
             return self._rank_dir(ckpt_dir)
         local = {k: v.detach() for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -286,6 +328,7 @@ class MegatronTrainer(TorchTrainer):
             "model_path": str(self.model_path),
             "tp": self.tp_size,
             "pp": self.pp_size,
+            "ep": self.ep_size,
             "distributed_optimizer": self.ddp is not None,
             "backend": "megatron",
         }
@@ -321,7 +364,10 @@ class MegatronTrainer(TorchTrainer):
                 inner = opt.optimizer.state
                 steps = {p: st.pop("step") for p, st in inner.items() if "step" in st}
                 with torch.no_grad():
-                    opt.load_parameter_state_from_dp_zero(shard if self.dp_rank == 0 else None)
+                    # each optimizer's own data-parallel rank 0 holds its shards (experts: expert-dp)
+                    opt.load_parameter_state_from_dp_zero(
+                        shard if opt.data_parallel_group.rank() == 0 else None
+                    )
                 for p, step in steps.items():
                     inner[p]["step"] = step.clone()
         torch.set_rng_state(state["rng"]["torch"])

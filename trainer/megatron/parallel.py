@@ -22,6 +22,7 @@ dp > 1: pp = dp = 1 keeps TorchTrainer's step); `gather_hf_state` for weight syn
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from miles_env.trainer.losses import microbatch_loss
+from miles_env.trainer.megatron.batches import one_shape, step_batches
 from miles_env.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, shard, unshard
+from miles_env.trainer.megatron.experts import ep_global, ep_slice, is_expert_name
 from miles_env.trainer.torch_backend import Sample, _Metrics, flatten_groups, pack_microbatches
 from miles_env.types import Episode
 
@@ -62,9 +65,10 @@ def build_stage_model(tr: MegatronTrainer, tcfg: Any, full_hf: dict[str, torch.T
 
     ps, s = _ps(), tr.shape
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    experts = s.moe.experts if s.moe is not None else None
     model = GPTModel(
         tcfg,
-        get_gpt_layer_local_spec(qk_layernorm=s.qk_norm),
+        get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=s.qk_norm),
         vocab_size=s.vocab,
         max_sequence_length=s.max_positions,
         pre_process=first,
@@ -84,6 +88,8 @@ def build_stage_model(tr: MegatronTrainer, tcfg: Any, full_hf: dict[str, torch.T
     elif s.tied and not first:  # the last stage's own copy of the tied embedding
         full["output_layer.weight"] = full_hf["model.embed_tokens.weight"]
     dtype = tcfg.params_dtype
+    if experts is not None:  # this expert-parallel rank's experts, numbered from 0
+        full = ep_slice(full, tr.ep_rank, tr.ep_size, experts)
     local = {k: shard(k, v, tr.tp_rank, tr.tp_size).to(dtype) for k, v in full.items()}
     missing, unexpected = model.load_state_dict(local, strict=False)
     real_missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -126,9 +132,11 @@ def _run_schedule(
     forward_only: bool,
     masked: bool = True,
     wrapper: Any = None,
+    real: Sequence[bool] | None = None,
 ) -> None:
     """Every batch through megatron's schedule; on the last stage `loss_fn(i, batch, logp)` gives the
-    loss to backpropagate (not divided by the number of microbatches: calculate_per_token_loss)."""
+    loss to backpropagate (not divided by the number of microbatches: calculate_per_token_loss).
+    Training forwards run under the MoE router tap (trainer/moe.py); `real[i]` False: a filler."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not batches:
@@ -138,9 +146,11 @@ def _run_schedule(
 
     def forward_step(data_iterator: Any, _wrapped: torch.nn.Module) -> tuple[torch.Tensor, Any]:
         i, b = next(data_iterator)  # the bare model runs: DDP's grad hooks sit on its parameters
-        if not last:
-            return tr.logits(b.ids, model), None  # hidden states [s, b, h], sent to the next stage
-        logp = tr._forward_logprobs(model, b.ids, b.mask if masked else None)
+        tap = tr._moe_tap(b, real[i] if real else True) if not forward_only else contextlib.nullcontext()
+        with tap:
+            if not last:
+                return tr.logits(b.ids, model), None  # hidden states [s, b, h], sent to the next stage
+            logp = tr._forward_logprobs(model, b.ids, b.mask if masked else None)
 
         def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
             return loss_fn(i, b, output), torch.tensor(0, dtype=torch.int), {}
@@ -169,7 +179,9 @@ def pipeline_train_step(tr: MegatronTrainer, groups: Sequence[Sequence[Episode]]
         "norm_tokens": cfg.loss_norm_tokens,
     }
     mbs = pack_microbatches([len(s.token_ids) for s in samples], cfg.max_tokens_per_microbatch)
-    batches = [tr._collate([samples[i] for i in idx]) for idx in mbs[tr.dp_rank :: tr.dp_size]]
+    batches, real = step_batches(tr, samples, mbs)
+    if tr.moe is not None:
+        tr.moe.begin(sum(len(s.token_ids) for s in samples))
     tr.model.train()
     if tr.ddp is not None:
         tr.ddp.zero_grad_buffer()
@@ -190,10 +202,11 @@ def pipeline_train_step(tr: MegatronTrainer, groups: Sequence[Sequence[Episode]]
 
     def loss_fn(i: int, b: Any, logp: torch.Tensor) -> torch.Tensor:
         m = microbatch_loss(logp, b.rollout, b.adv, b.mask, refs.get(i), cfg, totals)
-        acc.add(m.pg, m.kl, m.clipped, m.weights, m.old - b.rollout, b.mask)
+        if real[i]:
+            acc.add(m.pg, m.kl, m.clipped, m.weights, m.old - b.rollout, b.mask)
         return m.loss
 
-    _run_schedule(tr, tr.model, batches, loss_fn, forward_only=False, wrapper=tr.ddp)
+    _run_schedule(tr, tr.model, batches, loss_fn, forward_only=False, wrapper=tr.ddp, real=real)
     norm = tr._clip_and_step()
     tr.step += 1
     n_tokens = sum(sum(b.lengths) for b in batches)
@@ -227,7 +240,7 @@ def pipeline_logprobs(tr: MegatronTrainer, samples: Sequence[Sample]) -> list[to
     ps = _ps()
     tr.model.eval()
     mbs = pack_microbatches([len(s.token_ids) for s in samples], tr.config.max_tokens_per_microbatch)
-    batches = [tr._collate([samples[i] for i in idx]) for idx in mbs]
+    batches = one_shape(tr, [tr._collate([samples[i] for i in idx]) for idx in mbs])
     got: dict[int, torch.Tensor] = {}
 
     def keep(i: int, _b: Any, logp: torch.Tensor) -> torch.Tensor:
@@ -281,8 +294,28 @@ def _tied_copy(tr: MegatronTrainer) -> torch.nn.Parameter | None:
     return None
 
 
+def _all_reduce_flat(params: list[torch.nn.Parameter], group: Any) -> None:
+    dist = torch.distributed
+    if not params:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+    dist.all_reduce(flat, group=group)
+    pos = 0
+    for p in params:
+        assert p.grad is not None
+        p.grad.copy_(flat[pos : pos + p.numel()].view_as(p.grad))
+        pos += p.numel()
+
+
+def _is_expert(p: torch.nn.Parameter) -> bool:
+    """An expert-parallel shard (megatron marks them allreduce=False): its replicas are the
+    expert-data-parallel ranks, not the data-parallel ones."""
+    return not getattr(p, "allreduce", True)
+
+
 def reduce_grads(tr: MegatronTrainer) -> None:
-    """Sum the tied copies' grads over the embedding group and every grad over data-parallel ranks."""
+    """Sum the tied copies' grads over the embedding group, every dense grad over data-parallel ranks
+    and every expert shard's over expert-data-parallel ranks (the ranks holding the same experts)."""
     dist, ps = torch.distributed, _ps()
     params = [p for p in tr.model.parameters() if p.requires_grad]
     for p in params:
@@ -292,32 +325,41 @@ def reduce_grads(tr: MegatronTrainer) -> None:
     if tied is not None and tied.grad is not None:
         dist.all_reduce(tied.grad, group=ps.get_embedding_group())
     if ps.get_data_parallel_world_size() > 1:
-        flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
-        dist.all_reduce(flat, group=ps.get_data_parallel_group())
-        pos = 0
-        for p in params:
-            assert p.grad is not None
-            p.grad.copy_(flat[pos : pos + p.numel()].view_as(p.grad))
-            pos += p.numel()
+        _all_reduce_flat([p for p in params if not _is_expert(p)], ps.get_data_parallel_group())
+    if tr.ep_size > 1 and ps.get_expert_data_parallel_world_size() > 1:
+        _all_reduce_flat([p for p in params if _is_expert(p)], ps.get_expert_data_parallel_group())
 
 
 def grad_norm(tr: MegatronTrainer) -> float:
     """Global L2 norm: TP shards summed, replicated tensors on TP rank 0 only, the tied copy on the
-    last stage skipped, all summed over the model-parallel (tp x pp) group."""
+    last stage skipped, all summed over the model-parallel (tp x pp) group; expert shards summed over
+    the expert x pipeline group (each expert counted once)."""
     ps = _ps()
     tied = _tied_copy(tr)
     skip = tied if tied is not None and not ps.is_pipeline_first_stage() else None
-    sq = 0.0
+    sq = [0.0, 0.0]  # dense, experts
     for p in tr.model.parameters():
         if p.grad is None or p is skip:
             continue
-        if getattr(p, "tensor_model_parallel", False) or tr.tp_rank == 0:
-            sq += float(p.grad.float().pow(2).sum())
-    if tr.tp_size * tr.pp_size > 1:
-        t = torch.tensor([sq], dtype=torch.float64, device=tr.device)  # nccl: CUDA tensors only
-        torch.distributed.all_reduce(t, group=ps.get_model_parallel_group())
-        sq = float(t)
-    return float(sq**0.5)
+        if _is_expert(p):
+            sq[1] += float(p.grad.float().pow(2).sum())
+        elif getattr(p, "tensor_model_parallel", False) or tr.tp_rank == 0:
+            sq[0] += float(p.grad.float().pow(2).sum())
+    dense = _summed(tr, sq[0], tr.tp_size * tr.pp_size, ps.get_model_parallel_group)
+    experts = 0.0
+    if tr.ep_size > 1:
+        experts = _summed(
+            tr, sq[1], tr.ep_size * tr.pp_size, ps.get_expert_tensor_model_pipeline_parallel_group
+        )
+    return float((dense + experts) ** 0.5)
+
+
+def _summed(tr: MegatronTrainer, value: float, size: int, group: Callable[[], Any]) -> float:
+    if size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=tr.device)  # nccl: CUDA tensors only
+    torch.distributed.all_reduce(t, group=group())
+    return float(t)
 
 
 # -- weights ---------------------------------------------------------------------------------------
@@ -336,10 +378,28 @@ def _tp_gathered(tr: MegatronTrainer) -> dict[str, torch.Tensor]:
     return full
 
 
+def _ep_gathered(tr: MegatronTrainer, mc: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`mc` with every expert of every ep rank under its global index (a collective over ep)."""
+    if tr.ep_size == 1:
+        return mc
+    group = _ps().get_expert_model_parallel_group()
+    names = sorted(k for k in mc if is_expert_name(k))
+    per = len(names)
+    out = {k: v for k, v in mc.items() if not is_expert_name(k)}
+    local_experts = tr.shape.moe.experts // tr.ep_size if tr.shape.moe is not None else 0
+    for name in names:
+        pieces = [torch.empty_like(mc[name]) for _ in range(tr.ep_size)]
+        torch.distributed.all_gather(pieces, mc[name].contiguous(), group=group)
+        for rank, t in enumerate(pieces):
+            out.update(ep_global({name: t}, rank, local_experts))
+    assert len(out) == len(mc) - per + per * tr.ep_size
+    return out
+
+
 def gather_hf_state(tr: MegatronTrainer) -> dict[str, torch.Tensor]:
     """Full HF-named tensors of every layer, identical on every rank of this pipeline."""
     ps, s = _ps(), tr.shape
-    mc = _tp_gathered(tr)
+    mc = _ep_gathered(tr, _tp_gathered(tr))
     pp = ps.get_pipeline_model_parallel_world_size()
     if s.tied and pp > 1 and not ps.is_pipeline_first_stage():
         mc.pop("output_layer.weight", None)  # the first stage's embedding is the one exported
