@@ -248,7 +248,8 @@ def megatron_to_hf(
         else:
             raise KeyError(f"megatron_to_hf: no HF name for {name!r}")
     for h, parts in moe_parts.items():
-        out.update(moe_layer_to_hf(parts, h))
+        assert s.moe is not None
+        out.update(moe_layer_to_hf(parts, h, s.moe.experts))
     if s.tied and "model.embed_tokens.weight" in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out

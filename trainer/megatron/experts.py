@@ -55,9 +55,9 @@ def moe_layer_to_megatron(
     return out
 
 
-def moe_layer_to_hf(parts: Mapping[str, torch.Tensor], h: str) -> dict[str, torch.Tensor]:
+def moe_layer_to_hf(parts: Mapping[str, torch.Tensor], h: str, experts: int) -> dict[str, torch.Tensor]:
     """HF tensors of one layer's MoE MLP from its megatron tensors named relative to `mlp.`
-    (`router.weight`, `experts.local_experts.{e}.linear_fc1.weight`, ...): every expert must be
+    (`router.weight`, `experts.local_experts.{e}.linear_fc1.weight`, ...): all `experts` must be
     there (a fused HF tensor holds them all)."""
     out: dict[str, torch.Tensor] = {}
     fc: dict[str, dict[int, torch.Tensor]] = {"linear_fc1": {}, "linear_fc2": {}}
@@ -78,12 +78,12 @@ def moe_layer_to_hf(parts: Mapping[str, torch.Tensor], h: str) -> dict[str, torc
             out[h + "mlp.shared_expert_gate.weight"] = t
         else:
             raise KeyError(f"megatron_to_hf: no HF name for {h}mlp.{rest!r}")
-    if fc["linear_fc1"]:
-        n = len(fc["linear_fc1"])
-        if sorted(fc["linear_fc1"]) != list(range(n)) or sorted(fc["linear_fc2"]) != list(range(n)):
-            raise KeyError(f"megatron_to_hf: {h} experts incomplete: {sorted(fc['linear_fc1'])}")
-        out[h + "mlp.experts.gate_up_proj"] = torch.stack([fc["linear_fc1"][e] for e in range(n)])
-        out[h + "mlp.experts.down_proj"] = torch.stack([fc["linear_fc2"][e] for e in range(n)])
+    if fc["linear_fc1"] or fc["linear_fc2"]:
+        whole = list(range(experts))
+        if sorted(fc["linear_fc1"]) != whole or sorted(fc["linear_fc2"]) != whole:
+            raise KeyError(f"megatron_to_hf: {h} experts incomplete: {sorted(fc['linear_fc1'])} of {experts}")
+        out[h + "mlp.experts.gate_up_proj"] = torch.stack([fc["linear_fc1"][e] for e in whole])
+        out[h + "mlp.experts.down_proj"] = torch.stack([fc["linear_fc2"][e] for e in whole])
     return out
 
 
