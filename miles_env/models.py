@@ -124,12 +124,14 @@ def make_tiny_moe(
     kind: str = "qwen3_moe",
     tokenizer: str | None = DEFAULT_MODEL,
     seed: int = 0,
+    **sizes: int,
 ) -> Path:
     """Write a tiny random mixture-of-experts checkpoint (Qwen3-MoE layout, or Qwen2-MoE with its
     gated shared expert) to `path`, offline and deterministic for a seed: 2 layers, hidden 32,
     4 experts (top 2), norms perturbed off 1 so a conversion test sees every tensor. With
     `tokenizer` (a model name or dir) its tokenizer is saved beside and sets the vocabulary (SmolLM2's:
-    ~6 MB of tied embeddings), so chat templates and TITO work; None: a 96-token vocabulary."""
+    ~6 MB of tied embeddings), so chat templates and TITO work; None: a 96-token vocabulary.
+    `sizes` override config fields (hidden_size, num_experts, ...: bench/bench_moe.py's larger one)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers
@@ -141,9 +143,9 @@ def make_tiny_moe(
         moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, max_position_embeddings=2048,
         tie_word_embeddings=True, router_aux_loss_coef=0.01, **special,
-    )  # fmt: skip
+    ) | sizes  # fmt: skip
     if kind == "qwen3_moe":
-        qwen3: dict[str, Any] = {"head_dim": 8, "norm_topk_prob": True}
+        qwen3: dict[str, Any] = {"head_dim": common["hidden_size"] // common["num_attention_heads"], "norm_topk_prob": True}
         cfg: Any = transformers.Qwen3MoeConfig(**common, **qwen3)
         cls: Any = transformers.Qwen3MoeForCausalLM
     elif kind == "qwen2_moe":

@@ -132,6 +132,7 @@ def train_and_record(
     tp: int = 1,
     ep: int = 1,
     odd: bool = False,
+    cp: int = 1,
 ) -> None:
     """One rank of a run (or a whole single-process run, in this process): 2 steps with an export and
     a checkpoint after the first, logprobs, a resumed trainer's second step; rank 0 writes
@@ -140,7 +141,7 @@ def train_and_record(
 
     out.mkdir(parents=True, exist_ok=True)
 
-    cfg = MegatronTrainerConfig(tp=tp, pp=pp, ep=ep, lr=1e-3, fused_adamw=False, kl_coef=kl, max_tokens_per_microbatch=40,
+    cfg = MegatronTrainerConfig(tp=tp, pp=pp, ep=ep, cp=cp, lr=1e-3, fused_adamw=False, kl_coef=kl, max_tokens_per_microbatch=40,
                                 distributed_optimizer=dist_opt)  # fmt: skip
     batch = odd_groups if odd else groups
     trainer = MegatronTrainer(model_dir, cfg)

@@ -3,9 +3,10 @@
 1F1B schedule; the tied embedding lives on both stages. The exported HF weights (gathered over the
 stages) must match the single-process run after one step, and the loss of the next step too.
 
-Run by hand: torchrun --nproc_per_node 2 tests/test_megatron_pp.py OUT_DIR MODEL_DIR PP KL_COEF [D [TP [EP [ODD]]]]
+Run by hand: torchrun --nproc_per_node 2 tests/test_megatron_pp.py OUT_DIR MODEL_DIR PP KL_COEF [D [TP [EP [ODD [CP]]]]]
 (D=1: megatron's DistributedOptimizer; TP: tensor-parallel size, default 1; EP: expert-parallel size;
-ODD=1: megatron_support.odd_groups, 3 microbatches a step, instead of groups' 2)"""
+ODD=1: megatron_support.odd_groups, 3 microbatches a step, instead of groups' 2; CP: context-parallel
+size, GPUs with TransformerEngine only)"""
 
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ def test_pp2_same_step_as_pp1(tmp_path: Path, kl: float) -> None:
 if __name__ == "__main__":
     dist_opt, tp = (sys.argv[5:6] or ["0"])[0] == "1", int((sys.argv[6:7] or ["1"])[0])
     ep, odd = int((sys.argv[7:8] or ["1"])[0]), (sys.argv[8:9] or ["0"])[0] == "1"
-    train_and_record(
-        Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), dist_opt, tp, ep, odd
-    )
+    cp = int((sys.argv[9:10] or ["1"])[0])
+    out, model = Path(sys.argv[1]), Path(sys.argv[2])
+    train_and_record(out, model, int(sys.argv[3]), float(sys.argv[4]), dist_opt, tp, ep, odd, cp)
     import torch.distributed as dist
 
     dist.barrier()  # leave together: a world torn down at exit can abort a rank (gloo's threads)

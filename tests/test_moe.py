@@ -229,3 +229,29 @@ def test_the_backend_refuses_a_layout_before_building_anything(small: dict[str, 
         build_trainer("megatron", small["qwen3_moe"], {"ep": 3})
     with pytest.raises(ConfigError, match=r"trainer\.ep: Input should be greater than or equal to 1"):
         build_trainer("megatron", small["qwen3_moe"], {"ep": 0})
+
+
+def test_context_parallel_chunks_tile_the_sequence_and_te_names_round_trip(small: dict[str, Path]) -> None:
+    """The CPU-checkable half of the GPU-only cp path (trainer/megatron/context.py): the cp ranks'
+    positions (megatron's 2 x cp zigzag chunks) cover the padded sequence once, so every logprob
+    column but 0 is some rank's; the TE spec's fused-norm names map back to the local spec's."""
+    from transformers import AutoConfig
+
+    from miles_env.trainer.megatron.context import cp_positions, te_names
+    from miles_env.trainer.megatron.convert import hf_to_megatron, model_shape
+
+    for cp, length in ((2, 16), (4, 40), (3, 18)):
+        parts = [cp_positions(length, cp, r) for r in range(cp)]
+        assert torch.equal(torch.cat(parts).sort().values, torch.arange(length))
+        assert all(len(p) == length // cp for p in parts)
+    assert cp_positions(8, 2, 0).tolist() == [0, 1, 6, 7] and cp_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    path = small["qwen3_moe"]
+    mc = hf_to_megatron(_hf(path).state_dict(), model_shape(AutoConfig.from_pretrained(str(path))))
+    te = te_names(mc, moe=True, to_te=True)
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in te
+    assert "decoder.layers.0.pre_mlp_layernorm.weight" in te  # a MoE layer keeps its own pre-MLP norm
+    assert te_names(te, moe=True, to_te=False).keys() == mc.keys()
+    dense = {"decoder.layers.0.pre_mlp_layernorm.weight": torch.ones(2)}
+    assert set(te_names(dense, moe=False, to_te=True)) == {
+        "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"
+    }

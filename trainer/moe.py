@@ -186,6 +186,7 @@ class MoeAux:
 def routed_experts(model: torch.nn.Module, ids: torch.Tensor, top_k: int) -> torch.Tensor:
     """[L, layers, k] the top-k experts (sorted) each position of `ids` [L] is routed to, by an HF
     forward of `model` (the hf engine records the same for the positions it feeds)."""
+    ids = ids.to(next(model.parameters()).device)
     tap = RouterTap(model, torch.ones(1, ids.numel(), dtype=torch.bool, device=ids.device), top_k, 0.0)
     try:
         model(input_ids=ids.view(1, -1), use_cache=False)

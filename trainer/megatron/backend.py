@@ -1,7 +1,8 @@
 """The megatron trainer backend: the torch backend's step on a megatron-core GPTModel.
 
 Concept: `MegatronTrainer` builds a megatron-core GPTModel (local layer spec, no
-TransformerEngine) from an HF Llama/Qwen config, loads the HF weights through
+TransformerEngine; the TE spec only for context parallelism) from an HF Llama / Qwen / Qwen2-MoE /
+Qwen3-MoE config, loads the HF weights through
 `megatron.convert`, and reuses TorchTrainer's step verbatim (flatten groups, pack
 microbatches, the same pure losses from `losses.py`, one AdamW step). Only the
 forward, the gradient clipping (norm reduced over tensor-parallel ranks) and the
@@ -12,14 +13,20 @@ tensor-parallel ranks), so the engine never sees megatron names; HF -> megatron 
 bit-exact; logits are gathered over the vocabulary (parallel_output=False) so logprobs
 use the same code as the torch backend.
 
-Parallelism: world = tp * pp * dp (megatron's parallel_state layout). tp = tensor parallel; pp =
+Parallelism: world = tp * pp * cp * dp (megatron's parallel_state layout; `megatron.layout` refuses
+what cannot run, at load). tp = tensor parallel; pp =
 pipeline stages run by megatron-core's 1F1B schedule; dp = data parallel, microbatches split over
 dp ranks, grads summed (see `megatron.parallel`): by a plain all-reduce and a full torch AdamW per
 replica, or with `distributed_optimizer: true` by megatron's DDP + DistributedOptimizer (grads
 reduce-scattered, Adam state sharded over dp, gathered to dp rank 0 in checkpoints). On CPU a gloo process group and
 the shims of `megatron.cpu_shims`; TP=2, PP=2, DP=2 and PP=2 x DP=2 (both optimizers) are tested
 against 1 under torchrun on CPU. On GPUs, nccl: TP=1 checked once on an H200, the rest untested.
-With pp = dp = 1 and no distributed optimizer the step is TorchTrainer's own.
+ep = expert parallel (MoE): the experts of every layer sharded over ep of the data x context
+parallel ranks, tokens moved by megatron's all-gather dispatcher on CPU (all-to-all on GPUs);
+tested on CPU against one process (tests/test_megatron_ep.py). cp = context parallel: GPUs with
+TransformerEngine only (`megatron.context`), refused on CPU. The MoE load-balancing loss is
+trainer/moe.py's, the torch backend's (megatron's own is off).
+With pp = dp = cp = 1 and no distributed optimizer the step is TorchTrainer's own.
 
 Lifecycle: as TorchTrainer: build -> (load_checkpoint) -> train_step* -> state_dict /
 export_weights for weight sync -> save_checkpoint.
@@ -37,21 +44,21 @@ import torch
 from pydantic import Field, model_validator
 
 from miles_env.models import resolve_model
-from miles_env.trainer.checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
 from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.losses import token_logprobs
 from miles_env.trainer.megatron.batches import all_gather_dispatch
+from miles_env.trainer.megatron.checkpoint import load_rank_checkpoint, save_rank_checkpoint
+from miles_env.trainer.megatron.context import cp_full, cp_logprobs
 from miles_env.trainer.megatron.convert import model_shape, transformer_config
 from miles_env.trainer.megatron.cpu_shims import apply_cpu_shims, init_distributed
+from miles_env.trainer.megatron.grads import grad_norm, reduce_grads
 from miles_env.trainer.megatron.layout import check_layout, world_size
 from miles_env.trainer.megatron.parallel import (
     build_stage_model,
     distributed_optimizer,
     gather_hf_state,
-    grad_norm,
     pipeline_logprobs,
     pipeline_train_step,
-    reduce_grads,
 )
 from miles_env.trainer.moe import MoeAux
 from miles_env.trainer.torch_backend import Sample, TorchTrainer
@@ -179,6 +186,9 @@ class MegatronTrainer(TorchTrainer):
         """[B, L] logprobs of each next token (column 0 is 0). With `mask`, as the torch backend, the
         LM head runs only where mask == 1 (a pre-hook on megatron's output layer keeps just those
         hidden states); positions outside the mask are 0."""
+        if self.cp_size > 1:  # this rank's part of each sequence (context.py); the whole for eval
+            partial = cp_logprobs(self, model, ids)
+            return partial if mask is not None else cp_full(self, partial)
         if mask is None:
             return token_logprobs(self.logits(ids, model), ids, self.config.temperature)
         sel = mask[:, 1:] > 0  # the logprob of token t comes from position t - 1
@@ -286,94 +296,13 @@ class MegatronTrainer(TorchTrainer):
             torch.distributed.barrier()
         return target
 
-    # -- checkpoints ---------------------------------------------------------------------------
-
-    def _rank_dir(self, ckpt_dir: str | os.PathLike[str]) -> Path:
-        root = Path(ckpt_dir)
-        if self.ep_size > 1:  # each ep rank holds its own experts (and a copy of the dense weights)
-            return root / f"tp{self.tp_rank}_pp{self.pp_rank}_ep{self.ep_rank}"
-        if self.pp_size > 1:
-            return root / f"tp{self.tp_rank}_pp{self.pp_rank}"
-        return root if self.tp_size == 1 else root / f"tp{self.tp_rank}"
-
-    def _writes_checkpoint(self) -> bool:
-        """Data-parallel rank 0 writes (the replicas are identical); with expert parallelism the first
-        of the ranks holding the same experts does."""
-        from megatron.core import parallel_state as ps
-
-        return (ps.get_expert_data_parallel_rank() if self.ep_size > 1 else self.dp_rank) == 0
-
-    def _sharded_optimizers(self) -> list[Any]:
-        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+    # -- checkpoints (megatron.checkpoint) -----------------------------------------------------
 
     def save_checkpoint(self, ckpt_dir: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> Path:
-        """This rank's megatron tensors and optimizer state (one dir per TP rank / pipeline stage),
-        written by data-parallel rank 0 (the replicas are identical). With the distributed optimizer,
-        its Adam shards are first gathered to dp rank 0 (a collective: every rank calls this)."""
-        param_states = None
-        if self.ddp is not None:
-            param_states = [o.get_parameter_state_dp_zero() for o in self._sharded_optimizers()]
-        if not self._writes_checkpoint():
-            torch.distributed.barrier()
-            return self._rank_dir(ckpt_dir)
-        local = {k: v.detach() for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
-        state = {
-            "model": local,
-            "optimizer": self.optimizer.state_dict(),
-            "optimizer_shards": param_states,
-            "rng": {"torch": torch.get_rng_state()},
-        }
-        meta = {
-            "extra": extra or {},
-            "model_path": str(self.model_path),
-            "tp": self.tp_size,
-            "pp": self.pp_size,
-            "ep": self.ep_size,
-            "distributed_optimizer": self.ddp is not None,
-            "backend": "megatron",
-        }
-        path = write_checkpoint(
-            self._rank_dir(ckpt_dir), self.step, state, meta, self.config.keep_checkpoints
-        )
-        if self.dp_size > 1:
-            torch.distributed.barrier()
-        return path
+        return save_rank_checkpoint(self, Path(ckpt_dir), extra)
 
     def load_checkpoint(self, ckpt_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-        """Every rank reads its (tp, pp) dir; with the distributed optimizer dp rank 0 scatters the
-        Adam shards (a collective). The optimizer kind must match the one that saved."""
-        root = self._rank_dir(ckpt_dir)
-        path = root if (root / "trainer.json").is_file() else latest_checkpoint(root)
-        if path is None:
-            return None
-        state, meta = read_checkpoint(path)
-        if bool(meta.get("distributed_optimizer", False)) != (self.ddp is not None):
-            raise ValueError(
-                f"checkpoint {str(path)!r}: distributed_optimizer={meta.get('distributed_optimizer', False)}, "
-                f"this trainer has {self.ddp is not None}"
-            )
-        self.model.load_state_dict(state["model"], strict=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.ddp is not None:
-            for opt, shard in zip(self._sharded_optimizers(), state["optimizer_shards"], strict=True):
-                # torch AdamW's per-param "step" (restored by load_state_dict above) is not in the saved
-                # shards and megatron's loader copies every state key: set it aside meanwhile; megatron
-                # restores it as ONE tensor shared by every param, which AdamW would then bump once per
-                # param: give each its own copy. fp32 main params are views of the model's leaf params:
-                # copy without autograd.
-                inner = opt.optimizer.state
-                steps = {p: st.pop("step") for p, st in inner.items() if "step" in st}
-                with torch.no_grad():
-                    # each optimizer's own data-parallel rank 0 holds its shards (experts: expert-dp)
-                    opt.load_parameter_state_from_dp_zero(
-                        shard if opt.data_parallel_group.rank() == 0 else None
-                    )
-                for p, step in steps.items():
-                    inner[p]["step"] = step.clone()
-        torch.set_rng_state(state["rng"]["torch"])
-        self.step = int(meta["step"])
-        extra: dict[str, Any] = meta["extra"]
-        return extra
+        return load_rank_checkpoint(self, Path(ckpt_dir))
 
 
 def _read_hf_weights(path: Path) -> dict[str, torch.Tensor]:

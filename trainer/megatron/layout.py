@@ -62,6 +62,10 @@ def check_layout(cfg: Any, world: int, shape: Any) -> None:
         raise ConfigError(f"trainer.pp={pp} does not divide the model's {shape.layers} layers")
     if cp > 1 and (why := _cp_needs()) is not None:
         raise ConfigError(f"trainer.cp={cp} {why}")
+    if cp > 1 and pp > 1:
+        raise ConfigError(
+            f"trainer.cp={cp} with trainer.pp={pp}: context parallelism across pipeline stages is not written yet"
+        )
     if shape.moe is None:
         if ep > 1:
             raise ConfigError(

@@ -10,14 +10,13 @@ data-parallel ranks and runs them through megatron-core's `get_forward_backward_
 step's global token/sequence denominators, so summing gradients over data-parallel ranks gives the
 gradient of the whole batch.
 
-Invariants: after `reduce_grads` every data-parallel replica holds the same gradients and the tied
-embedding / output-layer copies on the first and last stage hold the same (summed) gradient, so the
-replicas and the two copies stay bit-identical under the same AdamW step. The grad norm counts each
-parameter once (TP shards summed, replicated tensors and the tied copy once). Metrics are reduced
-over data-parallel ranks and broadcast from the last stage, so every rank returns the same dict.
+Invariants: the gradient reductions (`megatron.grads`) keep the replicas bit-identical. Metrics are
+reduced over data-parallel ranks and broadcast from the last stage, so every rank returns the same
+dict. Expert parallelism (`megatron.experts`, `megatron.batches`): each rank builds only its experts,
+runs as many microbatches as the busiest ep rank, and `gather_hf_state` collects every expert.
 
-Lifecycle: `build_stage_model` at construction; `pipeline_train_step` per step (only when pp > 1 or
-dp > 1: pp = dp = 1 keeps TorchTrainer's step); `gather_hf_state` for weight sync and export.
+Lifecycle: `build_stage_model` at construction; `pipeline_train_step` per step (only when pp, dp or
+cp > 1: otherwise TorchTrainer's step); `gather_hf_state` for weight sync and export.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ import torch
 
 from miles_env.trainer.losses import microbatch_loss
 from miles_env.trainer.megatron.batches import one_shape, step_batches
+from miles_env.trainer.megatron.context import cp_full, te_layer_spec, te_names
 from miles_env.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, shard, unshard
 from miles_env.trainer.megatron.experts import ep_global, ep_slice, is_expert_name
 from miles_env.trainer.torch_backend import Sample, _Metrics, flatten_groups, pack_microbatches
@@ -43,8 +43,6 @@ __all__ = [
     "build_stage_model",
     "pipeline_train_step",
     "pipeline_logprobs",
-    "reduce_grads",
-    "grad_norm",
     "gather_hf_state",
     "distributed_optimizer",
 ]
@@ -66,9 +64,14 @@ def build_stage_model(tr: MegatronTrainer, tcfg: Any, full_hf: dict[str, torch.T
     ps, s = _ps(), tr.shape
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     experts = s.moe.experts if s.moe is not None else None
+    spec = (
+        te_layer_spec(s)  # context parallelism runs only in TransformerEngine's attention
+        if tr.cp_size > 1
+        else get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=s.qk_norm)
+    )
     model = GPTModel(
         tcfg,
-        get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=s.qk_norm),
+        spec,
         vocab_size=s.vocab,
         max_sequence_length=s.max_positions,
         pre_process=first,
@@ -91,6 +94,8 @@ def build_stage_model(tr: MegatronTrainer, tcfg: Any, full_hf: dict[str, torch.T
     if experts is not None:  # this expert-parallel rank's experts, numbered from 0
         full = ep_slice(full, tr.ep_rank, tr.ep_size, experts)
     local = {k: shard(k, v, tr.tp_rank, tr.tp_size).to(dtype) for k, v in full.items()}
+    if tr.cp_size > 1:
+        local = te_names(local, experts is not None, to_te=True)
     missing, unexpected = model.load_state_dict(local, strict=False)
     real_missing = [k for k in missing if not k.endswith("_extra_state")]
     if real_missing or unexpected:
@@ -202,9 +207,14 @@ def pipeline_train_step(tr: MegatronTrainer, groups: Sequence[Sequence[Episode]]
 
     def loss_fn(i: int, b: Any, logp: torch.Tensor) -> torch.Tensor:
         m = microbatch_loss(logp, b.rollout, b.adv, b.mask, refs.get(i), cfg, totals)
+        loss = m.loss
         if real[i]:
+            if tr.cp_size > 1:  # the metrics of every column, not only this cp rank's (context.py)
+                ref = refs.get(i)
+                full_ref = cp_full(tr, ref) if ref is not None else None
+                m = microbatch_loss(cp_full(tr, logp), b.rollout, b.adv, b.mask, full_ref, cfg, totals)
             acc.add(m.pg, m.kl, m.clipped, m.weights, m.old - b.rollout, b.mask)
-        return m.loss
+        return loss
 
     _run_schedule(tr, tr.model, batches, loss_fn, forward_only=False, wrapper=tr.ddp, real=real)
     norm = tr._clip_and_step()
@@ -278,95 +288,17 @@ def _reduce_metrics(acc: _Metrics, n_tokens: int, device: torch.device) -> list[
     return [float(v) for v in vec]
 
 
-# -- gradients -------------------------------------------------------------------------------------
-
-
-def _tied_copy(tr: MegatronTrainer) -> torch.nn.Parameter | None:
-    """The embedding (first stage) or output-layer (last stage) weight of a tied model split over
-    pipeline stages; None when the tied weight lives on one stage only."""
-    ps = _ps()
-    if not tr.shape.tied or ps.get_pipeline_model_parallel_world_size() == 1:
-        return None
-    if ps.is_pipeline_first_stage():
-        return tr.model.embedding.word_embeddings.weight  # type: ignore[no-any-return]
-    if ps.is_pipeline_last_stage():
-        return tr.model.output_layer.weight  # type: ignore[no-any-return]
-    return None
-
-
-def _all_reduce_flat(params: list[torch.nn.Parameter], group: Any) -> None:
-    dist = torch.distributed
-    if not params:
-        return
-    flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
-    dist.all_reduce(flat, group=group)
-    pos = 0
-    for p in params:
-        assert p.grad is not None
-        p.grad.copy_(flat[pos : pos + p.numel()].view_as(p.grad))
-        pos += p.numel()
-
-
-def _is_expert(p: torch.nn.Parameter) -> bool:
-    """An expert-parallel shard (megatron marks them allreduce=False): its replicas are the
-    expert-data-parallel ranks, not the data-parallel ones."""
-    return not getattr(p, "allreduce", True)
-
-
-def reduce_grads(tr: MegatronTrainer) -> None:
-    """Sum the tied copies' grads over the embedding group, every dense grad over data-parallel ranks
-    and every expert shard's over expert-data-parallel ranks (the ranks holding the same experts)."""
-    dist, ps = torch.distributed, _ps()
-    params = [p for p in tr.model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:  # a data-parallel rank without microbatches still takes part
-            p.grad = torch.zeros_like(p)
-    tied = _tied_copy(tr)
-    if tied is not None and tied.grad is not None:
-        dist.all_reduce(tied.grad, group=ps.get_embedding_group())
-    if ps.get_data_parallel_world_size() > 1:
-        _all_reduce_flat([p for p in params if not _is_expert(p)], ps.get_data_parallel_group())
-    if tr.ep_size > 1 and ps.get_expert_data_parallel_world_size() > 1:
-        _all_reduce_flat([p for p in params if _is_expert(p)], ps.get_expert_data_parallel_group())
-
-
-def grad_norm(tr: MegatronTrainer) -> float:
-    """Global L2 norm: TP shards summed, replicated tensors on TP rank 0 only, the tied copy on the
-    last stage skipped, all summed over the model-parallel (tp x pp) group; expert shards summed over
-    the expert x pipeline group (each expert counted once)."""
-    ps = _ps()
-    tied = _tied_copy(tr)
-    skip = tied if tied is not None and not ps.is_pipeline_first_stage() else None
-    sq = [0.0, 0.0]  # dense, experts
-    for p in tr.model.parameters():
-        if p.grad is None or p is skip:
-            continue
-        if _is_expert(p):
-            sq[1] += float(p.grad.float().pow(2).sum())
-        elif getattr(p, "tensor_model_parallel", False) or tr.tp_rank == 0:
-            sq[0] += float(p.grad.float().pow(2).sum())
-    dense = _summed(tr, sq[0], tr.tp_size * tr.pp_size, ps.get_model_parallel_group)
-    experts = 0.0
-    if tr.ep_size > 1:
-        experts = _summed(
-            tr, sq[1], tr.ep_size * tr.pp_size, ps.get_expert_tensor_model_pipeline_parallel_group
-        )
-    return float((dense + experts) ** 0.5)
-
-
-def _summed(tr: MegatronTrainer, value: float, size: int, group: Callable[[], Any]) -> float:
-    if size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=tr.device)  # nccl: CUDA tensors only
-    torch.distributed.all_reduce(t, group=group())
-    return float(t)
-
-
 # -- weights ---------------------------------------------------------------------------------------
 
 
 def _tp_gathered(tr: MegatronTrainer) -> dict[str, torch.Tensor]:
-    local = {k: v.detach() for k, v in tr.model.state_dict().items() if isinstance(v, torch.Tensor)}
+    local = {
+        k: v.detach()
+        for k, v in tr.model.state_dict().items()
+        if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
+    }
+    if tr.cp_size > 1:
+        local = te_names(local, tr.shape.moe is not None, to_te=False)
     if tr.tp_size == 1:
         return local
     group = _ps().get_tensor_model_parallel_group()
