@@ -145,7 +145,10 @@ def make_tiny_moe(
         tie_word_embeddings=True, router_aux_loss_coef=0.01, **special,
     ) | sizes  # fmt: skip
     if kind == "qwen3_moe":
-        qwen3: dict[str, Any] = {"head_dim": common["hidden_size"] // common["num_attention_heads"], "norm_topk_prob": True}
+        qwen3: dict[str, Any] = {
+            "head_dim": common["hidden_size"] // common["num_attention_heads"],
+            "norm_topk_prob": True,
+        }
         cfg: Any = transformers.Qwen3MoeConfig(**common, **qwen3)
         cls: Any = transformers.Qwen3MoeForCausalLM
     elif kind == "qwen2_moe":
