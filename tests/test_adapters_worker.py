@@ -8,8 +8,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from miles_env.adapters.framework_harness import _POOL, FrameworkHarness
+from miles_env.adapters.framework_harness import FrameworkHarness
 from miles_env.adapters.worker_client import WORKERS_DIR, WorkerClient, WorkerError, call_once
+from miles_env.adapters.worker_pool import _POOL
 from miles_env.types import Status, Task
 
 FAULTY = """
