@@ -17,15 +17,13 @@ over ranks is the single process's.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from miles_env.trainer.batch import Batch
+from miles_env.trainer.megatron.stage import StageTrainer
 from miles_env.trainer.torch_backend import Sample
-
-if TYPE_CHECKING:
-    from miles_env.trainer.megatron.backend import MegatronTrainer
 
 __all__ = ["all_gather_dispatch", "one_shape", "step_batches", "uniform_microbatches"]
 
@@ -64,7 +62,7 @@ def _filler(rows: int, width: int, device: torch.device) -> Batch:
     return Batch(zeros.long(), zeros, zeros.clone(), torch.zeros(rows, device=device), [0] * rows)
 
 
-def one_shape(tr: MegatronTrainer, batches: list[Batch]) -> list[Batch]:
+def one_shape(tr: StageTrainer, batches: list[Batch]) -> list[Batch]:
     """`batches` padded to their largest [rows, width] where comms need one shape (else as they are)."""
     if not batches or not uniform_microbatches(tr.shape, tr.pp_size, tr.ep_size):
         return batches
@@ -73,7 +71,7 @@ def one_shape(tr: MegatronTrainer, batches: list[Batch]) -> list[Batch]:
 
 
 def step_batches(
-    tr: MegatronTrainer, samples: Sequence[Sample], mbs: Sequence[Sequence[int]]
+    tr: StageTrainer, samples: Sequence[Sample], mbs: Sequence[Sequence[int]]
 ) -> tuple[list[Batch], list[bool]]:
     """This data-parallel rank's microbatches of `mbs` (global sample indices) and which are real."""
     mine = [tr._collate([samples[i] for i in idx]) for idx in mbs[tr.dp_rank :: tr.dp_size]]

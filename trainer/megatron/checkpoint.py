@@ -15,19 +15,17 @@ _dp.py, _ep.py); the optimizer kind must match the one that saved.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from miles_env.trainer.checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
-
-if TYPE_CHECKING:
-    from miles_env.trainer.megatron.backend import MegatronTrainer
+from miles_env.trainer.megatron.stage import StageTrainer
 
 __all__ = ["load_rank_checkpoint", "rank_dir", "save_rank_checkpoint"]
 
 
-def rank_dir(tr: MegatronTrainer, root: Path) -> Path:
+def rank_dir(tr: StageTrainer, root: Path) -> Path:
     """This rank's checkpoint dir under `root` (one per tp rank / pipeline stage / ep rank)."""
     if tr.ep_size > 1:  # each ep rank holds its own experts (and a copy of the dense weights)
         return root / f"tp{tr.tp_rank}_pp{tr.pp_rank}_ep{tr.ep_rank}"
@@ -36,7 +34,7 @@ def rank_dir(tr: MegatronTrainer, root: Path) -> Path:
     return root if tr.tp_size == 1 else root / f"tp{tr.tp_rank}"
 
 
-def _writes(tr: MegatronTrainer) -> bool:
+def _writes(tr: StageTrainer) -> bool:
     """Data-parallel rank 0 writes (the replicas are identical); with expert parallelism the first
     of the ranks holding the same experts does."""
     from megatron.core import parallel_state as ps
@@ -45,11 +43,11 @@ def _writes(tr: MegatronTrainer) -> bool:
     return first and tr.cp_rank == 0  # cp ranks hold the same weights
 
 
-def _sharded_optimizers(tr: MegatronTrainer) -> list[Any]:
+def _sharded_optimizers(tr: StageTrainer) -> list[Any]:
     return list(getattr(tr.optimizer, "chained_optimizers", [tr.optimizer]))
 
 
-def save_rank_checkpoint(tr: MegatronTrainer, ckpt_dir: Path, extra: dict[str, Any] | None = None) -> Path:
+def save_rank_checkpoint(tr: StageTrainer, ckpt_dir: Path, extra: dict[str, Any] | None = None) -> Path:
     """This rank's megatron tensors and optimizer state (one dir per TP rank / pipeline stage),
     written by data-parallel rank 0 (the replicas are identical). With the distributed optimizer,
     its Adam shards are first gathered to dp rank 0 (a collective: every rank calls this)."""
@@ -81,7 +79,7 @@ def save_rank_checkpoint(tr: MegatronTrainer, ckpt_dir: Path, extra: dict[str, A
     return path
 
 
-def load_rank_checkpoint(tr: MegatronTrainer, ckpt_dir: Path) -> dict[str, Any] | None:
+def load_rank_checkpoint(tr: StageTrainer, ckpt_dir: Path) -> dict[str, Any] | None:
     """Every rank reads its (tp, pp) dir; with the distributed optimizer dp rank 0 scatters the
     Adam shards (a collective). The optimizer kind must match the one that saved."""
     root = rank_dir(tr, ckpt_dir)

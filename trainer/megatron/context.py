@@ -23,12 +23,11 @@ once, and every column but 0 is filled by exactly one rank.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from miles_env.trainer.megatron.backend import MegatronTrainer
+from miles_env.trainer.megatron.stage import StageTrainer
 
 __all__ = ["cp_full", "cp_logprobs", "cp_positions", "te_layer_spec", "te_names"]
 
@@ -59,7 +58,7 @@ def te_names(mc: dict[str, torch.Tensor], moe: bool, to_te: bool) -> dict[str, t
     return out
 
 
-def cp_logprobs(tr: MegatronTrainer, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def cp_logprobs(tr: StageTrainer, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """[B, L] logprobs of the next tokens at this cp rank's positions (their columns p + 1), 0 elsewhere,
     with the gradient of those positions; `ids` is the whole (unsplit) microbatch."""
     b, n = ids.shape
@@ -79,7 +78,7 @@ def cp_logprobs(tr: MegatronTrainer, model: torch.nn.Module, ids: torch.Tensor) 
     return out
 
 
-def cp_full(tr: MegatronTrainer, partial: torch.Tensor) -> torch.Tensor:
+def cp_full(tr: StageTrainer, partial: torch.Tensor) -> torch.Tensor:
     """Every column of the partial logprobs (no gradient), summed over the cp group."""
     from megatron.core import parallel_state as ps
 

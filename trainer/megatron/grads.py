@@ -14,12 +14,11 @@ shards summed, replicated tensors and the tied copy once, each expert once over 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from miles_env.trainer.megatron.backend import MegatronTrainer
+from miles_env.trainer.megatron.stage import StageTrainer
 
 __all__ = ["grad_norm", "reduce_grads"]
 
@@ -30,7 +29,7 @@ def _ps() -> Any:
     return parallel_state
 
 
-def _tied_copy(tr: MegatronTrainer) -> torch.nn.Parameter | None:
+def _tied_copy(tr: StageTrainer) -> torch.nn.Parameter | None:
     """The embedding (first stage) or output-layer (last stage) weight of a tied model split over
     pipeline stages; None when the tied weight lives on one stage only."""
     ps = _ps()
@@ -62,7 +61,7 @@ def _is_expert(p: torch.nn.Parameter) -> bool:
     return not getattr(p, "allreduce", True)
 
 
-def reduce_grads(tr: MegatronTrainer) -> None:
+def reduce_grads(tr: StageTrainer) -> None:
     """Sum the tied copies' grads over the embedding group, every dense grad over data-parallel ranks
     and every expert shard's over expert-data-parallel ranks (the ranks holding the same experts)."""
     dist, ps = torch.distributed, _ps()
@@ -80,7 +79,7 @@ def reduce_grads(tr: MegatronTrainer) -> None:
         _all_reduce_flat([p for p in params if _is_expert(p)], ps.get_expert_data_parallel_group())
 
 
-def grad_norm(tr: MegatronTrainer) -> float:
+def grad_norm(tr: StageTrainer) -> float:
     """Global L2 norm: TP shards summed, replicated tensors on TP rank 0 only, the tied copy on the
     last stage skipped, all summed over the model-parallel (tp x pp) group; expert shards summed over
     the expert x pipeline group (each expert counted once)."""
@@ -104,7 +103,7 @@ def grad_norm(tr: MegatronTrainer) -> float:
     return float((dense + experts) ** 0.5)
 
 
-def _summed(tr: MegatronTrainer, value: float, size: int, group: Callable[[], Any]) -> float:
+def _summed(tr: StageTrainer, value: float, size: int, group: Callable[[], Any]) -> float:
     if size == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64, device=tr.device)  # nccl: CUDA tensors only

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -33,11 +33,9 @@ from miles_env.trainer.megatron.batches import one_shape, step_batches
 from miles_env.trainer.megatron.context import cp_full, te_layer_spec, te_names
 from miles_env.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, shard, unshard
 from miles_env.trainer.megatron.experts import ep_global, ep_slice, is_expert_name
+from miles_env.trainer.megatron.stage import StageTrainer
 from miles_env.trainer.torch_backend import Sample, _Metrics, flatten_groups, pack_microbatches
 from miles_env.types import Episode
-
-if TYPE_CHECKING:
-    from miles_env.trainer.megatron.backend import MegatronTrainer
 
 __all__ = [
     "build_stage_model",
@@ -54,7 +52,7 @@ def _ps() -> Any:
     return parallel_state
 
 
-def build_stage_model(tr: MegatronTrainer, tcfg: Any, full_hf: dict[str, torch.Tensor]) -> torch.nn.Module:
+def build_stage_model(tr: StageTrainer, tcfg: Any, full_hf: dict[str, torch.Tensor]) -> torch.nn.Module:
     """This rank's GPTModel (its pipeline stage, its TP shard) holding the converted HF weights."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -104,7 +102,7 @@ def build_stage_model(tr: MegatronTrainer, tcfg: Any, full_hf: dict[str, torch.T
     return model.to(tr.device)
 
 
-def distributed_optimizer(tr: MegatronTrainer) -> tuple[Any, Any]:
+def distributed_optimizer(tr: StageTrainer) -> tuple[Any, Any]:
     """megatron's DDP wrapper (grads in one contiguous buffer, reduce-scattered over data-parallel
     ranks) and DistributedOptimizer (each dp rank holds and steps 1/dp of the optimizer state, then
     the updated params are all-gathered). The optimizer is torch's AdamW (no Apex / TE), weight decay
@@ -130,7 +128,7 @@ def distributed_optimizer(tr: MegatronTrainer) -> tuple[Any, Any]:
 
 
 def _run_schedule(
-    tr: MegatronTrainer,
+    tr: StageTrainer,
     model: torch.nn.Module,
     batches: Sequence[Any],
     loss_fn: Callable[[int, Any, torch.Tensor], torch.Tensor],
@@ -173,7 +171,7 @@ def _run_schedule(
     )
 
 
-def pipeline_train_step(tr: MegatronTrainer, groups: Sequence[Sequence[Episode]]) -> dict[str, float]:
+def pipeline_train_step(tr: StageTrainer, groups: Sequence[Sequence[Episode]]) -> dict[str, float]:
     """TorchTrainer.train_step over pipeline stages and data-parallel ranks (same losses, metrics)."""
     t0 = time.perf_counter()
     cfg = tr.config
@@ -244,7 +242,7 @@ def pipeline_train_step(tr: MegatronTrainer, groups: Sequence[Sequence[Episode]]
 
 
 @torch.no_grad()
-def pipeline_logprobs(tr: MegatronTrainer, samples: Sequence[Sample]) -> list[torch.Tensor]:
+def pipeline_logprobs(tr: StageTrainer, samples: Sequence[Sample]) -> list[torch.Tensor]:
     """TorchTrainer.logprobs through the pipeline: a forward-only schedule, the last stage's
     [L] logprobs per sample broadcast to every stage (each data-parallel replica runs them all)."""
     ps = _ps()
@@ -291,7 +289,7 @@ def _reduce_metrics(acc: _Metrics, n_tokens: int, device: torch.device) -> list[
 # -- weights ---------------------------------------------------------------------------------------
 
 
-def _tp_gathered(tr: MegatronTrainer) -> dict[str, torch.Tensor]:
+def _tp_gathered(tr: StageTrainer) -> dict[str, torch.Tensor]:
     local = {
         k: v.detach()
         for k, v in tr.model.state_dict().items()
@@ -310,7 +308,7 @@ def _tp_gathered(tr: MegatronTrainer) -> dict[str, torch.Tensor]:
     return full
 
 
-def _ep_gathered(tr: MegatronTrainer, mc: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _ep_gathered(tr: StageTrainer, mc: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`mc` with every expert of every ep rank under its global index (a collective over ep)."""
     if tr.ep_size == 1:
         return mc
@@ -328,7 +326,7 @@ def _ep_gathered(tr: MegatronTrainer, mc: dict[str, torch.Tensor]) -> dict[str, 
     return out
 
 
-def gather_hf_state(tr: MegatronTrainer) -> dict[str, torch.Tensor]:
+def gather_hf_state(tr: StageTrainer) -> dict[str, torch.Tensor]:
     """Full HF-named tensors of every layer, identical on every rank of this pipeline."""
     ps, s = _ps(), tr.shape
     mc = _ep_gathered(tr, _tp_gathered(tr))
