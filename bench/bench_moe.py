@@ -116,11 +116,11 @@ def table(one: dict[str, Any], two: dict[str, Any], sync: dict[str, float], args
     size = SIZES[args.size] or {"hidden_size": 32, "num_experts": 4, "num_hidden_layers": 2}
     desc = ", ".join(f"{k}={v}" for k, v in size.items())
     return "\n".join([
-        f"# MoE on the megatron backend: ep=1 vs ep=2 (gloo, CPU), tiny random Qwen3-MoE (`--size {args.size}`: {desc})",
+        f"# MoE on the megatron backend: ep=1 vs ep=2 (gloo, CPU), a random Qwen3-MoE (`--size {args.size}`: {desc})",
         "",
         f"`python bench/bench_moe.py --size {args.size} --batch {args.batch} --seq {args.seq} --steps {args.steps} "
         f"--threads {args.threads}`: one GRPO train_step of a synthetic group ({args.batch} x {args.seq} tokens), "
-        f"all-gather token dispatch; {args.threads} threads in all.",
+        f"all-gather token dispatch; {args.threads} thread(s) for ep=1, {max(1, args.threads // 2)} per rank for ep=2.",
         "",
         "| ep | step (s, median) | peak RSS per rank (GB) | loss | grad norm | aux loss | max expert load |",
         "|---|---|---|---|---|---|---|",

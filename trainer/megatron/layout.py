@@ -53,7 +53,7 @@ def check_layout(cfg: Any, world: int, shape: Any) -> None:
     tp, pp, cp, ep = cfg.tp, cfg.pp, cfg.cp, cfg.ep
     if world % (tp * pp * cp):
         raise ConfigError(f"trainer.tp x pp x cp = {tp} x {pp} x {cp} does not divide the world of {world} "
-                          "ranks (data parallel = world / (tp x pp x cp))")  # fmt: skip
+                          f"rank{'s' * (world != 1)} (data parallel = world / (tp x pp x cp))")  # fmt: skip
     dp = world // (tp * pp * cp)
     if shape.heads % tp or shape.groups % tp:
         raise ConfigError(f"trainer.tp={tp} does not divide the model's {shape.heads} attention heads "
