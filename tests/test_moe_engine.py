@@ -121,10 +121,15 @@ def test_lora_on_the_attention_and_the_experts(tmp_path: Path, tiny_moe: Path) -
             for n, p in trainer.model.named_parameters():
                 if n in adapter:
                     p.copy_(torch.randn_like(p) * 0.3)
-        m = await sync_adapter(trainer, engine, 1, tmp_path / "adapters")
-        gen = await engine.generate(PROMPT, SAMPLE)
-        assert gen.weight_version == 1
-        _assert_reproduced(trainer, PROMPT, gen)  # the engine applies the expert adapters unmerged too
+        for version in (1, 2):  # the second adapter replaces the first's tensors (same targets)
+            m = await sync_adapter(trainer, engine, version, tmp_path / "adapters")
+            gen = await engine.generate(PROMPT, SAMPLE)
+            assert gen.weight_version == version
+            _assert_reproduced(trainer, PROMPT, gen)  # the engine applies the expert adapters unmerged too
+            with torch.no_grad():
+                for n, p in trainer.model.named_parameters():
+                    if n in adapter:
+                        p.mul_(-1.0)
         await engine.close()
         return m
 
