@@ -213,7 +213,7 @@ class HFEngine:
         return await self.update_weights(state, weight_version, abort_in_flight=abort_in_flight)
 
     async def apply_weight_delta(self, delta: Any, *, abort_in_flight: bool = False) -> int:
-        """Apply a `WeightDelta` (miles_env.trainer.weight_sync) taking `delta.base_version` to
+        """Apply a `WeightDelta` (miles_env.trainer.weight_delta) taking `delta.base_version` to
         `delta.new_version`; a corrupted, partial or wrong-base delta raises EngineError and leaves the
         weights and the version unchanged (a full update_weights repairs)."""
         return int(
@@ -224,7 +224,7 @@ class HFEngine:
 
     async def apply_weight_delta_from_disk(self, path: str | Path, *, abort_in_flight: bool = False) -> int:
         """Load a delta file written by `save_delta` and apply it (see apply_weight_delta)."""
-        from miles_env.trainer.weight_sync import DeltaError, load_delta
+        from miles_env.trainer.weight_delta import DeltaError, load_delta
 
         try:
             delta = await anyio.to_thread.run_sync(load_delta, path)
