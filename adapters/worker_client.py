@@ -36,6 +36,7 @@ import anyio.abc
 from anyio.streams.text import TextReceiveStream
 
 from miles_env.errors import MilesEnvError
+from miles_env.types import EpisodeEnd
 
 __all__ = ["WorkerError", "WorkerClient", "worker_script", "call_once", "Callback"]
 
@@ -46,6 +47,8 @@ _LINE_LIMIT = 64 << 20  # one protocol line (an episode's transcript) may be lar
 
 class WorkerError(MilesEnvError):
     """The framework worker crashed, hung, or spoke something other than the protocol."""
+
+    end = EpisodeEnd.ADAPTER_WORKER
 
 
 def worker_script(name: str) -> Path:

@@ -86,6 +86,25 @@ class RolloutConfig(_Strict):
         description="ceilings over every task's own limits: a stricter value applies, a looser one is ignored",
     )
     tiers: list[int] | None = Field(None, description="only train on tasks whose metadata tier is listed")
+    # What trains is what the policy did (trainer/groups.py, rollout.run_valid_group):
+    min_valid: int | None = Field(
+        None, ge=1, description="members that ended by the policy (trainer.policy_ends) a group needs to "
+        "be queued: fewer, its failed members are rolled out again; None: the whole group",
+    )  # fmt: skip
+    reroll_attempts: int = Field(
+        2, ge=0, description="rounds of rolling a group's failed members out again before it is dropped"
+    )
+    stale_in_baseline: bool = Field(
+        False, description="a stale episode (past max_staleness) never trains; true: its reward still "
+        "counts in its fresh siblings' baseline",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _min_valid(self) -> Self:
+        if self.min_valid is not None and self.min_valid > self.group_size:
+            msg = f"min_valid={self.min_valid} is more than group_size={self.group_size}"
+            raise _invalid("RolloutConfig", [(("min_valid",), "min_valid_too_large", msg, None)])
+        return self
 
 
 class EvalConfig(_Strict):

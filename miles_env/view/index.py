@@ -9,7 +9,9 @@ sizes) and reads only what is new, so a page poll during a live run costs millis
 A train episode's `step` is the trainer step that trained it: from the checkpoints that still list
 it (`trained_episode_ids`), else the first train step logged after its group completed (exact in
 sync mode). Filtering, sorting and paging run here, server side: the browser only ever holds a page;
-`flag` filters by the guards' flags (`any`, `none`, or a flag's name).
+`flag` filters by the guards' flags (`any`, `none`, or a flag's name), `end` by the episode's end
+class (`policy`: the ends that train, `infra`: every infrastructure failure, or a class's name; an
+episode stored before the classes existed gets the one its status implies, types.end_of_status).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from miles_env.types import POLICY_ENDS, EpisodeEnd, end_of_status
 from miles_env.view.layout import Kind, Layout, connect_ro
 from miles_env.view.metrics import MetricsLog
 
@@ -48,6 +51,7 @@ class Row:
     session: str = ""
     completed_at: float | None = None
     flags: tuple[str, ...] = ()  # reward-hacking flags the guards raised (miles_env/guards)
+    end: str = ""  # the episode's end class (types.EpisodeEnd); "" for a bare session
 
     def public(self) -> dict[str, Any]:
         return {
@@ -55,7 +59,20 @@ class Row:
         }
 
 
-SORTABLE = ("id", "task", "status", "reward", "group", "split", "step", "v_min", "turns", "sampled", "wall_s")
+SORTABLE = (
+    "id",
+    "task",
+    "status",
+    "end",
+    "reward",
+    "group",
+    "split",
+    "step",
+    "v_min",
+    "turns",
+    "sampled",
+    "wall_s",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +92,7 @@ _QUEUE_SQL = (
     "SELECT e.rowid, e.id, e.group_id, json_extract(e.meta, '$.task_id'), json_extract(e.meta, '$.status'), "
     "json_extract(e.meta, '$.reward.score'), json_extract(e.meta, '$.split'), "
     "json_extract(e.meta, '$.timings.total_s'), json_extract(e.meta, '$.samples'), "
-    "json_extract(e.meta, '$.metadata.session_id'), json_extract(e.meta, '$.flags') "
+    "json_extract(e.meta, '$.metadata.session_id'), json_extract(e.meta, '$.flags'), json_extract(e.meta, '$.end') "
     "FROM episodes e WHERE e.rowid > ? ORDER BY e.rowid"
 )
 
@@ -132,14 +149,14 @@ class EpisodeIndex:
             return
         self._data_version = version
         groups = {g: (s, t) for g, s, t in conn.execute("SELECT group_id, state, completed_at FROM groups")}
-        for rowid, eid, gid, task, status, score, split, wall, samples, sid, flags in conn.execute(
+        for rowid, eid, gid, task, status, score, split, wall, samples, sid, flags, end in conn.execute(
             _QUEUE_SQL, (self._rowid,)
         ):
             self._rowid = rowid
             turns, sampled, v_min, v_max = _turn_stats(json.loads(samples or "[]"))
             row = Row(eid, task or "", status or "", score, gid, split or "train", None, v_min, v_max, turns,
                       sampled, wall, "open", "queue", session=sid or "",
-                      flags=tuple(json.loads(flags or "[]")))  # fmt: skip
+                      flags=tuple(json.loads(flags or "[]")), end=end or end_of_status(status or ""))  # fmt: skip
             self._add(row)
         times = self.metrics.train_times()
         logged = [t for t, _ in times]
@@ -199,7 +216,8 @@ class EpisodeIndex:
         return Row(str(ep["id"]), str(ep.get("task_id", "")), str(ep.get("status", "")), reward.get("score"),
                    str(ep.get("group_id", "")), str(ep.get("split", "")), ep.get("step"), v_min, v_max, turns,
                    sampled, ep.get("timings", {}).get("total_s"), "eval", "jsonl", offset, sid,
-                   float(offset), tuple(ep.get("flags") or ()))  # fmt: skip
+                   float(offset), tuple(ep.get("flags") or ()),
+                   str(ep.get("end") or end_of_status(str(ep.get("status", "")))))  # fmt: skip
 
     def _refresh_store(self) -> None:
         from miles_env.view.sessions import session_summary
@@ -238,6 +256,7 @@ class EpisodeIndex:
                 "split": sorted({r.split for r in self.rows}),
                 "state": sorted({r.state for r in self.rows}),
                 "flag": sorted({f for r in self.rows for f in r.flags}),
+                "end": sorted({r.end for r in self.rows if r.end}),
             }
 
 
@@ -256,6 +275,8 @@ def _matches(row: Row, filters: dict[str, str]) -> bool:
             return False
         elif key == "flag" and not _flagged(row, want):
             return False
+        elif key == "end" and not _ended(row, want):
+            return False
         elif key == "passed" and (row.reward is not None and row.reward >= 1.0) != (want == "1"):
             return False
     return True
@@ -268,6 +289,19 @@ def _flagged(row: Row, want: str) -> bool:
     if want == "none":
         return not row.flags
     return want in row.flags
+
+
+_POLICY = {e.value for e in POLICY_ENDS}
+_CLASSES = {e.value for e in EpisodeEnd}
+
+
+def _ended(row: Row, want: str) -> bool:
+    """`end=policy`: ended by the policy; `end=infra`: an infrastructure failure; else that class."""
+    if want == "policy":
+        return row.end in _POLICY
+    if want == "infra":
+        return row.end in _CLASSES - _POLICY
+    return row.end == want
 
 
 def _export_samples(path: Path) -> list[dict[str, Any]]:
