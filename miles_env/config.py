@@ -30,6 +30,7 @@ from miles_env.cost import CostConfig
 from miles_env.engines.configs import EngineConfig, HFEngineConfig
 from miles_env.errors import ConfigError
 from miles_env.evals.config import EvalMode, ExternalEvalConfig
+from miles_env.faults import FaultsConfig
 from miles_env.guards.config import GuardsConfig
 from miles_env.harnesses.configs import BuiltinConfig, HarnessConfig
 from miles_env.limits import LimitsOverride
@@ -210,6 +211,7 @@ class RunConfig(_Strict):
     guards: GuardsConfig = Field(default_factory=GuardsConfig)  # reward-hacking detectors (miles_env/guards)
     algorithm: Algorithm = "grpo"  # opd: on-policy distillation from `opd.teacher` (miles_env/opd.py)
     opd: OPDConfig | None = None
+    faults: FaultsConfig | None = None  # injected infrastructure faults (miles_env/faults.py): tests, bench
     # Written by the job into run_dir/config.yaml: the env's distribution {name, version}; not an input.
     env_dist: dict[str, str] = Field(default_factory=dict)
 

@@ -52,13 +52,9 @@ class FaultyProvider:
     """A provider whose `create` fails with probability `rate` (seeded), else the inner one's."""
 
     def __init__(self, inner: SandboxProvider, rate: float, seed: int = 0) -> None:
-        self.inner, self.rate = inner, rate
+        self.inner, self.rate, self.name = inner, rate, inner.name
         self.rng = random.Random(seed)
         self.failed = self.created = 0
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
         self.created += 1

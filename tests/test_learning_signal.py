@@ -90,11 +90,13 @@ def test_policy_ends_keep_their_score_and_the_config_says_which_they_are() -> No
 
 def test_a_train_group_baseline_counts_rewards_that_never_train() -> None:
     ok, zero = _ep(0, 1.0, Status.COMPLETED), _ep(1, 0.0, Status.COMPLETED)
-    with_stale = flatten_groups([TrainGroup([ok, zero], baseline_rewards=[1.0, 1.0])], TrainerConfig())
+    stale = [_ep(5, 1.0, Status.COMPLETED), _ep(6, 1.0, Status.COMPLETED), _ep(7, None, Status.FAILED)]
+    with_stale = flatten_groups([TrainGroup([ok, zero], baseline=stale)], TrainerConfig())
     alone = flatten_groups(
         [[ok, zero, _ep(5, 1.0, Status.COMPLETED), _ep(6, 1.0, Status.COMPLETED)]], TrainerConfig()
     )
-    assert _trained(with_stale) == _trained(alone)[:2]  # same advantages; the stale two never train
+    assert _trained(with_stale) == _trained(alone)[:2]  # same advantages; the stale ones never train
+    # (and a stale infrastructure failure counts in no baseline either)
 
 
 # -- classified where raised, on the real stack ---------------------------------------------------------

@@ -49,8 +49,8 @@ def opd_token_advantages(traj: Trajectory, advantage: float, config: TrainerConf
 
 def flatten_groups(groups: Sequence[Sequence[Episode]], config: TrainerConfig) -> list[Sample]:
     """One Sample per Trajectory of each group's policy-ended members (`config.policy_ends`);
-    advantages are computed over those members' rewards (and a TrainGroup's `baseline_rewards`,
-    which count in the baseline only). Samples with no trainable token, or (by default) with a zero advantage, are dropped: they carry
+    advantages are computed over those members' rewards (and a TrainGroup's `baseline`
+    members', which count in the baseline only). Samples with no trainable token, or (by default) with a zero advantage, are dropped: they carry
     no gradient. With token-mean aggregation this also leaves them out of the normaliser (as DAPO's
     dynamic sampling does). Under OPD (`opd_kl_weight > 0`) every sample carries per-token
     advantages (`opd_token_advantages`) and none is skipped: the teacher signal is never zero."""
@@ -61,7 +61,7 @@ def flatten_groups(groups: Sequence[Sequence[Episode]], config: TrainerConfig) -
         members = policy_members(group, policy)
         if not members:
             continue
-        scores = [ep.score for ep in members] + list(baseline_rewards(group))
+        scores = [ep.score for ep in members] + baseline_rewards(group, policy)
         rewards = torch.tensor(scores, dtype=torch.float64)
         adv = group_advantages(rewards, config.advantage, config.adv_eps).tolist()[: len(members)]
         for ep, a in zip(members, adv, strict=True):

@@ -87,8 +87,9 @@ class Details:
                 conn.close()
             ep = decode_episode(meta, blob)
             data = ep.model_dump(mode="python")
-        elif row.source == "jsonl":
-            with self.layout.eval_episodes.open("rb") as fh:
+        elif row.source in ("jsonl", "failed"):
+            path = self.layout.eval_episodes if row.source == "jsonl" else self.layout.failed_episodes
+            with path.open("rb") as fh:
                 fh.seek(row.offset)
                 data = json.loads(fh.readline())
             if data.get("samples") is None:

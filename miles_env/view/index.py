@@ -2,8 +2,9 @@
 
 Sources, by layout (layout.py): the replay queue's `episodes` rows (train episodes; summary fields
 read with SQLite's JSON functions, so the transcript and the token arrays are never parsed for the
-table), the eval JSONL (read from the byte offset reached last time), and the store's journals
-(one row per session). `refresh()` is cheap when nothing changed (`PRAGMA data_version`, file
+table), the eval JSONL and a run's failed_episodes.jsonl (train episodes that failed and never
+reached the queue: rolled out again or their group dropped, state `not trained`; each read from
+the byte offset reached last time), and the store's journals (one row per session). `refresh()` is cheap when nothing changed (`PRAGMA data_version`, file
 sizes) and reads only what is new, so a page poll during a live run costs milliseconds.
 
 A train episode's `step` is the trainer step that trained it: from the checkpoints that still list
@@ -46,7 +47,7 @@ class Row:
     sampled: int
     wall_s: float | None
     state: str  # queue group state (train), "eval", or "session"
-    source: str  # "queue" | "jsonl" | "session": where the full episode is read from
+    source: str  # "queue" | "jsonl" | "failed" | "session": where the full episode is read from
     offset: int = 0  # byte offset of its line (jsonl)
     session: str = ""
     completed_at: float | None = None
@@ -107,7 +108,7 @@ class EpisodeIndex:
         self._conn: sqlite3.Connection | None = None
         self._rowid = 0
         self._data_version: int | None = None
-        self._jsonl_offset = 0
+        self._offsets: dict[str, int] = {}  # jsonl source -> bytes read
         self._sessions: dict[str, int] = {}  # journal name -> size read
         self._trained: dict[str, int] = {}  # episode id -> step, from checkpoints
         self._ckpts: set[str] = set()
@@ -120,7 +121,9 @@ class EpisodeIndex:
             if self.layout.kind is Kind.TRAIN:
                 self._refresh_queue()
             if self.layout.kind in (Kind.TRAIN, Kind.EVAL):
-                self._refresh_jsonl()
+                self._refresh_jsonl(self.layout.eval_episodes, "jsonl")
+            if self.layout.kind is Kind.TRAIN:
+                self._refresh_jsonl(self.layout.failed_episodes, "failed")
             if self.layout.kind is Kind.STORE:
                 self._refresh_store()
             if self.changes != before:
@@ -188,25 +191,25 @@ class EpisodeIndex:
                 added = True
         return added
 
-    def _refresh_jsonl(self) -> None:
-        path = self.layout.eval_episodes
-        if not path.is_file() or path.stat().st_size <= self._jsonl_offset:
+    def _refresh_jsonl(self, path: Path, source: str) -> None:
+        done = self._offsets.get(source, 0)
+        if not path.is_file() or path.stat().st_size <= done:
             return
         with path.open("rb") as fh:
-            fh.seek(self._jsonl_offset)
+            fh.seek(done)
             data = fh.read()
         end = data.rfind(b"\n") + 1  # a line still being written is read next time
         pos = 0
         while pos < end:
             nl = data.index(b"\n", pos)
             line = data[pos:nl]
-            offset = self._jsonl_offset + pos
+            offset = done + pos
             pos = nl + 1
             if line.strip():
-                self._add(self._jsonl_row(json.loads(line), offset))
-        self._jsonl_offset += end
+                self._add(self._jsonl_row(json.loads(line), offset, source))
+        self._offsets[source] = done + end
 
-    def _jsonl_row(self, ep: dict[str, Any], offset: int) -> Row:
+    def _jsonl_row(self, ep: dict[str, Any], offset: int, source: str) -> Row:
         samples = ep.get("samples")
         sid = str(ep.get("metadata", {}).get("session_id", ""))
         if samples is None:  # a train run's eval line: the samples are in the store's export
@@ -215,8 +218,8 @@ class EpisodeIndex:
         reward = ep.get("reward") or {}
         return Row(str(ep["id"]), str(ep.get("task_id", "")), str(ep.get("status", "")), reward.get("score"),
                    str(ep.get("group_id", "")), str(ep.get("split", "")), ep.get("step"), v_min, v_max, turns,
-                   sampled, ep.get("timings", {}).get("total_s"), "eval", "jsonl", offset, sid,
-                   float(offset), tuple(ep.get("flags") or ()),
+                   sampled, ep.get("timings", {}).get("total_s"),
+                   "eval" if source == "jsonl" else "not trained", source, offset, sid, float(offset), tuple(ep.get("flags") or ()),
                    str(ep.get("end") or end_of_status(str(ep.get("status", "")))))  # fmt: skip
 
     def _refresh_store(self) -> None:
