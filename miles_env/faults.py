@@ -2,7 +2,9 @@
 
 Concept: a run's faults wrap two of its real parts, so every other part meets them as it would
 meet the real failures. `FaultyProvider` fails a share of sandbox creations with a SandboxError
-(the episode is SANDBOX_START), drawn from a seeded rng: the same seed fails the same creations.
+(the episode is SANDBOX_START), drawn from a seeded rng: the same seed fails the same creations;
+a failing creation first creates and closes the real sandbox, so it costs what a creation that
+fails late (a container that never becomes ready) costs.
 `FaultyEngine` (the proxy's engine, never the trainer's) restarts: at its `restart_at`-th
 generate call, every call in flight and every call for `down_s` after fail with EngineError, as
 a restarted server's would (ENGINE_ERROR when the harness gives up); `stall_every` holds every
@@ -58,10 +60,13 @@ class FaultyProvider:
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
         self.created += 1
-        if self.rng.random() < self.rate:
-            self.failed += 1
-            raise SandboxError(f"injected fault: sandbox creation {self.created} failed")
-        return await self.inner.create(spec)
+        fail = self.rng.random() < self.rate
+        sandbox = await self.inner.create(spec)
+        if not fail:
+            return sandbox
+        self.failed += 1
+        await sandbox.close()
+        raise SandboxError(f"injected fault: sandbox creation {self.created} failed")
 
 
 class FaultyEngine:

@@ -202,3 +202,42 @@ async def test_a_client_gone_before_the_reply_is_client_gone_and_stores_the_turn
         a, b = s.proxy.export(sid)
         assert (a.turns[0].delivered, b.turns[0].delivered) == (False, True)
         assert s.proxy.get_session(sid).n_undelivered == 1
+
+
+@pytest.mark.slow
+async def test_claude_code_retries_a_held_turn_and_the_first_sampling_never_trains(
+    tok: Any, tmp_path: Path
+) -> None:
+    """The real Claude Code CLI (its pinned version, in the bwrap sandbox): its first turn is held
+    past the CLI's request timeout (API_TIMEOUT_MS), the CLI gives up and sends the same request
+    again; the held sampling stays in the journal and the audit and has mask 1 in no sample, the
+    retry's turn ends the episode and trains."""
+    from miles_env.harnesses._cli import CLAUDE_CODE
+    from tests.cli_harness_support import require_cli, run_one, task_for
+
+    require_cli(CLAUDE_CODE)
+    engine = _Held(tok, default_reply="Done.", max_context=1 << 20)
+    engine.hold_s = 6.0
+    store = tmp_path / "store"
+    ep = await run_one(
+        "claude-code",
+        engine,
+        store,
+        task_for(CLAUDE_CODE),
+        budget_s=120,
+        extra_env={"API_TIMEOUT_MS": "3000"},
+    )
+    assert ep.end.value == "completed", (ep.end, ep.error)
+    turns = [t for s in ep.samples for t in s.turns]
+    held, trained = [t for t in turns if not t.delivered], [t for t in turns if t.delivered]
+    # the held one (and any retry that came back after the CLI gave up on it too) is kept, untrained
+    assert held and held[0].latency_s >= engine.hold_s and len(turns) == len(engine.generations)
+    assert len(trained) == 1 and sum(s.n_sampled for s in ep.samples) == trained[0].completion_len
+    report = audit(store)
+    assert report.ok and report.undelivered == len(held), report.drifts
+    reasons = [
+        json.loads(x)["reason"]
+        for x in next(store.glob("*.jsonl")).read_text().splitlines()
+        if '"undelivered"' in x
+    ]
+    assert set(reasons) <= {"client_gone", "retried"} and len(reasons) == len(held), reasons

@@ -72,6 +72,7 @@ class SignalLedger:
             "groups_dropped_invalid": float(self.dropped),
             "episodes_excluded": float(sum(len(g) for g in groups) - trained),
             "trained_episodes": float(trained),
+            "rollout_episode_s": self.seconds,  # the episodes' own seconds (concurrent ones add up)
             "wasted_rollout_share": self.wasted_s / self.seconds if self.seconds else 0.0,
         }
         self.ends.clear()
