@@ -11,10 +11,12 @@ episodes are never faulted, so the eval curves compare the policies. Read from m
 - wasted rollout share: the episodes' own seconds spent on episodes that never train (failed,
   or in a dropped group) over all their seconds;
 - re-rolled episodes and dropped groups; the infrastructure share of every episode rolled out;
-- the learning curves: the train pass rate per step and the eval pass rate at each eval step.
+- the learning curves: the train pass rate per step (`pass_rate_policy`: over the episodes that
+  ended by the policy) and the eval pass rate at each eval step.
 
 Run: python bench/bench_learning_signal.py [--rates 0,0.05,0.2] [--steps 6] [--eval-every 3]
-     [--out bench/results/learning_signal.md]
+     [--keep DIR] [--out bench/results/learning_signal.md]
+Re-read kept runs without running again: python bench/bench_learning_signal.py --summarise DIR
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def summarise(rate: float, found: list[dict[str, Any]], wall: float) -> dict[str
         "rerolled": sum(float(r.get("episodes_rerolled") or 0.0) for r in train),
         "dropped": sum(float(r.get("groups_dropped_invalid") or 0.0) for r in train),
         "infra": sum(infra) / len(infra) if infra else 0.0,
-        "train_pass": [round(float(r.get("pass_rate") or 0.0), 3) for r in train],
+        "train_pass": [round(float(r.get("pass_rate_policy", r.get("pass_rate")) or 0.0), 3) for r in train],
         "eval": evals,
     }
 
@@ -119,7 +121,12 @@ def main() -> None:
     p.add_argument("--timeout-s", type=float, default=6 * 3600)
     p.add_argument("--keep", type=Path, default=None, help="keep the run dirs here (default: a temp dir)")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--summarise", type=Path, default=None, help="re-read the runs kept in this dir")
     args = p.parse_args()
+    if args.summarise is not None:
+        rows = [summarise(*_kept(args.summarise, float(x))) for x in args.rates.split(",")]
+        _write(table(rows), args.out)
+        return
     with tempfile.TemporaryDirectory(prefix="bench-signal-") as tmp:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -128,10 +135,20 @@ def main() -> None:
             found, wall = run_rate(rate, args, work)
             rows.append(summarise(rate, found, wall))
             print(table(rows), flush=True)
-    text = table(rows)
+    _write(table(rows), args.out)
+
+
+def _kept(work: Path, rate: float) -> tuple[float, list[dict[str, Any]], float]:
+    run_dir = work / f"rate-{rate:g}"
+    found = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    wall = float(json.loads((run_dir / "summary.json").read_text()).get("wall_s", 0.0))
+    return rate, found, wall
+
+
+def _write(text: str, out: Path | None) -> None:
     print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    if out is not None:
+        out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

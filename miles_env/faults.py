@@ -7,9 +7,9 @@ a failing creation first creates and closes the real sandbox, so it costs what a
 fails late (a container that never becomes ready) costs.
 `FaultyEngine` (the proxy's engine, never the trainer's) restarts: at its `restart_at`-th
 generate call, every call in flight and every call for `down_s` after fail with EngineError, as
-a restarted server's would (ENGINE_ERROR when the harness gives up); `stall_every` holds every
-N-th call `stall_s` before it is sampled, so a harness with a shorter request timeout gives up
-and retries (the first sampling is then never delivered: it never trains). Off by default; a run
+a restarted server's would (ENGINE_ERROR when the harness gives up); the calls in `stall_at` are
+held `stall_s` before they are sampled, so a harness with a shorter request timeout gives up and
+retries (the held sampling is then never delivered: it never trains). Off by default; a run
 without `faults` has none of this in its path.
 """
 
@@ -42,12 +42,12 @@ class FaultsConfig(BaseModel):
         default_factory=list, description="engine generate calls (1-based) that restart it"
     )
     down_s: float = Field(1.0, ge=0, description="seconds a restarted engine refuses calls")
-    stall_every: int = Field(0, ge=0, description="hold every N-th engine call (0: never)")
+    stall_at: list[int] = Field(default_factory=list, description="engine calls (1-based) held stall_s")
     stall_s: float = Field(0.0, ge=0, description="how long a held call waits before it is sampled")
 
     @property
     def engine(self) -> bool:
-        return bool(self.restart_at) or (self.stall_every > 0 and self.stall_s > 0)
+        return bool(self.restart_at) or (bool(self.stall_at) and self.stall_s > 0)
 
 
 class FaultyProvider:
@@ -91,7 +91,7 @@ class FaultyEngine:
             self.failed += 1
             raise EngineError(f"injected fault: engine restarting (call {n})")
         epoch = self.epoch
-        if cfg.stall_every and n % cfg.stall_every == 0:
+        if n in cfg.stall_at:
             await anyio.sleep(cfg.stall_s)
         gen = await self.inner.generate(input_ids, sampling, session_id=session_id)
         if self.epoch != epoch:  # restarted while this call was in flight: its result is lost

@@ -5,8 +5,8 @@ failures removed (the issue's own example: [1, 0, FAILED, ABORTED] trains [0.71,
 [1.5, -0.5, -0.5, -0.5]); a policy end keeps its score; an episode stored before the classes
 existed is classed by its status. Real stack (scripted engine, TITO proxy on loopback, local
 sandboxes): each failure is classed where it is raised (a sandbox that never starts, a verifier
-that raises or runs past its timeout, a sandbox lost mid-run, an engine that fails the turn, the
-agent's own timeout), and a group whose members failed is completed by rolling them out again, or
+that raises or runs past its timeout, a sandbox lost mid-run, an engine that fails the turn, a
+request the proxy refuses (whatever the harness took the 400 for), the agent's own timeout), and a group whose members failed is completed by rolling them out again, or
 dropped once the attempts run out (`run_valid_group`).
 """
 
@@ -24,6 +24,7 @@ from miles_env.engines.scripted import ScriptedEngine
 from miles_env.environment import Environment
 from miles_env.errors import EngineError, SandboxError
 from miles_env.faults import FaultyProvider
+from miles_env.harness import HarnessResult
 from miles_env.harnesses.builtin import BuiltinHarness
 from miles_env.models import load_tokenizer
 from miles_env.registry import load_environment
@@ -145,6 +146,26 @@ class _CrashingHarness(BuiltinHarness):
         raise KeyError("the harness has a bug")
 
 
+class _ImageHarness(BuiltinHarness):
+    """Sends a content part the proxy refuses (an image) and, like the builtin harness, takes the
+    400 for a budget: the proxy's record of the refusal says what it was."""
+
+    async def run(self, task: Task, sandbox: Sandbox, endpoint: Any) -> Any:
+        import openai
+
+        async with openai.AsyncOpenAI(
+            base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0
+        ) as c:
+            part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+            try:
+                await c.chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": [part]}]
+                )
+            except openai.BadRequestError as e:
+                return HarnessResult(Status.TRUNCATED, [], f"budget: {e.message}")
+        raise AssertionError("the proxy served an image part")
+
+
 @pytest.fixture(scope="module")
 def tok() -> Any:
     return load_tokenizer("smollm2")
@@ -158,6 +179,7 @@ CASES: list[tuple[str, EpisodeEnd]] = [
     ("lost", EpisodeEnd.SANDBOX_LOST),
     ("engine", EpisodeEnd.ENGINE_ERROR),
     ("harness", EpisodeEnd.HARNESS_CRASH),
+    ("refused", EpisodeEnd.PROXY_REFUSAL),
     ("agent_timeout", EpisodeEnd.TRUNCATED),
 ]
 
@@ -168,7 +190,8 @@ async def test_each_failure_is_classed_where_it_is_raised(tok: Any) -> None:
     async with open_stack(StackConfig(), engine=engine) as stack:
         for case, want in CASES:
             env = _Env(case if case in ("raise", "hang", "lost") else "ok")
-            ctx = stack.rollout_context(env, _CrashingHarness() if case == "harness" else BuiltinHarness())
+            harness = {"harness": _CrashingHarness(), "refused": _ImageHarness()}.get(case, BuiltinHarness())
+            ctx = stack.rollout_context(env, harness)
             if case == "sandbox":
                 ctx = replace(ctx, provider=FaultyProvider(ctx.provider, rate=1.0))
             if case == "hang":

@@ -5,9 +5,9 @@ the agent never received never trains" (why it is end to end: only a real run ha
 land where it lands, under the real loop, queue, proxy and trainer). `miles-env train`'s job, in
 process, on the tiny random Llama (real hf engine, TITO proxy, local sandboxes, SQLite queue,
 torch trainer), 2 sync steps of 2 groups of 4, with `faults:` (miles_env/faults.py) making 25%
-of sandbox creations fail, the engine restart (calls in flight and for 3 s after fail), and every
-4th engine call stall past the harness's request timeout so its client retries (the held
-sampling is never delivered); the environment double's verifier crashes on every 6th episode
+of sandbox creations fail, the engine restart (calls in flight and for 3 s after fail), and its
+3rd call stall past the harness's request timeout (8 s: generous, so a loaded machine's slow
+turns are not timeouts too) so its client retries (the held sampling is never delivered); the environment double's verifier crashes on every 6th episode
 (tests/faults_support.py). Then, from the run directory alone:
 - the faults happened and were classed (ends/* rates, re-rolls, the audit's undelivered turns);
 - every step is replayed from the checkpoint before it: training its leased groups as they were
@@ -42,10 +42,10 @@ def _config(run_dir: Path, model: Path) -> RunConfig:
         f"run_dir={run_dir}", f"engine.model={model}", "env=tests.faults_support:FlakyBasics",
         "trainer.steps=2", "rollout.group_size=4", "rollout.groups_per_step=2", "rollout.concurrency=8",
         "rollout.min_valid=2", "rollout.reroll_attempts=2", "harness.max_tokens=8", "harness.max_turns=1",
-        "harness.retries=1", "harness.request_timeout_s=2.0", "eval.enabled=false", "trainer.lr=1e-2",
+        "harness.retries=1", "harness.request_timeout_s=8.0", "eval.enabled=false", "trainer.lr=1e-2",
         "trainer.skip_zero_advantage=false", "trainer.keep_checkpoints=100",
         "faults.sandbox_create=0.25", "faults.seed=3", "faults.restart_at=[6]", "faults.down_s=3.0",
-        "faults.stall_every=4", "faults.stall_s=2.6",
+        "faults.stall_at=[3]", "faults.stall_s=10.0",
     ]  # fmt: skip
     return load_config(ROOT / "examples/terminal-cpu.yaml", sets)
 
@@ -93,6 +93,8 @@ def test_a_fault_injected_run_trains_what_the_clean_episodes_give(tmp_path: Path
     assert total["ends/engine_error"] > 0, total  # the restart: in flight and retried into it
     assert total["episodes_excluded"] + total["episodes_rerolled"] > 0
     assert all(0 < r["wasted_rollout_share"] < 1 for r in train)
+    signal = json.loads((run_dir / "summary.json").read_text())["signal"]  # the run summary's classes
+    assert signal["infra_failures"] > 0 and signal["ends"]["completed"] > 0, signal
     report = audit(run_dir)
     assert report.ok, report.drifts[:3]
     assert report.undelivered > 0  # the stalled calls: sampled, kept, never delivered
