@@ -43,7 +43,7 @@ def tok() -> Any:
 class _Held(ScriptedEngine):
     """Holds its first generation `hold_s` (past the client's timeout), then answers at once."""
 
-    hold_s = 1.2
+    hold_s = 2.0
 
     async def generate(
         self, input_ids: Any, sampling: SamplingParams, *, session_id: str | None = None
@@ -56,7 +56,7 @@ class _Held(ScriptedEngine):
 async def _chat(url: str, key: str, stream: bool) -> str:
     from openai import AsyncOpenAI
 
-    async with AsyncOpenAI(base_url=url, api_key=key, timeout=0.5, max_retries=1) as c:
+    async with AsyncOpenAI(base_url=url, api_key=key, timeout=1.0, max_retries=1) as c:
         msgs: Any = [{"role": "user", "content": "say hi"}]
         if not stream:
             r = await c.chat.completions.create(model="policy", messages=msgs)
@@ -69,7 +69,7 @@ async def _chat(url: str, key: str, stream: bool) -> str:
 async def _responses(url: str, key: str, stream: bool) -> str:
     from openai import AsyncOpenAI
 
-    async with AsyncOpenAI(base_url=url, api_key=key, timeout=0.5, max_retries=1) as c:
+    async with AsyncOpenAI(base_url=url, api_key=key, timeout=1.0, max_retries=1) as c:
         if not stream:
             return (await c.responses.create(model="policy", input="say hi")).output_text
         done = [e async for e in await c.responses.create(model="policy", input="say hi", stream=True)]
@@ -79,7 +79,7 @@ async def _responses(url: str, key: str, stream: bool) -> str:
 async def _messages(root: str, key: str, stream: bool) -> str:
     from anthropic import AsyncAnthropic
 
-    async with AsyncAnthropic(base_url=root, api_key=key, timeout=0.5, max_retries=1) as c:
+    async with AsyncAnthropic(base_url=root, api_key=key, timeout=1.0, max_retries=1) as c:
         msgs: Any = [{"role": "user", "content": "say hi"}]
         if not stream:
             r = await c.messages.create(model="policy", max_tokens=32, messages=msgs)
