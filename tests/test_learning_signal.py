@@ -233,3 +233,21 @@ def test_end_rates_in_the_step_metrics() -> None:
     assert set(itertools.chain(k for k in stats if k.startswith("ends/"))) == {
         f"ends/{e}" for e in EpisodeEnd
     }
+
+
+def test_the_loop_trains_a_lease_fresh_episodes_and_counts_stale_ones_only_as_told(tmp_path: Any) -> None:
+    from miles_env.queue.contract import Lease
+    from miles_env.trainer.loop import LoopConfig, TrainLoop
+
+    fresh, stale = (
+        (_ep(0, 1.0, Status.COMPLETED), _ep(1, 0.0, Status.COMPLETED)),
+        (_ep(2, 1.0, Status.COMPLETED),),
+    )
+    lease = Lease("l", "g", fresh, 0.0, stale)
+    for on in (False, True):
+        loop = TrainLoop(
+            None, None, LoopConfig(steps=1, groups_per_step=1, ckpt_dir=tmp_path, stale_in_baseline=on)
+        )  # type: ignore[arg-type]
+        group = loop._group(lease)
+        assert list(group) == list(fresh) and lease.episode_ids == ["e0", "e1"]  # the stale one never trains
+        assert isinstance(group, TrainGroup) == on and (not on or group.baseline == stale)
