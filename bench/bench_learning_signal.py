@@ -16,7 +16,8 @@ episodes are never faulted, so the eval curves compare the policies. Read from m
 
 Run: python bench/bench_learning_signal.py [--rates 0,0.05,0.2] [--steps 6] [--eval-every 3]
      [--keep DIR] [--out bench/results/learning_signal.md]
-Re-read kept runs without running again: python bench/bench_learning_signal.py --summarise DIR
+Re-read kept runs without running again (in the order they ran; the clean runs' mean is the
+baseline): python bench/bench_learning_signal.py --summarise DIR
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ LOOP_PARTS = ("rollout_s", "rollout_wait_s", "train_s", "checkpoint_s", "sync_s"
 
 def run_rate(rate: float, args: argparse.Namespace, work: Path) -> tuple[list[dict[str, Any]], float]:
     run_dir = work / f"rate-{rate:g}"
+    n = 1
+    while run_dir.exists():  # a rate run again (a second clean baseline, to bracket the load's drift)
+        n += 1
+        run_dir = work / f"rate-{rate:g}-{n}"
     sets = [
         f"run_dir={run_dir}", f"seed={args.seed}", f"trainer.steps={args.steps}",
         f"rollout.groups_per_step={args.groups}", f"eval.every={args.eval_every}",
@@ -45,7 +50,7 @@ def run_rate(rate: float, args: argparse.Namespace, work: Path) -> tuple[list[di
     cmd = [sys.executable, "-m", "miles_env.cli.main", "train", str(ROOT / "examples/terminal-cpu.yaml")]
     for s in sets:
         cmd += ["--set", s]
-    log = work / f"rate-{rate:g}.log"
+    log = work / f"{run_dir.name}.log"
     t0 = time.monotonic()
     with log.open("w") as out:
         proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=args.timeout_s)
@@ -87,7 +92,8 @@ def summarise(rate: float, found: list[dict[str, Any]], wall: float) -> dict[str
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    base = next((r["per_min"] for r in rows if r["rate"] == 0), None)
+    clean = [r["per_min"] for r in rows if r["rate"] == 0]
+    base = sum(clean) / len(clean) if clean else None  # the clean runs' mean (several: the drift)
     out = [
         "| injected sandbox failure | infra share of episodes | trained episodes | trained / min | vs clean | "
         "wasted rollout share | re-rolled | groups dropped | run wall s |",
@@ -97,7 +103,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         ratio = f"{r['per_min'] / base:.2f}x" if base else "-"
         out.append(
             f"| {100 * r['rate']:.0f}% | {100 * r['infra']:.1f}% | {r['trained']:.0f} | {r['per_min']:.1f} | "
-            f"{ratio} | {100 * r['wasted']:.1f}% | {r['rerolled']:.0f} | {r['dropped']:.0f} | {r['wall_s']:.0f} |"
+            f"{ratio} | {100 * r['wasted']:.2f}% | {r['rerolled']:.0f} | {r['dropped']:.0f} | {r['wall_s']:.0f} |"
         )
     out += [
         "",
@@ -124,8 +130,8 @@ def main() -> None:
     p.add_argument("--summarise", type=Path, default=None, help="re-read the runs kept in this dir")
     args = p.parse_args()
     if args.summarise is not None:
-        rows = [summarise(*_kept(args.summarise, float(x))) for x in args.rates.split(",")]
-        _write(table(rows), args.out)
+        kept = sorted(args.summarise.glob("rate-*/summary.json"), key=lambda m: m.stat().st_mtime)
+        _write(table([summarise(*_kept(m.parent)) for m in kept]), args.out)
         return
     with tempfile.TemporaryDirectory(prefix="bench-signal-") as tmp:
         work = args.keep or Path(tmp)
@@ -138,8 +144,12 @@ def main() -> None:
     _write(table(rows), args.out)
 
 
-def _kept(work: Path, rate: float) -> tuple[float, list[dict[str, Any]], float]:
-    run_dir = work / f"rate-{rate:g}"
+def _kept(run_dir: Path) -> tuple[float, list[dict[str, Any]], float]:
+    """A kept run: its injected rate (from its resolved config), metrics and wall time."""
+    import yaml
+
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    rate = float((cfg.get("faults") or {}).get("sandbox_create") or 0.0)
     found = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
     wall = float(json.loads((run_dir / "summary.json").read_text()).get("wall_s", 0.0))
     return rate, found, wall
