@@ -158,6 +158,8 @@ def test_local_provider_runs_in_the_built_image(bookworm_image: Any, image_conte
         try:
             spec = SandboxSpec(build=str(image_contexts["bookworm"]), workdir="/home/agent")
             async with await provider.create(spec) as sb:
+                assert sb.image_config == bookworm_image.config  # for the execs (ENV, USER, WORKDIR)
+                assert sb.image_bases == bookworm_image.bases  # for the episode's metadata
                 r = await sb.exec(
                     "cat /var/log/app/built.txt /opt/app/motd.txt; tree --version; . /etc/os-release; echo $VERSION_CODENAME"
                 )
@@ -190,15 +192,15 @@ def test_docker_provider_builds_with_an_aliased_base(
     loopback registry, useradd + USER, writes under /opt and /var/log; then the container runs it."""
     from miles_env.sandboxes.docker import DockerSandboxConfig, DockerSandboxProvider
 
-    async def main() -> tuple[str, Any]:
+    async def main() -> tuple[str, str, Any]:
         provider = DockerSandboxProvider(DockerSandboxConfig(images=images_config()))
         async with await provider.create(SandboxSpec(build=str(image_contexts["ubuntu"]))) as sb:
             r = await sb.exec("cat /opt/task/ubuntu-uid.txt /var/log/task/built.txt")
-            return r.stdout, provider.built_bases
+            (tag,) = provider.built_bases
+            return r.stdout, tag, sb.image_bases
 
-    out, built = anyio.run(main)
+    out, tag, bases = anyio.run(main)
     assert out == "1000\nbuilt-as-agent\n"
-    ((tag, bases),) = built.items()
     config = docker_client.images.get(tag).attrs["Config"]
     assert (config["User"], config["WorkingDir"]) == ("agent", "/opt/task")
     assert config["Env"] == [f"PATH={DEFAULT_PATH}", "TASK_MODE=docker"]
