@@ -83,6 +83,21 @@ def test_the_key_follows_the_context(tmp_path: Path, local_images: LocalImages) 
     assert key("a") == key("a") and key("a") != key("b")
 
 
+def test_the_key_does_not_see_the_registry_port(alias_image: Any, image_contexts: dict[str, Path]) -> None:
+    """Another process's loopback registry listens elsewhere: the same context is the same key."""
+    from miles_env.sandboxes.images.context import plan_build
+    from miles_env.sandboxes.images.registry import LoopbackRegistry
+
+    other = LoopbackRegistry(images_config().cache() / "registry")
+    try:
+        resolver = Resolver(images_config(), SkopeoProbe(20), registry=other)
+        plan = plan_build(image_contexts["aliases"], resolver, LocalImages.builder_id, lambda b: "x")
+        assert other.address() != registry_for(images_config().cache()).address()
+        assert plan.key == alias_image.key
+    finally:
+        other.stop()
+
+
 def test_concurrent_builds_of_one_context_are_one_build(tmp_path: Path, local_images: LocalImages) -> None:
     ctx = write_context(tmp_path / "c", f"FROM debian:bookworm\nRUN echo {os.urandom(6).hex()} > /opt/once\n")
     results: list[Any] = []
@@ -176,6 +191,24 @@ def test_local_provider_runs_in_the_built_image(bookworm_image: Any, image_conte
     assert out.startswith("built-as-agent\nhello from the context\ntree v2") and out.endswith("bookworm\n")
 
 
+def test_local_provider_runs_an_image_by_reference(image_bases: Any) -> None:
+    """SandboxSpec.image on local: the image resolved and pulled (here from the loopback registry), unpacked."""
+    from miles_env.sandboxes.local import LocalSandboxProvider
+    from miles_env.sandboxes.local.config import LocalSandboxConfig
+
+    async def main() -> tuple[str, Any]:
+        provider = LocalSandboxProvider(LocalSandboxConfig(images=images_config()))
+        try:
+            async with await provider.create(SandboxSpec(image="debian:trixie", workdir="/root")) as sb:
+                r = await sb.exec(". /etc/os-release && echo $VERSION_CODENAME")
+                return r.stdout, sb.image_bases
+        finally:
+            await provider.aclose()
+
+    out, bases = anyio.run(main)
+    assert out == "trixie\n" and [b.source for b in bases] == ["bootstrap"]
+
+
 # -- the docker provider: dockerd builds the same Dockerfiles -------------------------------------------
 
 
@@ -213,3 +246,11 @@ def test_docker_provider_builds_with_an_aliased_base(
 
     again, _ = DockerBuilder(docker_client, images_config()).build(image_contexts["ubuntu"])
     assert again == tag  # the cache: the engine has the key's tag
+
+    async def by_reference() -> tuple[str, Any]:
+        provider = DockerSandboxProvider(DockerSandboxConfig(images=images_config()))
+        async with await provider.create(SandboxSpec(image="ubuntu:24.04")) as sb:
+            return (await sb.exec("id -u ubuntu")).stdout, sb.image_bases
+
+    uid, bases = anyio.run(by_reference)  # SandboxSpec.image the engine lacks: resolved the same way
+    assert uid == "1000\n" and bases[0].substituted_from == "ubuntu:24.04"

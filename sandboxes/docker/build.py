@@ -85,7 +85,7 @@ class DockerBuilder:
             self._network = "default" if has_bridge else "host"
         return None if self._network == "default" else self._network
 
-    def _has(self, name: str) -> bool:
+    def has(self, name: str) -> bool:
         try:
             self.client.images.get(name)
             return True
@@ -97,10 +97,10 @@ class DockerBuilder:
         plan = plan_build(context.absolute(), self.resolver, self.builder_id, _base_name)
         tag = f"miles-env/build:{plan.key[:16]}"
         try:
-            if self._has(tag):
+            if self.has(tag):
                 return tag, plan.bases
             with lock(self.config.cache() / "locks" / f"docker-{plan.key[:32]}.lock"):
-                if not self._has(tag):
+                if not self.has(tag):
                     for base in plan.bases:
                         self._ensure_base(base)
                     with tempfile.TemporaryDirectory(prefix="miles-env-df-") as tmp:
@@ -112,7 +112,7 @@ class DockerBuilder:
 
     def _ensure_base(self, base: ResolvedImage) -> None:
         name = _base_name(base)
-        if self._has(name):
+        if self.has(name):
             return
         if base.source == "local":
             self.client.images.get(base.ref).tag(name)
@@ -125,7 +125,7 @@ class DockerBuilder:
             pulled.tag(name)
             return
         with tempfile.TemporaryDirectory(prefix="miles-env-alias-") as ctx:
-            (Path(ctx) / "Dockerfile").write_text(base.recipe)
+            (Path(ctx) / "Dockerfile").write_text(base.recipe_from(base.ref))
             self._build(Path(ctx), Path(ctx) / "Dockerfile", name, f"the substitute for {base.requested}")
 
     def _build(self, context: Path, dockerfile: Path, tag: str, what: str) -> None:

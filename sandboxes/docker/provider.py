@@ -105,7 +105,13 @@ class DockerSandboxProvider:
         if spec.rootfs is None:
             if spec.image is None and spec.build is not None:
                 return self._build_sync(Path(spec.build))
-            return spec.image or self.config.image
+            image = spec.image or self.config.image
+            if spec.image is not None and not self.builder.has(image):
+                # Not in the engine: resolved as a build's base is (mirror, registry, bootstrap, alias).
+                with tempfile.TemporaryDirectory(prefix="miles-env-image-") as ctx:
+                    (Path(ctx) / "Dockerfile").write_text(f"FROM {image}\n")
+                    return self._build_sync(Path(ctx))
+            return image
         # A local rootfs becomes an image once (tag = hash of its real path).
         real = os.path.realpath(spec.rootfs)
         tag = "miles-env/rootfs:" + hashlib.sha1(real.encode()).hexdigest()[:12]

@@ -5,7 +5,8 @@ Concept: `LocalImages.get(spec)` turns a SandboxSpec's `build` (a Docker build c
 image has them (owners, modes, links), and its ImageConfig (Env, User, WorkingDir). The build is
 the task author's: bases pulled (resolve.py), RUN steps with network (a private bridge by
 default), as `docker build` does. Layout under `<images cache>`:
-    rootfs/<key>/root/        the image's files (device nodes removed: a sandbox brings its own /dev)
+    rootfs/<key>/root/        the image's files (device nodes removed: a sandbox brings its own /dev;
+                              /dev, /proc, /sys, /tmp made where missing, as a container runtime does)
     rootfs/<key>/image.json   its ImageConfig, bases and key; written last, so its presence means done
     locks/<key>.lock          held while one process builds and unpacks that key
     containers/               buildah's storage (bases and substitutes stay; built images are removed
@@ -125,7 +126,7 @@ class LocalImages:
                 return
             with tempfile.TemporaryDirectory(prefix="miles-env-alias-") as ctx:
                 df = Path(ctx) / "Dockerfile"
-                df.write_text(base.recipe.replace(f"FROM {base.ref}", f"FROM {image_id}", 1))
+                df.write_text(base.recipe_from(image_id))
                 log = self.buildah.logs / f"substitute-{name.rsplit(':', 1)[1]}.log"
                 self._build(Path(ctx), df, name, log, f"the substitute for {base.requested}")
 
@@ -178,6 +179,10 @@ class LocalImages:
         finally:
             self.buildah.run(["rm", container], "unpacking", timeout=120)
         _strip_devices(staging / "root")
+        for mountpoint in ("dev", "proc", "sys", "tmp"):  # as a container runtime makes them
+            path = staging / "root" / mountpoint
+            if not path.is_symlink():
+                path.mkdir(mode=0o1777 if mountpoint == "tmp" else 0o755, exist_ok=True)
         staging.rename(dest)
 
 

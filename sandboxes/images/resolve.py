@@ -54,7 +54,7 @@ class ResolvedImage:
     source: str  # "local" | "alias" (yours) | "mirror" | "direct" | "bootstrap" | "substitute" (built-in)
     insecure: bool = False  # pulled over plain HTTP (the loopback registry, an http:// mirror)
     substituted_from: str | None = None  # set when what runs is not the image asked for
-    recipe: str | None = None  # a substitute's Dockerfile, built FROM `ref`
+    recipe: str | None = None  # a substitute's Dockerfile (its FROM names the Debian base), built on `ref`
     note: str = ""
 
     @property
@@ -62,6 +62,11 @@ class ResolvedImage:
         """What the build's cache key takes from this base: its digest and the recipe on top."""
         recipe = hashlib.sha256((self.recipe or "").encode()).hexdigest()[:16]
         return f"{self.digest}+{recipe}" if self.recipe else self.digest
+
+    def recipe_from(self, image: str) -> str:
+        """The substitute's Dockerfile built FROM `image` (the base as the builder holds it)."""
+        assert self.recipe is not None
+        return f"FROM {image}\n" + self.recipe.split("\n", 1)[1]
 
     def metadata(self) -> dict[str, str | None]:
         """For an episode's metadata: what was asked, what ran, where it came from."""
@@ -144,7 +149,7 @@ class Resolver:
                 "substitute",
                 base.insecure,
                 requested,
-                alias.recipe(base.ref),
+                alias.recipe(f"debian:{alias.suite}"),  # names the base stably: no port in the key
                 note,
             )
         if ref.pinned:
