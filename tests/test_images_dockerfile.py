@@ -147,6 +147,7 @@ def test_a_digest_pinned_base_is_refused_by_name_with_both_remedies() -> None:
         resolver.resolve(pinned)
     msg = str(e.value)
     assert "\n" not in msg and pinned in msg and "pinned by digest: never substituted" in msg
+    assert "tag and digest" not in msg  # looked up by its digest, as Docker does
     assert "MILES_ENV_REGISTRY_MIRROR" in msg and "MILES_ENV_IMAGE_ALIASES" in msg
 
 

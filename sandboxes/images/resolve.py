@@ -174,6 +174,8 @@ class Resolver:
         return self._bootstrapped(ref, tried)
 
     def _probe(self, ref: ImageRef, insecure: bool, source: str, tried: list[str]) -> ResolvedImage | None:
+        if ref.digest is not None:  # the digest decides (registry clients refuse tag + digest together)
+            ref = ImageRef(ref.registry, ref.repository, None, ref.digest)
         try:
             digest = self.probe.digest(ref, insecure)
         except ProbeFailed as e:
