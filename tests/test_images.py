@@ -125,11 +125,13 @@ def test_a_failing_run_shows_the_log_tail(tmp_path: Path, local_images: LocalIma
     ctx = write_context(
         tmp_path / "f", "FROM debian:bookworm\nRUN echo marker-before-the-failure && exit 3\n"
     )
+    before = local_images.buildah.containers()
     with pytest.raises(ImageError) as e:
         local_images.build(ctx)
+    assert local_images.buildah.containers() == before  # its working container (and mount) removed
     assert str(e.value).startswith(f"building {ctx / 'Dockerfile'} failed")
     assert "marker-before-the-failure" in str(e.value) and "exit status 3" in str(e.value)
-    assert not any(p.name.startswith("rootfs") for p in (local_images.cache / "rootfs").glob("*.tmp*"))
+    assert not list((local_images.cache / "rootfs").glob("*.tmp*"))
 
 
 def test_aliased_bases_are_substituted_printed_and_recorded(

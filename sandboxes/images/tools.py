@@ -118,8 +118,33 @@ class Buildah:
             network,
         ]
         args += ["--isolation", "oci", "--iidfile", str(iid), "-f", str(dockerfile), "-t", tag, str(context)]
-        self.run(args, f"building {dockerfile}", timeout=timeout, log=log)
+        before = self.containers()
+        try:
+            self.run(args, f"building {dockerfile}", timeout=timeout, log=log)
+        except ImageError:
+            self._remove_left(before, dockerfile)
+            raise
         return iid.read_text().strip()
+
+    def containers(self) -> dict[str, str]:
+        """The storage's working containers: id -> the image they were made from."""
+        out = self.run(["containers", "--json"], "listing containers", timeout=60)
+        return {c["id"]: c.get("imagename", "") for c in json.loads(out or "[]") or []}
+
+    def _remove_left(self, before: dict[str, str], dockerfile: Path) -> None:
+        """A failed build keeps its working container (and its mount): remove the ones it made.
+
+        New since the build started and made from one of the images its FROM lines name (the
+        lowered Dockerfile names only our local base names), so another build's are left alone
+        unless it started at the same moment from the same base."""
+        names = {
+            line.split()[1]
+            for line in dockerfile.read_text().splitlines()
+            if line.upper().startswith("FROM ")
+        }
+        for cid, image in self.containers().items():
+            if cid not in before and any(image.endswith(n) or n.endswith(image) for n in names if image):
+                subprocess.run(self._argv(["rm", cid]), capture_output=True, env=self._env(), timeout=120)
 
 
 class SkopeoProbe:
