@@ -127,23 +127,30 @@ class Buildah:
         return iid.read_text().strip()
 
     def containers(self) -> dict[str, str]:
-        """The storage's working containers: id -> the image they were made from."""
+        """The storage's working containers: id -> the id of the image they were made from."""
         out = self.run(["containers", "--json"], "listing containers", timeout=60)
-        return {c["id"]: c.get("imagename", "") for c in json.loads(out or "[]") or []}
+        return {c["id"]: c.get("imageid", "") for c in json.loads(out or "[]") or []}
 
     def _remove_left(self, before: dict[str, str], dockerfile: Path) -> None:
         """A failed build keeps its working container (and its mount): remove the ones it made.
 
-        New since the build started and made from one of the images its FROM lines name (the
-        lowered Dockerfile names only our local base names), so another build's are left alone
-        unless it started at the same moment from the same base."""
-        names = {
-            line.split()[1]
-            for line in dockerfile.read_text().splitlines()
-            if line.upper().startswith("FROM ")
-        }
+        New since the build started and made from an image its FROM lines name (the lowered
+        Dockerfile names only our local base names), so another build's are left alone unless it
+        started at the same moment from the same base."""
+        ids = set()
+        for line in dockerfile.read_text().splitlines():
+            words = [w for w in line.split() if not w.startswith("--")]
+            if len(words) >= 2 and words[0].upper() == "FROM":
+                proc = subprocess.run(
+                    self._argv(["inspect", "--type", "image", "--format", "{{.FromImageID}}", words[1]]),
+                    capture_output=True,
+                    text=True,
+                    env=self._env(),
+                    timeout=60,
+                )
+                ids.add(proc.stdout.strip())
         for cid, image in self.containers().items():
-            if cid not in before and any(image.endswith(n) or n.endswith(image) for n in names if image):
+            if cid not in before and image in ids:
                 subprocess.run(self._argv(["rm", cid]), capture_output=True, env=self._env(), timeout=120)
 
 
