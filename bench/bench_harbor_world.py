@@ -54,8 +54,10 @@ def one_line(text: str, limit: int = 140) -> str:
 
 
 def _reason(oracle, nop) -> str:  # type: ignore[no-untyped-def]
+    from miles_env.adapters.harbor.diagnose import hint
+
     if oracle.error:
-        return "oracle: " + one_line(oracle.error)
+        return "oracle: " + one_line(hint(oracle.error) or oracle.error.split("\n")[0])
     if oracle.score < 1.0:
         why = one_line(oracle.verifier_tail) or one_line(oracle.solution_tail) or "no output"
         return f"oracle {oracle.score:g}: {why}"

@@ -223,3 +223,66 @@ def harbor_trial_rewards(task_dir: Path) -> list[Any]:
         return [t["rewards"] for t in out]
 
     return anyio.run(main)
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+        if rel.endswith(".sh"):
+            (root / rel).chmod(0o755)
+    return root
+
+
+REWARD_IF = "mkdir -p /logs/verifier; if {cond}; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n"
+
+
+def make_steps_task(root: Path, name: str = "steps", strategy: str | None = None) -> Path:
+    """A three-step task in Harbor's `[[steps]]` layout: `write` creates notes.txt, `extend` gets
+    a config from its workdir/ (placed and run by setup.sh) and appends from it, `audit` must not
+    see earlier tests and writes audit.txt. Each step's own test checks its step; the shared
+    tests/ folder carries a helper every step's test uses. Step `write` gates at min_reward 1."""
+    head = f'multi_step_reward_strategy = "{strategy}"\n' if strategy else ""
+    toml = head + (
+        'schema_version = "1.1"\n[agent]\ntimeout_sec = 40.0\n[environment]\nmemory_mb = 512\n'
+        '[[steps]]\nname = "write"\nmin_reward = 1.0\n'
+        '[[steps]]\nname = "extend"\n[steps.agent]\ntimeout_sec = 20.0\n[steps.verifier]\ntimeout_sec = 30.0\n'
+        '[[steps]]\nname = "audit"\n'
+    )
+    check = "grep -qx 'one' /app/notes.txt"
+    return _write(root / name, {
+        "task.toml": toml,
+        "environment/Dockerfile": "FROM ubuntu:24.04\nWORKDIR /app\n",
+        "tests/helpers.sh": "has() { grep -qx \"$1\" /app/notes.txt; }\n",
+        "steps/write/instruction.md": "Write 'one' to /app/notes.txt.\n",
+        "steps/write/solution/solve.sh": "#!/bin/bash\necho one > /app/notes.txt\n",
+        "steps/write/tests/test.sh": ". /tests/helpers.sh\n" + REWARD_IF.format(cond="has one"),
+        "steps/extend/instruction.md": "Append the word in /app/extra.cfg to /app/notes.txt.\n",
+        "steps/extend/workdir/setup.sh": "#!/bin/bash\ncp extra.in extra.cfg && rm extra.in\n",
+        "steps/extend/workdir/extra.in": "two\n",
+        "steps/extend/solution/solve.sh": "#!/bin/bash\ncat /app/extra.cfg >> /app/notes.txt\n",
+        "steps/extend/tests/test.sh": ". /tests/helpers.sh\n" + REWARD_IF.format(cond=f"{check} && has two"),
+        "steps/audit/instruction.md": "Write 'clean' to /app/audit.txt if no test file is in sight.\n",
+        "steps/audit/solution/solve.sh": "#!/bin/bash\n[ -e /tests ] || echo clean > /app/audit.txt\n",
+        "steps/audit/tests/test.sh": REWARD_IF.format(cond="grep -qx clean /app/audit.txt"),
+    })  # fmt: skip
+
+
+def make_env_task(root: Path, name: str = "envs") -> Path:
+    """A task whose task.toml sets [environment.env], [verifier.env] (a ${VAR:-default} template),
+    [solution.env] and [environment].workdir; solve.sh and test.sh record what each phase saw."""
+    toml = (
+        '[environment]\nworkdir = "/srv/work"\n[environment.env]\nSHARED = "everywhere"\n'
+        '[verifier.env]\nVERDICT = "${MILES_TEST_VERDICT:-from-default}"\n'
+        '[solution.env]\nSECRET = "solution-only"\n'
+    )
+    seen = '"$SHARED|${SECRET:-}|${VERDICT:-}|$(pwd)"'
+    return _write(root / name, {
+        "task.toml": toml,
+        "instruction.md": "Record the environment.\n",
+        "environment/Dockerfile": "FROM ubuntu:24.04\n",  # the workdir comes from task.toml alone
+        "solution/solve.sh": f"#!/bin/bash\necho {seen} > /srv/work/solution-saw\n",
+        "tests/test.sh": "cd /srv/work 2>/dev/null; echo " + seen + " > verifier-saw\n" + REWARD_IF.format(
+            cond='[ "$(cat solution-saw)" = "everywhere|solution-only||/srv/work" ] && '
+                 '[ "$(cat verifier-saw)" = "everywhere||from-default|/srv/work" ]'),
+    })  # fmt: skip

@@ -26,13 +26,16 @@ from pathlib import Path
 from typing import Any
 
 from miles_env.adapters.framework_harness import FRAMEWORK_ROLE, framework_reward
+from miles_env.adapters.harbor.diagnose import hint
 from miles_env.adapters.harbor.files import HARBOR_ROOT, read_tree, rebase_paths, upload
+from miles_env.adapters.harbor.hermetic import VERIFY_ENV, hermetic_context, verifier_needs
 from miles_env.adapters.harbor.replay import run_setup
 from miles_env.adapters.harbor.steps import StepLedger, combine, passes, step_tests
 from miles_env.adapters.harbor.taskdir import TaskProblem, find_task_dirs, load_tasks, read_task_dir
 from miles_env.environment import Environment, Transcript
 from miles_env.errors import TaskError
 from miles_env.harness import Endpoint, HarnessResult
+from miles_env.models import cache_dir
 from miles_env.sandbox import Sandbox
 from miles_env.types import Resources, Reward, SandboxSpec, Task
 
@@ -85,8 +88,11 @@ class HarborTasksEnvironment(Environment):
 
     splits = ("test",)
 
-    def __init__(self, path: str | Path, name: str | None = None) -> None:
+    def __init__(self, path: str | Path, name: str | None = None, *, hermetic: bool = True) -> None:
+        """`hermetic`: what tests/test.sh installs is provisioned when the image builds and the
+        verifier runs offline (hermetic.py); False builds the task's Dockerfile as it is."""
         self.path = Path(path).expanduser().resolve()
+        self.hermetic = hermetic
         self.name = name or f"harbor:{path}"
         self.description = f"Harbor tasks in {self.path}"
         self.problems: list[TaskProblem] = []  # the task folders the last tasks() could not read
@@ -105,11 +111,26 @@ class HarborTasksEnvironment(Environment):
         return [f"{p.path.name}: {p.reason}" for p in self.problems]
 
     def sandbox_spec(self, task: Task) -> SandboxSpec:
-        """The task's Dockerfile as a build context: the docker provider builds it, others ignore it."""
+        """The task's Dockerfile as a build context (with the hermetic layer, when its tests
+        install anything): the providers that build images build it, others ignore it."""
         env_dir = Path(task.verifier["task_dir"]) / "environment"
         if task.sandbox.image or not (env_dir / "Dockerfile").is_file():
             return task.sandbox
-        return task.sandbox.model_copy(update={"build": str(env_dir)})
+        context = env_dir
+        if self.hermetic:
+            context, _ = hermetic_context(env_dir, _test_scripts(task), cache_dir() / "harbor")
+        return task.sandbox.model_copy(update={"build": str(context)})
+
+    def _verify_env(self, task: Task) -> dict[str, str] | None:
+        """[verifier.env], and offline settings for uv and pip where the build provisioned them."""
+        env = dict(task.verifier.get("env") or {})
+        built = (
+            not task.sandbox.image
+            and (Path(task.verifier["task_dir"]) / "environment" / "Dockerfile").is_file()
+        )
+        if self.hermetic and built and verifier_needs("\n".join(_test_scripts(task))).any:
+            env = {**VERIFY_ENV, **env}
+        return env or None
 
     async def setup(self, task: Task, sandbox: Sandbox) -> None:
         """Replay the Dockerfile in the sandbox, unless the sandbox runs an image (built or docker_image)."""
@@ -119,7 +140,8 @@ class HarborTasksEnvironment(Environment):
         try:
             await run_setup(sandbox, df, timeout=float(task.verifier.get("setup_timeout_s", 600.0)))
         except TaskError as e:
-            raise TaskError(f"task {task.id!r}: {e}") from e
+            why = hint(str(e), df.read_text())
+            raise TaskError(f"task {task.id!r}: {e}" + (f" [{why}]" if why else "")) from e
 
     async def stage_solution(self, task: Task, sandbox: Sandbox) -> None:
         """The oracle's step before `task.solution`: solution/ uploaded byte for byte (any size)."""
@@ -205,7 +227,7 @@ class HarborTasksEnvironment(Environment):
             f"bash {tests}/{script}",
             timeout=timeout,
             cwd=sandbox.workdir,
-            env=task.verifier.get("env") or None,
+            env=self._verify_env(task),
         )
         txt = await _maybe_read(sandbox, f"{logs}/verifier/reward.txt")
         js = await _maybe_read(sandbox, f"{logs}/verifier/reward.json")
@@ -216,9 +238,14 @@ class HarborTasksEnvironment(Environment):
         if res.timed_out:
             details["error"] = f"test.sh timed out after {timeout:g}s"
         try:
-            return parse_rewards(txt, js), details
+            rewards: dict[str, float] | None = parse_rewards(txt, js)
         except (TaskError, ValueError) as e:
-            return None, {**details, "error": details.get("error") or str(e)}
+            rewards, details["error"] = None, details.get("error") or str(e)
+        if rewards is None or score_of(rewards) < 1.0:
+            scripts = "\n".join(_test_scripts(task))
+            if (why := hint(output, scripts)) is not None:
+                details["hint"] = why
+        return rewards, details
 
     @staticmethod
     async def run_episode(task: Task, sandbox: Sandbox, endpoint: Endpoint, **config: Any) -> HarnessResult:
@@ -226,6 +253,14 @@ class HarborTasksEnvironment(Environment):
         from miles_env.adapters.harbor.trial import run_episode
 
         return await run_episode(task, sandbox, endpoint, **config)
+
+
+def _test_scripts(task: Task) -> list[str]:
+    """Every test.sh of the task (the shared one, each step's), as text."""
+    root = Path(task.verifier["task_dir"])
+    paths = [root / "tests" / "test.sh", *(root / "steps" / s["name"] / "tests" / "test.sh"
+                                           for s in task.verifier.get("steps") or [])]  # fmt: skip
+    return [p.read_text(errors="replace") for p in paths if p.is_file()]
 
 
 def _runs_image(sandbox: Sandbox) -> bool:

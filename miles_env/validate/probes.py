@@ -117,7 +117,10 @@ async def _probe(
     except Exception as e:  # a bad task is data: record it, keep going
         return Probe(task.id, error=f"{type(e).__name__}: {str(e)[:500]}", solution_tail=tail(out),
                      duration_s=time.monotonic() - t0)  # fmt: skip
-    verified = str(rewards[0].details.get("test_output") or rewards[0].details.get("error") or "")
+    d = rewards[0].details
+    verified = str(d.get("test_output") or d.get("error") or "")
+    if d.get("hint"):  # the environment's reading of the failure (Harbor: a network it lacks)
+        verified += f"\nhint: {d['hint']}"
     return Probe(task.id, tuple(r.score for r in rewards), solution_tail=tail(out),
                  verifier_tail=tail(verified), duration_s=time.monotonic() - t0)  # fmt: skip
 
