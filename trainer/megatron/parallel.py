@@ -24,19 +24,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.losses import microbatch_loss
-from miles_env.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, shard, unshard
+from miles_env.trainer.megatron.convert import ModelShape, hf_to_megatron, megatron_to_hf, shard, unshard
 from miles_env.trainer.torch_backend import Sample, _Metrics, flatten_groups, pack_microbatches
 from miles_env.types import Episode
 
-if TYPE_CHECKING:
-    from miles_env.trainer.megatron.backend import MegatronTrainer
-
 __all__ = [
+    "StageTrainer",
     "build_stage_model",
     "pipeline_train_step",
     "pipeline_logprobs",
@@ -47,13 +46,45 @@ __all__ = [
 ]
 
 
+class StageTrainer(Protocol):
+    """What these functions need of the trainer that calls them (backend.py's MegatronTrainer passes
+    itself): a Protocol, so that this module does not import the backend that imports it."""
+
+    shape: ModelShape
+    device: torch.device
+    model: Any
+    ref_model: Any
+    ddp: Any
+    optimizer: Any
+    step: int
+    tp_rank: int
+    tp_size: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    layer_offset: int
+
+    @property
+    def config(self) -> TrainerConfig: ...
+
+    def logits(self, ids: torch.Tensor, model: torch.nn.Module | None = None) -> torch.Tensor: ...
+
+    def _forward_logprobs(
+        self, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
+    def _collate(self, samples: Sequence[Sample]) -> Any: ...
+
+    def _clip_and_step(self) -> float: ...
+
+
 def _ps() -> Any:
     from megatron.core import parallel_state
 
     return parallel_state
 
 
-def build_stage_model(tr: MegatronTrainer, tcfg: Any, full_hf: dict[str, torch.Tensor]) -> torch.nn.Module:
+def build_stage_model(tr: StageTrainer, tcfg: Any, full_hf: dict[str, torch.Tensor]) -> torch.nn.Module:
     """This rank's GPTModel (its pipeline stage, its TP shard) holding the converted HF weights."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -93,7 +124,7 @@ def build_stage_model(tr: MegatronTrainer, tcfg: Any, full_hf: dict[str, torch.T
     return model.to(tr.device)
 
 
-def distributed_optimizer(tr: MegatronTrainer) -> tuple[Any, Any]:
+def distributed_optimizer(tr: StageTrainer) -> tuple[Any, Any]:
     """megatron's DDP wrapper (grads in one contiguous buffer, reduce-scattered over data-parallel
     ranks) and DistributedOptimizer (each dp rank holds and steps 1/dp of the optimizer state, then
     the updated params are all-gathered). The optimizer is torch's AdamW (no Apex / TE), weight decay
@@ -119,7 +150,7 @@ def distributed_optimizer(tr: MegatronTrainer) -> tuple[Any, Any]:
 
 
 def _run_schedule(
-    tr: MegatronTrainer,
+    tr: StageTrainer,
     model: torch.nn.Module,
     batches: Sequence[Any],
     loss_fn: Callable[[int, Any, torch.Tensor], torch.Tensor],
@@ -158,7 +189,7 @@ def _run_schedule(
     )
 
 
-def pipeline_train_step(tr: MegatronTrainer, groups: Sequence[Sequence[Episode]]) -> dict[str, float]:
+def pipeline_train_step(tr: StageTrainer, groups: Sequence[Sequence[Episode]]) -> dict[str, float]:
     """TorchTrainer.train_step over pipeline stages and data-parallel ranks (same losses, metrics)."""
     t0 = time.perf_counter()
     cfg = tr.config
@@ -221,7 +252,7 @@ def pipeline_train_step(tr: MegatronTrainer, groups: Sequence[Sequence[Episode]]
 
 
 @torch.no_grad()
-def pipeline_logprobs(tr: MegatronTrainer, samples: Sequence[Sample]) -> list[torch.Tensor]:
+def pipeline_logprobs(tr: StageTrainer, samples: Sequence[Sample]) -> list[torch.Tensor]:
     """TorchTrainer.logprobs through the pipeline: a forward-only schedule, the last stage's
     [L] logprobs per sample broadcast to every stage (each data-parallel replica runs them all)."""
     ps = _ps()
@@ -268,7 +299,7 @@ def _reduce_metrics(acc: _Metrics, n_tokens: int, device: torch.device) -> list[
 # -- gradients -------------------------------------------------------------------------------------
 
 
-def _tied_copy(tr: MegatronTrainer) -> torch.nn.Parameter | None:
+def _tied_copy(tr: StageTrainer) -> torch.nn.Parameter | None:
     """The embedding (first stage) or output-layer (last stage) weight of a tied model split over
     pipeline stages; None when the tied weight lives on one stage only."""
     ps = _ps()
@@ -281,7 +312,7 @@ def _tied_copy(tr: MegatronTrainer) -> torch.nn.Parameter | None:
     return None
 
 
-def reduce_grads(tr: MegatronTrainer) -> None:
+def reduce_grads(tr: StageTrainer) -> None:
     """Sum the tied copies' grads over the embedding group and every grad over data-parallel ranks."""
     dist, ps = torch.distributed, _ps()
     params = [p for p in tr.model.parameters() if p.requires_grad]
@@ -301,7 +332,7 @@ def reduce_grads(tr: MegatronTrainer) -> None:
             pos += p.numel()
 
 
-def grad_norm(tr: MegatronTrainer) -> float:
+def grad_norm(tr: StageTrainer) -> float:
     """Global L2 norm: TP shards summed, replicated tensors on TP rank 0 only, the tied copy on the
     last stage skipped, all summed over the model-parallel (tp x pp) group."""
     ps = _ps()
@@ -323,7 +354,7 @@ def grad_norm(tr: MegatronTrainer) -> float:
 # -- weights ---------------------------------------------------------------------------------------
 
 
-def _tp_gathered(tr: MegatronTrainer) -> dict[str, torch.Tensor]:
+def _tp_gathered(tr: StageTrainer) -> dict[str, torch.Tensor]:
     local = {k: v.detach() for k, v in tr.model.state_dict().items() if isinstance(v, torch.Tensor)}
     if tr.tp_size == 1:
         return local
@@ -336,7 +367,7 @@ def _tp_gathered(tr: MegatronTrainer) -> dict[str, torch.Tensor]:
     return full
 
 
-def gather_hf_state(tr: MegatronTrainer) -> dict[str, torch.Tensor]:
+def gather_hf_state(tr: StageTrainer) -> dict[str, torch.Tensor]:
     """Full HF-named tensors of every layer, identical on every rank of this pipeline."""
     ps, s = _ps(), tr.shape
     mc = _tp_gathered(tr)
