@@ -19,12 +19,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from miles_env.adapters.harbor.config import HarborConfig
+from miles_env.adapters.harbor.files import solution_script
 from miles_env.errors import TaskError
-
-if TYPE_CHECKING:
-    from miles_env.adapters.harbor.taskdir import HarborConfig
 
 __all__ = ["StepLedger", "combine", "passes", "read_steps", "step_tests"]
 
@@ -35,8 +34,6 @@ def read_steps(
     task_dir: Path, cfg: HarborConfig, workdir: str, sol_env: dict[str, str]
 ) -> list[dict[str, Any]]:
     """The `[[steps]]` of task.toml with their folders checked; [] for a single-step task."""
-    from miles_env.adapters.harbor.taskdir import solution_script
-
     if not cfg.steps:
         return []
     seen: set[str] = set()

@@ -22,16 +22,17 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
+from miles_env.adapters.harbor.config import HarborConfig, _Env
 from miles_env.adapters.harbor.dockerfile import Step, final_stage, parse_dockerfile, static_env
-from miles_env.adapters.harbor.files import HARBOR_ROOT, embed_script, read_tree
+from miles_env.adapters.harbor.files import solution_script
+from miles_env.adapters.harbor.steps import read_steps
 from miles_env.errors import ConfigError, TaskError
 from miles_env.limits import parse_size_mb
 from miles_env.types import NetworkPolicy, Resources, SandboxSpec, Task
@@ -42,50 +43,10 @@ __all__ = [
     "find_task_dirs",
     "load_tasks",
     "read_task_dir",
-    "solution_script",
 ]
 
 DEFAULT_VERIFIER_TIMEOUT_S = 600.0  # harbor VerifierConfig.timeout_sec
 _TEMPLATE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*))?\}")
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="allow")  # Harbor has many fields we do not act on
-
-
-class _Env(_Section):
-    docker_image: str | None = None
-    cpus: float | None = None
-    memory_mb: int | None = None
-    memory: str | None = None
-    storage_mb: int | None = None
-    storage: str | None = None
-    env: dict[str, str] = Field(default_factory=dict)
-    workdir: str | None = None
-    allow_internet: bool | None = None
-    network_mode: str | None = Field(None, pattern="^(public|no-network|allowlist)$")
-
-
-class _Phase(_Section):
-    timeout_sec: float | None = Field(None, gt=0)
-    env: dict[str, str] = Field(default_factory=dict)
-
-
-class _StepCfg(_Section):
-    name: str = Field(min_length=1, pattern=r"^[\w.-]+$")
-    agent: _Phase = Field(default_factory=_Phase)
-    verifier: _Phase = Field(default_factory=_Phase)
-    min_reward: float | dict[str, float] | None = None
-
-
-class HarborConfig(_Section):
-    environment: _Env = Field(default_factory=_Env)
-    agent: _Phase = Field(default_factory=_Phase)
-    verifier: _Phase = Field(default_factory=_Phase)
-    solution: _Phase = Field(default_factory=_Phase)
-    steps: list[_StepCfg] | None = None
-    multi_step_reward_strategy: str | None = Field(None, pattern="^(mean|final)$")
-    metadata: dict[str, Any] = Field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,27 +144,7 @@ def _network(env: _Env) -> NetworkPolicy:
     return NetworkPolicy.HOST if mode == "public" else NetworkPolicy.NONE
 
 
-def solution_script(sol_root: Path, workdir: str, env: dict[str, str]) -> str | None:
-    """`bash solve.sh` in the workdir with [solution.env], its files embedded (or staged by the
-    oracle when too large)."""
-    files = read_tree(sol_root)
-    if not any(f.rel == "solve.sh" for f in files):
-        return None
-    sol_dir = f"{HARBOR_ROOT}/solution"
-    embedded = embed_script(sol_dir, files)
-    if embedded is None:
-        size = sum(len(f.data) for f in files)
-        embedded = (
-            f"test -f {sol_dir}/solve.sh || {{ echo 'harbor: the solution files ({size} bytes) are too "
-            "large for a script; the oracle runner uploads them (stage_solution)' >&2; exit 1; }"
-        )
-    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
-    return f"{embedded}\n{exports}cd {shlex.quote(workdir)} && DEBIAN_FRONTEND=noninteractive bash {sol_dir}/solve.sh"
-
-
 def read_task_dir(task_dir: Path, env_name: str) -> Task:
-    from miles_env.adapters.harbor.steps import read_steps
-
     cfg = _config(task_dir)
     toml = task_dir / "task.toml"
     df = task_dir / "environment" / "Dockerfile"
