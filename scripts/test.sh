@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 bash scripts/setup.sh
 bash scripts/start-dockerd.sh
+bash scripts/install-images.sh  # buildah, skopeo, mmdebstrap, docker-registry: task images (tests/images_support.py)
 bash scripts/install-clis.sh
 # Harbor's terminus-2 agent drives a tmux terminal (tests/test_adapters_harbor_agents.py).
 if ! command -v tmux >/dev/null 2>&1; then

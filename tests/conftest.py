@@ -106,3 +106,45 @@ def engine_cluster() -> Iterator[Any]:
 
     with engine_nodes() as cluster:
         yield cluster
+
+
+# -- task images: one bootstrap, one build per image per session (tests/images_support.py) ----------
+@pytest.fixture(scope="session")
+def image_bases() -> Any:
+    """debian:bookworm and debian:trixie in the loopback registry (made once; then a lookup)."""
+    from miles_env.sandboxes.images.bootstrap import bootstrap
+    from tests.images_support import images_config
+
+    return bootstrap(images_config())
+
+
+@pytest.fixture(scope="session")
+def image_contexts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The test images' build contexts (fixed contents, so their cache keys are stable)."""
+    from tests.images_support import ALIASES, BOOKWORM, UBUNTU, write_context
+
+    root = tmp_path_factory.mktemp("image-contexts")
+    return {
+        "bookworm": write_context(root / "bookworm", BOOKWORM, {"motd.txt": "hello from the context\n"}),
+        "aliases": write_context(root / "aliases", ALIASES),
+        "ubuntu": write_context(root / "ubuntu", UBUNTU),
+    }
+
+
+@pytest.fixture(scope="session")
+def local_images(image_bases: Any) -> Any:
+    """The local provider's builder (buildah), over the session's bootstrapped bases."""
+    from miles_env.sandboxes.images.local import LocalImages
+    from tests.images_support import images_config
+
+    return LocalImages(images_config())
+
+
+@pytest.fixture(scope="session")
+def bookworm_image(local_images: Any, image_contexts: dict[str, Path]) -> Any:
+    return local_images.build(image_contexts["bookworm"])
+
+
+@pytest.fixture(scope="session")
+def alias_image(local_images: Any, image_contexts: dict[str, Path]) -> Any:
+    return local_images.build(image_contexts["aliases"])

@@ -1,7 +1,8 @@
 """DockerSandboxProvider: one container per sandbox on any Docker-API engine.
 
 Concept: a sandbox is a container made from `spec.image` (or a local rootfs
-imported once as an image, or `spec.build` built offline once per content hash),
+imported once as an image, or `spec.build` built once per content hash by build.py: bases
+resolved through sandboxes/images, RUN steps with a build network),
 kept alive by `sleep infinity` under docker-init, with a read-only root, a named
 volume at spec.workdir, a tmpfs /tmp, no network (`network_mode=none`), and
 memory, CPU and pids limits.
@@ -47,7 +48,9 @@ from miles_env.limits import sandbox_lifetime_s
 from miles_env.types import NetworkPolicy, SandboxSpec
 
 from ..expose import FORWARDER, INNER_RUN
+from ..images.resolve import ResolvedImage
 from ..ownership import Ownership, is_stale, owner_labels
+from .build import DockerBuilder
 from .config import DockerSandboxConfig
 from .engine import call
 from .files import workdir_seed
@@ -75,6 +78,8 @@ class DockerSandboxProvider:
         self.owner = Ownership.here(self.config.run_id, self.config.ttl_s)
         self._seeds: dict[tuple[str, str], bytes] = {}  # (image id, workdir) -> workdir_seed()
         self.run_root = Path(self.config.run_root or Path(tempfile.gettempdir()) / "miles-env-docker")
+        self.builder = DockerBuilder(self.client, self.config.images, self.config.build_network)
+        self.built_bases: dict[str, tuple[ResolvedImage, ...]] = {}  # build tag -> its resolved bases
 
     async def ping(self) -> None:
         try:
@@ -116,26 +121,9 @@ class DockerSandboxProvider:
         return tag
 
     def _build_sync(self, context: Path) -> str:
-        """`docker build` of `context`, offline (no pull, no network), once per content hash."""
-        h = hashlib.sha256()
-        for p in sorted(context.rglob("*")):
-            if p.is_file():
-                h.update(str(p.relative_to(context)).encode() + b"\0" + p.read_bytes() + b"\0")
-        tag = f"miles-env/build:{h.hexdigest()[:16]}"
-        try:
-            self.client.images.get(tag)
-            return tag
-        except docker.errors.ImageNotFound:
-            pass
-        try:
-            self.client.images.build(
-                path=str(context), tag=tag, pull=False, network_mode="none", rm=True, forcerm=True
-            )
-        except docker.errors.BuildError as e:
-            log = "".join(str(x.get("stream", x.get("error", ""))) for x in e.build_log)[-1500:]
-            raise SandboxError(f"docker build of {context / 'Dockerfile'} failed: {e}\n{log}") from e
-        except docker.errors.APIError as e:
-            raise SandboxError(f"docker build of {context / 'Dockerfile'} failed: {e}") from e
+        """dockerd's build of `context` (bases resolved, build network), once per content hash."""
+        tag, bases = self.builder.build(context)
+        self.built_bases[tag] = bases
         return tag
 
     def _create_sync(self, spec: SandboxSpec, name: str, run_dir: Path, labels: dict[str, str]) -> Any:
