@@ -29,7 +29,6 @@ from miles_env.adapters.framework_harness import FRAMEWORK_ROLE, framework_rewar
 from miles_env.adapters.harbor.diagnose import hint
 from miles_env.adapters.harbor.files import HARBOR_ROOT, read_tree, rebase_paths, upload
 from miles_env.adapters.harbor.hermetic import VERIFY_ENV, hermetic_context, verifier_needs
-from miles_env.adapters.harbor.replay import run_setup
 from miles_env.adapters.harbor.steps import StepLedger, combine, passes, step_tests
 from miles_env.adapters.harbor.taskdir import TaskProblem, find_task_dirs, load_tasks, read_task_dir
 from miles_env.environment import Environment, Transcript
@@ -132,17 +131,6 @@ class HarborTasksEnvironment(Environment):
         if self.hermetic and built and verifier_needs("\n".join(_test_scripts(task))).any:
             env = {**VERIFY_ENV, **env}
         return env or None
-
-    async def setup(self, task: Task, sandbox: Sandbox) -> None:
-        """Replay the Dockerfile in the sandbox, unless the sandbox runs an image (built or docker_image)."""
-        df = Path(task.verifier["task_dir"]) / "environment" / "Dockerfile"
-        if not df.is_file() or _runs_image(sandbox):
-            return
-        try:
-            await run_setup(sandbox, df, timeout=float(task.verifier.get("setup_timeout_s", 600.0)))
-        except TaskError as e:
-            why = hint(str(e), df.read_text())
-            raise TaskError(f"task {task.id!r}: {e}" + (f" [{why}]" if why else "")) from e
 
     async def stage_solution(self, task: Task, sandbox: Sandbox) -> None:
         """The oracle's step before `task.solution`: solution/ uploaded byte for byte (any size)."""
@@ -275,22 +263,7 @@ async def run_harbor_trial(
     (task,) = env.tasks("test")
     sandbox = await provider.create(env.sandbox_spec(task))
     async with sandbox:
-        await env.setup(task, sandbox)  # the Dockerfile, as for a native episode
         return await trial_in_sandbox(sandbox, task_dir, agent, trials_dir=trials_dir)
-
-
-def _runs_image(sandbox: Sandbox) -> bool:
-    """A container made from the task's image or built from its Dockerfile (docker provider).
-
-    The local bwrap sandbox ignores SandboxSpec.image and .build; so do providers that cannot
-    build (their sandboxes have no `built_from`): for those the Dockerfile's steps are replayed.
-    """
-    from miles_env.sandboxes.local import LocalSandbox
-
-    if isinstance(sandbox, LocalSandbox):
-        return False
-    spec = getattr(sandbox, "spec", None)
-    return bool(getattr(spec, "image", None) or getattr(sandbox, "built_from", None))
 
 
 async def _maybe_read(sandbox: Sandbox, path: str) -> str | None:
