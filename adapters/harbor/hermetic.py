@@ -55,7 +55,7 @@ VERIFY_ENV = {
     "UV_CACHE_DIR": f"{HERMETIC}/uv-cache",
     "PIP_NO_INDEX": "1",
 }
-_RECIPE = "1"  # bump when the layer below changes: every derived context is rebuilt
+_RECIPE = "2"  # bump when the layer below changes: every derived context is rebuilt
 _INSTALLER = re.compile(r"astral\.sh/uv/(?:(\d+\.\d+\.\d+)/)?install\.sh")
 _FETCH = re.compile(r"\b(curl|wget)\b[^|;&\n]*https?://|\bgit clone\b|\bnpm (install|i|ci)\b")
 _APT = re.compile(r"\bapt(?:-get)?\s+(?:-\S+\s+)*install\b")
@@ -146,6 +146,11 @@ def _provision_script(needs: VerifierNeeds, user: str | None) -> str:
         'else echo "FAILED ($?): $1" >>$log; fi; }',
         f"export DEBIAN_FRONTEND=noninteractive UV_CACHE_DIR={VERIFY_ENV['UV_CACHE_DIR']} "
         "UV_PYTHON_DOWNLOADS=never PATH=$H/bin:$PATH",
+        # uv trusts the system's CA store, which holds the build host's own CAs (a TLS-inspecting
+        # proxy's, as the bootstrap copies them), not only its bundled roots
+        "ca=/etc/ssl/certs/ca-certificates.crt",
+        "[ -s $ca ] || step 'apt-get update && apt-get install -y --no-install-recommends ca-certificates'",
+        "[ -s $ca ] && export UV_NATIVE_TLS=1 SSL_CERT_FILE=$ca PIP_CERT=$ca REQUESTS_CA_BUNDLE=$ca",
     ]
     lines += [f"step {q(cmd)}" for cmd in needs.installs]
     for warm in needs.uvx:
