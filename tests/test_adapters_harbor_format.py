@@ -148,3 +148,31 @@ def test_verifier_needs_of_the_stock_tb2_test_sh() -> None:
     assert needs.uvx == ("uvx -p 3.13 -w pytest==8.4.1 -w pytest-json-ctrf==0.3.5 pytest --version",)
     assert needs.other == ("git clone https://example.invalid/x.git",)
     assert not verifier_needs("echo 1 > /logs/verifier/reward.txt\n").any
+
+
+def test_a_multi_step_episode_gives_the_agent_each_instruction_in_turn(tmp_path: Path) -> None:
+    """ScriptedEngine -> TITO -> builtin harness, once per step, in one sandbox and one session."""
+    from miles_env.engines.scripted import ScriptedEngine
+    from miles_env.harnesses.builtin import BuiltinHarness
+    from miles_env.models import load_tokenizer
+    from miles_env.rollout import run_episode
+    from miles_env.stack import StackConfig, open_stack
+    from miles_env.types import Status
+
+    env = HarborTasksEnvironment(make_steps_task(tmp_path))
+    (task,) = env.tasks("test")
+    replies = ["```sh\necho one > /app/notes.txt\n```", "DONE", "```sh\ncat extra.cfg >> notes.txt\n```", "DONE",
+               "```sh\n[ -e /tmp/harbor/tests ] || echo clean > /app/audit.txt\n```", "DONE"]  # fmt: skip
+
+    async def main():  # type: ignore[no-untyped-def]
+        engine = ScriptedEngine(load_tokenizer("smollm2"), replies)
+        async with open_stack(StackConfig(), engine=engine) as stack:
+            return await run_episode(stack.rollout_context(env, BuiltinHarness()), task)
+
+    ep = anyio.run(main)
+    assert ep.status is Status.COMPLETED, ep.error
+    assert ep.score == 1.0 and set(ep.reward.details["steps"]) == {"write", "extend", "audit"}
+    users = [m["content"] for m in ep.metadata["transcript"] if m.get("role") == "user"]
+    firsts = [next(u for u in users if s.instruction in u) for s in env.step_tasks(task)]
+    assert [users.index(u) for u in firsts] == sorted(users.index(u) for u in firsts)  # in step order
+    assert len(ep.metadata["harness"]["steps"]) == 3
