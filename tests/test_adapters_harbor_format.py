@@ -176,3 +176,22 @@ def test_a_multi_step_episode_gives_the_agent_each_instruction_in_turn(tmp_path:
     firsts = [next(u for u in users if s.instruction in u) for s in env.step_tasks(task)]
     assert [users.index(u) for u in firsts] == sorted(users.index(u) for u in firsts)  # in step order
     assert len(ep.metadata["harness"]["steps"]) == 3
+
+
+def test_compose_sidecars_are_refused_by_name_where_they_cannot_run(tmp_path: Path) -> None:
+    d = make_task(tmp_path, "sidecar")
+    (d / "environment" / "api").mkdir()
+    (d / "environment" / "api" / "Dockerfile").write_text("FROM python:3.12-slim\n")
+    (d / "environment" / "docker-compose.yaml").write_text(
+        "services:\n  main:\n    depends_on: [api, db]\n  api:\n    build:\n      context: ./api\n"
+        "    environment: [MODE=test]\n    healthcheck:\n      test: [CMD, 'true']\n  db:\n    image: redis:7\n"
+    )
+    from miles_env.adapters.harbor.compose import sidecars
+
+    api, db = sidecars(d / "environment")
+    assert (api.name, api.build, api.environment, api.healthcheck) == (
+        "api", str(d / "environment" / "api"), {"MODE": "test"}, ["CMD", "true"],
+    )  # fmt: skip
+    assert (db.name, db.image, db.build) == ("db", "redis:7", None)
+    res = _oracle(HarborTasksEnvironment(d))
+    assert "runs sidecar services (api, db)" in (res.error or "") and "use the docker provider" in res.error

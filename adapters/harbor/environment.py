@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_env.adapters.framework_harness import FRAMEWORK_ROLE, framework_reward
+from miles_env.adapters.harbor.compose import sidecars
 from miles_env.adapters.harbor.diagnose import hint
 from miles_env.adapters.harbor.files import HARBOR_ROOT, read_tree, rebase_paths, upload
 from miles_env.adapters.harbor.hermetic import VERIFY_ENV, hermetic_context, verifier_needs
@@ -35,7 +36,7 @@ from miles_env.environment import Environment, Transcript
 from miles_env.errors import TaskError
 from miles_env.harness import Endpoint, HarnessResult
 from miles_env.models import cache_dir
-from miles_env.sandbox import Sandbox, SandboxProvider
+from miles_env.sandbox import RunsSidecars, Sandbox, SandboxProvider
 from miles_env.types import Resources, Reward, SandboxSpec, Task
 
 __all__ = [
@@ -131,6 +132,23 @@ class HarborTasksEnvironment(Environment):
         if self.hermetic and built and verifier_needs("\n".join(_test_scripts(task))).any:
             env = {**VERIFY_ENV, **env}
         return env or None
+
+    async def setup(self, task: Task, sandbox: Sandbox) -> None:
+        """The task's docker-compose sidecars, started beside the sandbox where it can run them;
+        elsewhere the task is refused by name. The Dockerfile itself is the provider's to build."""
+        services = sidecars(Path(task.verifier["task_dir"]) / "environment")
+        if services and not isinstance(sandbox, RunsSidecars):
+            names = ", ".join(s.name for s in services)
+            raise TaskError(
+                f"task {task.id!r}: environment/docker-compose.yaml runs sidecar services ({names}), which "
+                f"this sandbox ({type(sandbox).__name__}) cannot run beside it; use the docker provider"
+            )
+        for s in services:
+            assert isinstance(sandbox, RunsSidecars)
+            await sandbox.start_sidecar(
+                s.name, image=s.image, build=s.build, dockerfile=s.dockerfile, env=s.environment,
+                command=s.command, healthcheck=s.healthcheck,
+            )  # fmt: skip
 
     async def stage_solution(self, task: Task, sandbox: Sandbox) -> None:
         """The oracle's step before `task.solution`: solution/ uploaded byte for byte (any size)."""
@@ -263,6 +281,7 @@ async def run_harbor_trial(
     (task,) = env.tasks("test")
     sandbox = await provider.create(env.sandbox_spec(task))
     async with sandbox:
+        await env.setup(task, sandbox)  # the sidecars, as for a native episode
         return await trial_in_sandbox(sandbox, task_dir, agent, trials_dir=trials_dir)
 
 
