@@ -109,42 +109,49 @@ def engine_cluster() -> Iterator[Any]:
 
 
 # -- task images: one bootstrap, one build per image per session (tests/images_support.py) ----------
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the image tests' bootstrap and builds in the background once they are selected."""
+    if os.environ.get("MILES_ENV_IMAGES_PREWARM", "1") == "0":
+        return
+    if any(item.nodeid.startswith("tests/test_images.py") for item in session.items):
+        from tests.images_support import prewarm
+
+        prewarm()
+
+
 @pytest.fixture(scope="session")
 def image_bases() -> Any:
     """debian:bookworm and debian:trixie in the loopback registry (made once; then a lookup)."""
-    from miles_env.sandboxes.images.bootstrap import bootstrap
-    from tests.images_support import images_config
+    from tests.images_support import prewarmed
 
-    return bootstrap(images_config())
+    return prewarmed("bases")
 
 
 @pytest.fixture(scope="session")
-def image_contexts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def image_contexts() -> dict[str, Path]:
     """The test images' build contexts (fixed contents, so their cache keys are stable)."""
-    from tests.images_support import ALIASES, BOOKWORM, UBUNTU, write_context
+    from tests.images_support import contexts
 
-    root = tmp_path_factory.mktemp("image-contexts")
-    return {
-        "bookworm": write_context(root / "bookworm", BOOKWORM, {"motd.txt": "hello from the context\n"}),
-        "aliases": write_context(root / "aliases", ALIASES),
-        "ubuntu": write_context(root / "ubuntu", UBUNTU),
-    }
+    return contexts()
 
 
 @pytest.fixture(scope="session")
 def local_images(image_bases: Any) -> Any:
     """The local provider's builder (buildah), over the session's bootstrapped bases."""
-    from miles_env.sandboxes.images.local import LocalImages
-    from tests.images_support import images_config
+    from tests.images_support import prewarmed
 
-    return LocalImages(images_config())
-
-
-@pytest.fixture(scope="session")
-def bookworm_image(local_images: Any, image_contexts: dict[str, Path]) -> Any:
-    return local_images.build(image_contexts["bookworm"])
+    return prewarmed("images")
 
 
 @pytest.fixture(scope="session")
-def alias_image(local_images: Any, image_contexts: dict[str, Path]) -> Any:
-    return local_images.build(image_contexts["aliases"])
+def bookworm_image(local_images: Any) -> Any:
+    from tests.images_support import prewarmed
+
+    return prewarmed("bookworm")
+
+
+@pytest.fixture(scope="session")
+def alias_image(local_images: Any) -> Any:
+    from tests.images_support import prewarmed
+
+    return prewarmed("aliases")

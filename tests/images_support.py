@@ -8,6 +8,12 @@ Debian archive, Debian's docker-registry serves them on loopback, buildah (local
 through the cache's locks). `direct=False`: the bases come through the loopback registry even on
 a machine that reaches Docker Hub, so the path under test is the same everywhere.
 
+The work starts in a background thread as soon as collection selects a test of test_images.py
+(`prewarm`, from conftest's pytest_collection_finish): the bootstrap and the first builds mostly
+wait on the Debian archive, PyPI and the disk, so they overlap the tests that run before
+test_images.py; its fixtures then wait for what is still running (`prewarmed`).
+MILES_ENV_IMAGES_PREWARM=0 turns the overlap off (the fixtures then do the same work in line).
+
 The Dockerfiles have the shapes of public Terminal-Bench tasks: apt-get install and pip install
 in RUN, useradd + USER, writes under /opt and /var/log, a here-document, an aliased
 `FROM ubuntu:24.04` and `FROM python:3.12-slim`.
@@ -15,12 +21,29 @@ in RUN, useradd + USER, writes under /opt and /var/log, a here-document, an alia
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import subprocess
+import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from miles_env.sandboxes.images.config import ImagesConfig
 
-__all__ = ["BOOKWORM", "ALIASES", "UBUNTU", "ROOT", "images_config", "write_context", "docker_ready"]
+__all__ = [
+    "BOOKWORM",
+    "ALIASES",
+    "UBUNTU",
+    "ROOT",
+    "contexts",
+    "docker_ready",
+    "images_config",
+    "prewarm",
+    "prewarmed",
+    "write_context",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,3 +99,47 @@ def docker_ready() -> str | None:
         ["bash", str(ROOT / "scripts" / "start-dockerd.sh")], capture_output=True, text=True, timeout=300
     )
     return None if r.returncode == 0 else f"start-dockerd.sh exit {r.returncode}: {r.stderr.strip()[-300:]}"
+
+
+_STATE: dict[str, Any] = {}
+_LOCK = threading.Lock()
+
+
+def contexts() -> dict[str, Path]:
+    """The test images' build contexts, made once per process (fixed contents: stable cache keys)."""
+    with _LOCK:
+        if "contexts" not in _STATE:
+            root = Path(tempfile.mkdtemp(prefix="miles-env-image-contexts-"))
+            atexit.register(shutil.rmtree, root, True)
+            _STATE["contexts"] = {
+                "bookworm": write_context(
+                    root / "bookworm", BOOKWORM, {"motd.txt": "hello from the context\n"}
+                ),
+                "aliases": write_context(root / "aliases", ALIASES),
+                "ubuntu": write_context(root / "ubuntu", UBUNTU),
+            }
+        return dict(_STATE["contexts"])
+
+
+def prewarm() -> None:
+    """Start the bootstrap, then the local builds of `bookworm` and `aliases`, in one background thread."""
+    from miles_env.sandboxes.images.bootstrap import bootstrap
+    from miles_env.sandboxes.images.local import LocalImages
+
+    ctx = contexts()
+    with _LOCK:
+        if "futures" in _STATE:
+            return
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="images-prewarm")
+        futures: dict[str, Future[Any]] = {"bases": pool.submit(bootstrap, images_config())}
+        images = futures["images"] = pool.submit(LocalImages, images_config())
+        for name in ("bookworm", "aliases"):
+            futures[name] = pool.submit(lambda n: images.result().build(ctx[n]), name)
+        pool.shutdown(wait=False)
+        _STATE["futures"] = futures
+
+
+def prewarmed(name: str) -> Any:
+    """`bases`, `images` (the LocalImages builder), `bookworm` or `aliases`: waited for (started if not yet)."""
+    prewarm()
+    return _STATE["futures"][name].result()

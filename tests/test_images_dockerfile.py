@@ -221,3 +221,15 @@ def test_e2b_says_a_build_context_needs_a_template() -> None:
     p = E2BSandboxProvider(E2BSandboxConfig(api_key="k"), sdk=object())
     with pytest.raises(ConfigError, match="E2B runs templates, not Dockerfiles"):
         p.adapter.create_params(SandboxSpec(build="/tmp/ctx"), {})
+
+
+def test_cli_lists_the_aliases_and_refuses_an_unobtainable_base_in_one_line() -> None:
+    from typer.testing import CliRunner
+
+    from miles_env.cli.main import app
+
+    res = CliRunner().invoke(app, ["images", "aliases"])
+    assert res.exit_code == 0 and "ubuntu:(24\\.04|noble|latest)" in res.output and "debian:trixie" in res.output
+    res = CliRunner().invoke(app, ["images", "resolve", "harbor-agents-rich:latest"])
+    assert res.exit_code == 2, res.output
+    assert res.output.count("\n") == 1 and "error: base image 'harbor-agents-rich:latest' cannot be had" in res.output

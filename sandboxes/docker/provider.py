@@ -197,6 +197,7 @@ class DockerSandboxProvider:
             shutil.copyfile(FORWARDER, run_dir / "forwarder.py")
             container = await call(f"docker create {name}", self._create_sync, spec, name, run_dir, labels)
             sandbox = DockerSandbox(self, container.id, name, spec, run_dir)
+            sandbox.image_bases = self.built_bases.get(container.attrs["Config"]["Image"], ())
             for path, text in spec.files.items():
                 await sandbox.write_file(path, text)
             # A cancellation that arrived while a worker thread ran is delivered at the

@@ -33,6 +33,7 @@ from miles_env.types import ExecResult, SandboxSpec
 
 from ..execargs import command_argv, exec_args
 from ..expose import INNER_RUN, ExposeTarget, HostListener
+from ..images.resolve import ResolvedImage
 from ..results import classify
 from .engine import ENGINE_ERRORS, map_error
 from .exec import ExecOutcome, kill_token_argv, run_exec, start_detached
@@ -55,6 +56,8 @@ class ContainerOwner(Protocol):
 
 class DockerSandbox:
     """A Sandbox backed by one container; built by DockerSandboxProvider."""
+
+    image_bases: tuple[ResolvedImage, ...] = ()  # set by the provider for a built image (build.py)
 
     def __init__(
         self, provider: ContainerOwner, cid: str, name: str, spec: SandboxSpec, run_dir: Path

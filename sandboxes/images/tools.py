@@ -109,7 +109,14 @@ class Buildah:
         self, context: Path, dockerfile: Path, tag: str, *, network: str, timeout: float, log: Path
     ) -> str:
         iid = log.with_suffix(".iid")
-        args = ["build", "--pull=never", "--signature-policy", str(self.policy), "--network", network]
+        args = [
+            "build",
+            "--pull=never",
+            "--signature-policy",
+            str(self.policy),
+            "--network",
+            network,
+        ]
         args += ["--isolation", "oci", "--iidfile", str(iid), "-f", str(dockerfile), "-t", tag, str(context)]
         self.run(args, f"building {dockerfile}", timeout=timeout, log=log)
         return iid.read_text().strip()

@@ -238,6 +238,8 @@ class LocalSandboxProvider:
             zygote=zygote,
             on_close=self._give_back,
         )
+        if image is not None:  # what the image says execs get (ENV, USER, WORKDIR), and its bases
+            sandbox.image_config, sandbox.image_bases = image.config, image.bases
         try:
             for path, text in spec.files.items():
                 await sandbox.write_file(path, text)
