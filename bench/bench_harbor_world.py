@@ -101,12 +101,18 @@ async def run_provider(env, tasks, provider_name: str, concurrency: int, network
 
 
 def base_of(task) -> str:  # type: ignore[no-untyped-def]
-    from miles_env.adapters.harbor.dockerfile import base_image, parse_dockerfile
+    from miles_env.adapters.harbor.taskdir import final_stage
 
     df = Path(task.verifier["task_dir"]) / "environment" / "Dockerfile"
     if not df.is_file():
         return task.sandbox.image or "-"
-    return base_image(parse_dockerfile(df.read_text())) or "-"
+    stage = final_stage(df.read_text())
+    words = [
+        w
+        for w in (stage[0].args.split() if stage and stage[0].op == "FROM" else [])
+        if not w.startswith("--")
+    ]
+    return words[0] if words else "-"
 
 
 def _fmt(v: float | None) -> str:

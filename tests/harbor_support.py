@@ -120,8 +120,8 @@ echo "one $APP" > h1.txt
 echo two >> h1.txt
 EOF
 RUN <<EOF
-#!/usr/bin/env python3
-open("/app/h2.txt", "w").write("from python\\n")
+#!/usr/bin/env bash
+[[ -n "$BASH_VERSION" ]] && echo "from bash" > /app/h2.txt
 EOF
 RUN cat <<EOF > h3.txt && echo after >> h3.txt
 $GREETING from heredoc
@@ -150,7 +150,7 @@ check '[ "$(stat -c %a secret.txt)" = 640 ] && [ "$(stat -c %a bin/keep.sh)" = 7
 check '[ "$(cat pkg/lib/a.txt bz/lib/a.txt xz/lib/a.txt plain/lib/a.txt)" = "$(printf "a\\na\\na\\na")" ]'
 check '[ "$(stat -c %a pkg/lib/run.sh)" = 755 ] && [ ! -e pkg.tar.gz ]'
 check '[ "$(gzip -dc note.txt.gz)" = "just a gzip" ]'
-check '[ "$(cat h1.txt)" = "$(printf "one /app\\ntwo")" ] && [ "$(cat h2.txt)" = "from python" ]'
+check '[ "$(cat h1.txt)" = "$(printf "one /app\\ntwo")" ] && [ "$(cat h2.txt)" = "from bash" ]'
 check '[ "$(cat h3.txt)" = "$(printf "hi from heredoc\\nafter")" ] && [ "$(cat h4.txt)" = tabbed ]'
 check '[ "$(cat conf.txt)" = "greeting=hi" ] && [ "$(cat raw.txt)" = "greeting=\\${GREETING}" ]'
 check '[ "$(cat shell.txt)" = bash ] && [ -f done ]'
@@ -280,7 +280,7 @@ def make_env_task(root: Path, name: str = "envs") -> Path:
     return _write(root / name, {
         "task.toml": toml,
         "instruction.md": "Record the environment.\n",
-        "environment/Dockerfile": "FROM ubuntu:24.04\n",  # the workdir comes from task.toml alone
+        "environment/Dockerfile": "FROM ubuntu:24.04\nRUN mkdir -p /srv/work\n",  # no WORKDIR: task.toml's
         "solution/solve.sh": f"#!/bin/bash\necho {seen} > /srv/work/solution-saw\n",
         "tests/test.sh": "cd /srv/work 2>/dev/null; echo " + seen + " > verifier-saw\n" + REWARD_IF.format(
             cond='[ "$(cat solution-saw)" = "everywhere|solution-only||/srv/work" ] && '

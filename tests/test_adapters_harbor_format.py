@@ -116,19 +116,30 @@ def test_a_directory_with_malformed_tasks_loads_the_rest(tmp_path: Path) -> None
 
 
 def test_validate_shows_the_last_lines_of_a_failing_task(tmp_path: Path) -> None:
-    d = make_task(tmp_path, "uvless")
+    d = make_task(tmp_path, "fails")
     (d / "solution" / "solve.sh").write_text("#!/bin/bash\necho step one done\necho wrote nothing >&2\n")
     (d / "tests" / "test.sh").write_text(
-        "curl -LsSf https://astral.sh/uv/0.9.5/install.sh | sh\nsource $HOME/.local/bin/env\n"
-        "uvx -p 3.13 -w pytest==8.4.1 pytest /tests/test_outputs.py\n"
+        "echo checking /app/out/hello.txt\necho 'E   AssertionError: no such file' >&2\n"
         "echo 0 > /logs/verifier/reward.txt\n"
     )
     report = validate_env(str(d), quick=True)
     (problem,) = report.stage("oracle").problems
-    assert problem.startswith("uvless: oracle scored 0, want 1")
+    assert problem.startswith("fails: oracle scored 0, want 1")
     assert "solution output (last lines):\n  | step one done\n  | wrote nothing" in problem
-    assert "uvx: command not found" in problem and "astral's installer" in problem  # the hint
+    assert "verifier output (last lines):\n  | checking /app/out/hello.txt\n  | E   AssertionError" in problem
     assert "| step one done" in report.render()
+
+
+def test_a_network_need_is_named() -> None:
+    from miles_env.adapters.harbor.diagnose import hint
+
+    installer = "curl -LsSf https://astral.sh/uv/0.9.5/install.sh | sh\nuvx pytest\n"
+    assert "astral's installer" in (hint("test.sh: line 2: uvx: command not found", installer) or "")
+    assert "PEP 668" in (hint("error: externally-managed-environment\n\nx This environment is...") or "")
+    assert "needs a package index" in (hint("ERROR: No matching distribution found for numpy") or "")
+    assert "Debian archive" in (hint("E: Unable to locate package r-base-core") or "")
+    assert "reach github.com" in (hint("curl: (6) Could not resolve host: github.com") or "")
+    assert hint("AssertionError: 2 != 3") is None
 
 
 def test_verifier_needs_of_the_stock_tb2_test_sh() -> None:

@@ -229,7 +229,12 @@ def test_cli_lists_the_aliases_and_refuses_an_unobtainable_base_in_one_line() ->
     from miles_env.cli.main import app
 
     res = CliRunner().invoke(app, ["images", "aliases"])
-    assert res.exit_code == 0 and "ubuntu:(24\\.04|noble|latest)" in res.output and "debian:trixie" in res.output
+    assert (
+        res.exit_code == 0 and "ubuntu:(24\\.04|noble|latest)" in res.output and "debian:trixie" in res.output
+    )
     res = CliRunner().invoke(app, ["images", "resolve", "harbor-agents-rich:latest"])
     assert res.exit_code == 2, res.output
-    assert res.output.count("\n") == 1 and "error: base image 'harbor-agents-rich:latest' cannot be had" in res.output
+    assert (
+        res.output.count("\n") == 1
+        and "error: base image 'harbor-agents-rich:latest' cannot be had" in res.output
+    )

@@ -42,7 +42,6 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles_env.adapters.harbor.dockerfile import final_stage, parse_dockerfile
 from miles_env.errors import TaskError
 
 __all__ = ["DEFAULT_UV", "VERIFY_ENV", "VerifierNeeds", "hermetic_context", "verifier_needs"]
@@ -214,7 +213,9 @@ def uv_binaries(version: str, cache: Path) -> Path:
 
 
 def _final_user(dockerfile: str) -> str | None:
-    users = [s.args.strip() for s in final_stage(parse_dockerfile(dockerfile)) if s.op == "USER"]
+    from miles_env.adapters.harbor.taskdir import final_stage
+
+    users = [i.args.strip() for i in final_stage(dockerfile) if i.op == "USER"]
     return users[-1] if users else None
 
 

@@ -30,16 +30,17 @@ from typing import Any
 from pydantic import ValidationError
 
 from miles_env.adapters.harbor.config import HarborConfig, _Env
-from miles_env.adapters.harbor.dockerfile import Step, final_stage, parse_dockerfile, static_env
 from miles_env.adapters.harbor.files import solution_script
 from miles_env.adapters.harbor.steps import read_steps
-from miles_env.errors import ConfigError, TaskError
+from miles_env.errors import ConfigError, MilesEnvError, TaskError
 from miles_env.limits import parse_size_mb
+from miles_env.sandboxes.images.dockerfile import Instruction, parse_dockerfile
 from miles_env.types import NetworkPolicy, Resources, SandboxSpec, Task
 
 __all__ = [
     "DEFAULT_VERIFIER_TIMEOUT_S",
     "TaskProblem",
+    "final_stage",
     "find_task_dirs",
     "load_tasks",
     "read_task_dir",
@@ -105,14 +106,21 @@ def _config(task_dir: Path) -> HarborConfig:
         raise TaskError(f"{toml}: {field}: {err['msg']}") from e
 
 
-def _workdir(steps: list[Step], declared: str | None) -> str:
+def final_stage(text: str) -> list[Instruction]:
+    """The instructions of a Dockerfile's last stage, from its FROM on (images' parser)."""
+    ins = [i for i in parse_dockerfile(text).instructions if i.op]
+    starts = [n for n, i in enumerate(ins) if i.op == "FROM"]
+    return ins[starts[-1] :] if starts else ins
+
+
+def _workdir(stage: list[Instruction], declared: str | None) -> str:
     """[environment].workdir, else the final stage's last WORKDIR (Harbor's tasks: /app)."""
     if declared:
         return declared
     workdir = "/app"
-    for step in final_stage(steps):
-        if step.op == "WORKDIR" and step.args:
-            workdir = step.args if step.args.startswith("/") else f"{workdir.rstrip('/')}/{step.args}"
+    for ins in stage:
+        if ins.op == "WORKDIR" and ins.args:
+            workdir = ins.args if ins.args.startswith("/") else f"{workdir.rstrip('/')}/{ins.args}"
     return workdir
 
 
@@ -149,12 +157,12 @@ def read_task_dir(task_dir: Path, env_name: str) -> Task:
     toml = task_dir / "task.toml"
     df = task_dir / "environment" / "Dockerfile"
     try:
-        dsteps = parse_dockerfile(df.read_text()) if df.is_file() else []
-    except TaskError as e:
+        stage = final_stage(df.read_text()) if df.is_file() else []
+    except (ValueError, MilesEnvError) as e:
         raise TaskError(f"{df}: {e}") from e
     if not df.is_file() and not cfg.environment.docker_image:
         raise TaskError(f"{df}: missing (and no [environment] docker_image)")
-    workdir = _workdir(dsteps, cfg.environment.workdir)
+    workdir = _workdir(stage, cfg.environment.workdir)
     sol_env = resolve_env(cfg.solution.env, f"{toml} [solution.env]")
     steps = read_steps(task_dir, cfg, workdir, sol_env)
     if steps:
@@ -164,7 +172,7 @@ def read_task_dir(task_dir: Path, env_name: str) -> Task:
         instruction, solution = _single_step(task_dir, workdir, sol_env)
         agent_s = cfg.agent.timeout_sec
     verifier_s = cfg.verifier.timeout_sec or DEFAULT_VERIFIER_TIMEOUT_S
-    env = {**static_env(dsteps), **resolve_env(cfg.environment.env, f"{toml} [environment.env]")}
+    env = resolve_env(cfg.environment.env, f"{toml} [environment.env]")  # the image's ENV applies by itself
     network = _network(cfg.environment)
     return Task(
         id=task_dir.name,
