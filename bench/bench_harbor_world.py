@@ -115,26 +115,48 @@ def base_of(task) -> str:  # type: ignore[no-untyped-def]
     return words[0] if words else "-"
 
 
+def obtainable(task) -> str:  # type: ignore[no-untyped-def]
+    """How the task's bases are had here ("substitute", "bootstrap", ...), or "no" and why."""
+    from miles_env.sandboxes.images.dockerfile import parse_dockerfile
+    from miles_env.sandboxes.images.local import LocalImages
+
+    df = Path(task.verifier["task_dir"]) / "environment" / "Dockerfile"
+    if not df.is_file():
+        return "no: no Dockerfile"
+    resolver = _RESOLVER.setdefault("r", LocalImages().resolver)
+    sources = []
+    for ref in parse_dockerfile(df.read_text()).external_images():
+        try:
+            sources.append(resolver.resolve(ref).source)
+        except Exception as e:  # BaseUnavailable: its message names the base and the remedies
+            return f"no: {str(e).split(';')[0][:90]}"
+    return "+".join(dict.fromkeys(sources)) or "no: no FROM"
+
+
+_RESOLVER: dict[str, object] = {}
+
+
 def _fmt(v: float | None) -> str:
     return "err" if v is None else f"{v:g}"
 
 
 def table(tasks, results: dict[str, dict[str, Cell]], bad: list[str]) -> str:  # type: ignore[no-untyped-def]
     providers = list(results)
+    here = {t.id: obtainable(t) for t in tasks}
     head = (
-        "| task | base | "
+        "| task | base | base here | "
         + " | ".join(f"{p} oracle | {p} nop | {p} s" for p in providers)
         + " | miss (one line) |"
     )
-    sep = "|" + "---|" * (3 + 3 * len(providers))
+    sep = "|" + "---|" * (4 + 3 * len(providers))
     rows = [head, sep]
     for t in tasks:
         cells = [results[p][t.id] for p in providers]
         vals = " | ".join(f"{_fmt(c.oracle)} | {_fmt(c.nop)} | {c.seconds:.0f}" for c in cells)
         why = "; ".join(f"{p}: {c.reason}" for p, c in zip(providers, cells, strict=True) if c.reason)
-        rows.append(f"| {t.id} | {base_of(t)} | {vals} | {why.replace('|', '/')} |")
+        rows.append(f"| {t.id} | {base_of(t)} | {here[t.id]} | {vals} | {why.replace('|', '/')} |")
     for b in bad:
-        rows.append(f"| {b.split(':', 1)[0]} | - | " + " | ".join("not loaded" for _ in range(3 * len(providers)))
+        rows.append(f"| {b.split(':', 1)[0]} | - | - | " + " | ".join("not loaded" for _ in range(3 * len(providers)))
                     + f" | {b.split(':', 1)[1].strip().replace('|', '/')} |")  # fmt: skip
     lines = ["\n".join(rows), ""]
     for p in providers:
@@ -142,6 +164,12 @@ def table(tasks, results: dict[str, dict[str, Cell]], bad: list[str]) -> str:  #
         lines.append(f"- {p}: {ok}/{len(tasks) + len(bad)} tasks reach oracle 1 and nop 0")
     both = sum(all(results[p][t.id].ok for p in providers) for t in tasks)
     lines.append(f"- all of {', '.join(providers)}: {both}/{len(tasks) + len(bad)}")
+    had = [t for t in tasks if not here[t.id].startswith("no")]
+    ok_had = sum(all(results[p][t.id].ok for p in providers) for t in had)
+    pct = 100 * ok_had / len(had) if had else 0.0
+    lines.append(
+        f"- of the {len(had)} tasks whose bases are obtainable here: {ok_had} ({pct:.0f}%) on all of them"
+    )
     return "\n".join(lines)
 
 
