@@ -195,3 +195,30 @@ def test_compose_sidecars_are_refused_by_name_where_they_cannot_run(tmp_path: Pa
     assert (db.name, db.image, db.build) == ("db", "redis:7", None)
     res = _oracle(HarborTasksEnvironment(d))
     assert "runs sidecar services (api, db)" in (res.error or "") and "use the docker provider" in res.error
+
+
+def test_the_hermetic_layer_wraps_the_tasks_dockerfile(tmp_path: Path) -> None:
+    from miles_env.adapters.harbor.hermetic import hermetic_context
+
+    env_dir = _write(tmp_path / "env", {
+        "Dockerfile": "FROM golang:1.22 AS build\nRUN true\nFROM ubuntu:24.04\nRUN useradd -m agent\nUSER agent\n",
+        ".dockerignore": "*\n!data\n", "data/x.txt": "x\n",
+    })  # fmt: skip
+    cache = tmp_path / "cache"
+    for name in ("uv", "uvx"):  # the wheel's binaries, as uv_binaries leaves them (no download here)
+        _write(cache / "uv" / "0.9.5", {name: "#!/bin/sh\n"})
+    stock = "apt-get install -y curl\ncurl -LsSf https://astral.sh/uv/0.9.5/install.sh | sh\nuvx -w pytest==8.4.1 pytest t.py\n"
+    ctx, needs = hermetic_context(env_dir, [stock], cache)
+    assert needs.uv_version == "0.9.5" and ctx != env_dir
+    assert hermetic_context(env_dir, [stock], cache)[0] == ctx  # made once per content
+    lines = (ctx / "Dockerfile").read_text().splitlines()
+    at = lines.index("FROM ubuntu:24.04")
+    assert lines[at + 2] == "COPY .miles-hermetic/bin/ /root/.local/bin/"  # right after the final FROM
+    assert lines[-4:] == ["USER root", "COPY .miles-hermetic/ /opt/miles-hermetic/",
+                          'RUN ["/bin/sh", "/opt/miles-hermetic/provision.sh"]', "USER agent"]  # fmt: skip
+    script = (ctx / ".miles-hermetic" / "provision.sh").read_text()
+    assert "step 'apt-get install -y curl'" in script and "uvx -w pytest==8.4.1 pytest --version" in script
+    assert '"$home/.local/bin/"' in script and "getent passwd agent" in script
+    assert (ctx / ".dockerignore").read_text().endswith("!.miles-hermetic\n!.miles-hermetic/**\n")
+    assert (env_dir / "Dockerfile").read_text().count("miles") == 0  # the task's own files untouched
+    assert hermetic_context(env_dir, ["echo 1 > /logs/verifier/reward.txt\n"], cache)[0] == env_dir
