@@ -247,7 +247,8 @@ def make_steps_task(root: Path, name: str = "steps", strategy: str | None = None
         'schema_version = "1.1"\n[agent]\ntimeout_sec = 40.0\n[environment]\nmemory_mb = 512\n'
         '[[steps]]\nname = "write"\nmin_reward = 1.0\n'
         '[[steps]]\nname = "extend"\n[steps.agent]\ntimeout_sec = 20.0\n[steps.verifier]\ntimeout_sec = 30.0\n'
-        '[[steps]]\nname = "audit"\n'
+        '[steps.verifier.env]\nWANT = "two"\n'
+        '[[steps]]\nname = "audit"\n[steps.healthcheck]\ncommand = "test -s /app/notes.txt"\ninterval_sec = 0.2\n'
     )
     check = "grep -qx 'one' /app/notes.txt"
     return _write(root / name, {
@@ -261,7 +262,7 @@ def make_steps_task(root: Path, name: str = "steps", strategy: str | None = None
         "steps/extend/workdir/setup.sh": "#!/bin/bash\ncp extra.in extra.cfg && rm extra.in\n",
         "steps/extend/workdir/extra.in": "two\n",
         "steps/extend/solution/solve.sh": "#!/bin/bash\ncat /app/extra.cfg >> /app/notes.txt\n",
-        "steps/extend/tests/test.sh": ". /tests/helpers.sh\n" + REWARD_IF.format(cond=f"{check} && has two"),
+        "steps/extend/tests/test.sh": ". /tests/helpers.sh\n" + REWARD_IF.format(cond=f'{check} && has "$WANT"'),
         "steps/audit/instruction.md": "Write 'clean' to /app/audit.txt if no test file is in sight.\n",
         "steps/audit/solution/solve.sh": "#!/bin/bash\n[ -e /tests ] || echo clean > /app/audit.txt\n",
         "steps/audit/tests/test.sh": REWARD_IF.format(cond="grep -qx clean /app/audit.txt"),

@@ -35,8 +35,16 @@ class _Phase(_Section):
     env: dict[str, str] = Field(default_factory=dict)
 
 
+class _Health(_Section):
+    command: str = Field(min_length=1)
+    interval_sec: float = Field(5.0, ge=0)
+    timeout_sec: float = Field(30.0, gt=0)
+    retries: int = Field(3, ge=0)
+
+
 class _StepCfg(_Section):
     name: str = Field(min_length=1, pattern=r"^[\w.-]+$")
+    healthcheck: _Health | None = None
     agent: _Phase = Field(default_factory=_Phase)
     verifier: _Phase = Field(default_factory=_Phase)
     min_reward: float | dict[str, float] | None = None

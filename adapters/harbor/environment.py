@@ -189,14 +189,16 @@ class HarborTasksEnvironment(Environment):
         name = step.verifier["step"]
         self._ledger.begin(sandbox.id, first=name == task.verifier["steps"][0]["name"])
         files = read_tree(Path(task.verifier["task_dir"]) / "steps" / name / "workdir")
-        if not files:
-            return
-        await upload(sandbox, sandbox.workdir, files)
+        if files:
+            await upload(sandbox, sandbox.workdir, files)
         if any(f.rel == "setup.sh" for f in files):
             res = await sandbox.exec(["bash", "setup.sh"], cwd=sandbox.workdir, timeout=600)
             if not res.ok:
                 tail = (res.stderr or res.stdout).strip()[-300:]
                 raise TaskError(f"task {task.id!r}, step {name!r}: setup.sh exited {res.exit_code}: {tail}")
+        spec = next(s for s in task.verifier["steps"] if s["name"] == name)
+        if spec.get("healthcheck"):
+            await _healthy(sandbox, spec["healthcheck"], f"task {task.id!r}, step {name!r}")
 
     async def end_step(self, task: Task, step: Task, sandbox: Sandbox) -> bool:
         name = step.verifier["step"]
@@ -247,7 +249,7 @@ class HarborTasksEnvironment(Environment):
             f"bash {tests}/{script}",
             timeout=timeout,
             cwd=sandbox.workdir,
-            env=self._verify_env(task),
+            env={**(self._verify_env(task) or {}), **spec.get("verifier_env", {})} or None,
         )
         txt = await _maybe_read(sandbox, f"{logs}/verifier/reward.txt")
         js = await _maybe_read(sandbox, f"{logs}/verifier/reward.json")
@@ -310,6 +312,21 @@ def _runs_image(sandbox: Sandbox) -> bool:
         return False
     spec = getattr(sandbox, "spec", None)
     return bool(getattr(spec, "image", None) or getattr(sandbox, "built_from", None))
+
+
+async def _healthy(sandbox: Sandbox, check: dict[str, Any], what: str) -> None:
+    """Harbor's step healthcheck: `command` passes within retries + 1 tries, `interval_sec` apart."""
+    import anyio
+
+    for attempt in range(int(check["retries"]) + 1):
+        res = await sandbox.exec(check["command"], timeout=float(check["timeout_sec"]))
+        if res.ok:
+            return
+        if attempt < int(check["retries"]):
+            await anyio.sleep(float(check["interval_sec"]))
+    raise TaskError(
+        f"{what}: healthcheck {check['command']!r} failed: {(res.stderr or res.stdout).strip()[-200:]}"
+    )
 
 
 async def _maybe_read(sandbox: Sandbox, path: str) -> str | None:

@@ -3,7 +3,8 @@
 Concept (harbor 0.26, trial/multi_step.py, agents/oracle.py, verifier/verifier.py): the steps
 run in order in one environment. Before step k the folder `steps/<name>/workdir/` is uploaded
 into the working directory and its `setup.sh`, if any, runs there; the agent acts on
-`steps/<name>/instruction.md` (the oracle runs `steps/<name>/solution/solve.sh`); the verifier
+`steps/<name>/instruction.md` (after the step's `[steps.healthcheck]`, if any, passes; the oracle
+runs `steps/<name>/solution/solve.sh`); the verifier, with the step's `[steps.verifier.env]`,
 gets `tests/` and `steps/<name>/tests/` merged into /tests and runs the step's `test.sh`, else the
 shared one. A step whose reward is below its `min_reward` (a number gates on `reward`, a table on
 each named key, a missing key counting as -inf) ends the episode there. The episode's reward
@@ -23,6 +24,7 @@ from typing import Any
 
 from miles_env.adapters.harbor.config import HarborConfig
 from miles_env.adapters.harbor.files import solution_script
+from miles_env.adapters.harbor.templates import resolve_env
 from miles_env.errors import TaskError
 
 __all__ = ["StepLedger", "combine", "passes", "read_steps", "step_tests"]
@@ -53,6 +55,8 @@ def read_steps(
             "solution": solution_script(sdir / "solution", workdir, sol_env),
             "agent_timeout_s": s.agent.timeout_sec or cfg.agent.timeout_sec,
             "verifier_timeout_s": s.verifier.timeout_sec,
+            "verifier_env": resolve_env(s.verifier.env, f"{task_dir / 'task.toml'} [steps.verifier.env] of {s.name!r}"),
+            "healthcheck": s.healthcheck.model_dump() if s.healthcheck else None,
             "min_reward": s.min_reward,
         })  # fmt: skip
     return out

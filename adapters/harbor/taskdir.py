@@ -20,8 +20,6 @@ Invariant: reading is pure (nothing runs); every TaskError names the file (and f
 
 from __future__ import annotations
 
-import os
-import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +31,7 @@ from miles_env.adapters.harbor.config import HarborConfig, _Env
 from miles_env.adapters.harbor.dockerfile import Step, final_stage, parse_dockerfile, static_env
 from miles_env.adapters.harbor.files import solution_script
 from miles_env.adapters.harbor.steps import read_steps
+from miles_env.adapters.harbor.templates import resolve_env
 from miles_env.errors import ConfigError, TaskError
 from miles_env.limits import parse_size_mb
 from miles_env.types import NetworkPolicy, Resources, SandboxSpec, Task
@@ -46,7 +45,6 @@ __all__ = [
 ]
 
 DEFAULT_VERIFIER_TIMEOUT_S = 600.0  # harbor VerifierConfig.timeout_sec
-_TEMPLATE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*))?\}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,22 +73,6 @@ def load_tasks(path: Path, env_name: str) -> tuple[list[Task], list[TaskProblem]
         except TaskError as e:
             problems.append(TaskProblem(d, str(e).replace("\n", " ")))
     return tasks, problems
-
-
-def resolve_env(values: dict[str, str], where: str) -> dict[str, str]:
-    """Harbor's `${VAR}` / `${VAR:-default}` templates, from the host environment."""
-    out = {}
-    for key, value in values.items():
-        m = _TEMPLATE.fullmatch(value)
-        if m is None:
-            out[key] = value
-        elif m.group(1) in os.environ:
-            out[key] = os.environ[m.group(1)]
-        elif m.group(2) is not None:
-            out[key] = m.group(2)
-        else:
-            raise TaskError(f"{where}.{key}: ${{{m.group(1)}}} is not set in the environment")
-    return out
 
 
 def _config(task_dir: Path) -> HarborConfig:
