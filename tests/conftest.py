@@ -56,6 +56,13 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
     _fail_unexpected_skip(outcome.get_result())
 
 
+# -- spreading the suite over xdist workers (tests/scheduling.py says how and why) ------------
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from tests.scheduling import schedule
+
+    schedule(items)
+
+
 # -- shared fixtures ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
