@@ -248,7 +248,7 @@ def make_steps_task(root: Path, name: str = "steps", strategy: str | None = None
         '[[steps]]\nname = "write"\nmin_reward = 1.0\n'
         '[[steps]]\nname = "extend"\n[steps.agent]\ntimeout_sec = 20.0\n[steps.verifier]\ntimeout_sec = 30.0\n'
         '[steps.verifier.env]\nWANT = "two"\n'
-        '[[steps]]\nname = "audit"\n[steps.healthcheck]\ncommand = "test -s /app/notes.txt"\ninterval_sec = 0.2\n'
+        '[[steps]]\nname = "audit"\n[steps.healthcheck]\ncommand = "test -d /app"\ninterval_sec = 0.2\n'
     )
     check = "grep -qx 'one' /app/notes.txt"
     return _write(root / name, {
