@@ -87,6 +87,13 @@ async def upload(sandbox: Sandbox, base: str, files: list[TaskFile]) -> None:
     if files:
         modes = " && ".join(f"chmod {f.mode:o} {shlex.quote(f'{base}/{f.rel}')}" for f in files)
         res = await sandbox.exec(modes, timeout=60)
+        if not res.ok:  # a non-root USER cannot chmod what write_file made: own a copy, then chmod
+            own = " && ".join(
+                f"cp -f {q} {q}.miles && mv -f {q}.miles {q} && chmod {f.mode:o} {q}"
+                for f in files
+                for q in [shlex.quote(f"{base}/{f.rel}")]
+            )
+            res = await sandbox.exec(own, timeout=120)
         if not res.ok:
             raise TaskError(f"{base}: cannot set file modes: {res.stderr.strip()[-300:]}")
 
