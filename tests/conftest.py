@@ -1,5 +1,6 @@
 """Shared test configuration: offline, quiet, the `slow` marker, and no silent skips in CI; the
-`tiny_model` fixture the end-to-end training runs share (a tiny random Llama with the SmolLM2 tokenizer)."""
+`tiny_model` fixture the end-to-end training runs share (a tiny random Llama with the SmolLM2 tokenizer),
+the session's `tiny_moe` (a tiny random Qwen3-MoE, same tokenizer)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     schedule(items)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from tests.scheduling import make_scheduler
+
+    return make_scheduler(config, log)
+
+
 # -- shared fixtures ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -84,6 +92,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     LlamaForCausalLM(cfg).save_pretrained(str(path))
     tok.save_pretrained(str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3-MoE checkpoint (2 layers, 4 experts, top 2; ~6 MB) with the SmolLM2
+    tokenizer, built once per test session by `miles_env.models.make_tiny_moe` (tests/test_moe*.py)."""
+    from miles_env.models import make_tiny_moe
+
+    return make_tiny_moe(tmp_path_factory.mktemp("tiny_moe") / "model")
 
 
 @pytest.fixture
