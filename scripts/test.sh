@@ -33,7 +33,7 @@ side frameworks frameworks
 side typecheck "$PY" scripts/typecheck.py  # one mypy run over miles_env as installed (tito/, trainer/... mapped in)
 
 bash scripts/start-dockerd.sh
-bash scripts/install-images.sh  # buildah, skopeo, mmdebstrap, docker-registry: task images (tests/test_images.py)
+bash scripts/install-images.sh  # buildah, skopeo, mmdebstrap, docker-registry: task images (tests/images_support.py)
 bash scripts/install-chromium.sh >/dev/null  # Debian's chromium for the viewer's browser tests
 bash scripts/install-redis.sh  # Debian's redis-server: the Redis replay queue's tests start their own
 command -v tmux >/dev/null || { echo "[test] tmux is missing (install-system.sh needs root)" >&2; exit 2; }
