@@ -20,6 +20,7 @@ command -v redis-server >/dev/null 2>&1 || bare+=(redis-server)
 for tool in buildah skopeo mmdebstrap eatmydata docker-registry runc; do
     command -v "$tool" >/dev/null 2>&1 || bare+=("$tool")
 done
+[ -x /usr/lib/cni/bridge ] || bare+=(containernetworking-plugins)  # buildah RUN steps' private network
 [ ${#want[@]} -eq 0 ] && [ ${#bare[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
     echo "install-system: missing ${want[*]} ${bare[*]} and only root can apt-get install them" >&2
