@@ -302,21 +302,6 @@ async def _healthy(sandbox: Sandbox, check: dict[str, Any], what: str) -> None:
     )
 
 
-async def _healthy(sandbox: Sandbox, check: dict[str, Any], what: str) -> None:
-    """Harbor's step healthcheck: `command` passes within retries + 1 tries, `interval_sec` apart."""
-    import anyio
-
-    for attempt in range(int(check["retries"]) + 1):
-        res = await sandbox.exec(check["command"], timeout=float(check["timeout_sec"]))
-        if res.ok:
-            return
-        if attempt < int(check["retries"]):
-            await anyio.sleep(float(check["interval_sec"]))
-    raise TaskError(
-        f"{what}: healthcheck {check['command']!r} failed: {(res.stderr or res.stdout).strip()[-200:]}"
-    )
-
-
 async def _maybe_read(sandbox: Sandbox, path: str) -> str | None:
     res = await sandbox.exec(f"cat {shlex.quote(path)}", timeout=30)
     return res.stdout if res.exit_code == 0 else None
