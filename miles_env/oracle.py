@@ -21,10 +21,10 @@ from typing import Any, Protocol, runtime_checkable
 import anyio
 
 from miles_env.ends import Phase, end_of_error
-from miles_env.environment import Environment
+from miles_env.environment import Environment, act_in_steps
 from miles_env.guards import Guard, GuardsConfig
 from miles_env.sandbox import Sandbox, SandboxProvider
-from miles_env.types import EpisodeEnd, Task
+from miles_env.types import EpisodeEnd, ExecResult, Task
 
 __all__ = ["OracleResult", "OracleReport", "StagesSolution", "run_oracle", "run_solution"]
 
@@ -134,12 +134,20 @@ async def run_solution(
         async with await provider.create(env.sandbox_spec(task)) as sb:
             await env.setup(task, sb)
             guard = await Guard.start(guards or GuardsConfig(), env, task, sb, provider)
-            if solution is None and isinstance(env, StagesSolution):
-                await env.stage_solution(task, sb)
             phase = "harness"  # the solution stands in for the agent
-            res = await sb.exec(["bash", "-c", script], timeout=_SOLUTION_TIMEOUT_S)
+
+            async def act(t: Task) -> ExecResult:
+                if solution is None and isinstance(env, StagesSolution):
+                    await env.stage_solution(t, sb)
+                return await sb.exec(
+                    ["bash", "-c", script if solution else t.solution or ""], timeout=_SOLUTION_TIMEOUT_S
+                )
+
+            runs = await act_in_steps(env, task, sb, act)
+            res = runs[-1]
             phase = "verify"
-            report = await guard.inspect(sb, {"execs": [{"command": script, "exit_code": res.exit_code}]})
+            execs = [{"command": script, "exit_code": r.exit_code} for r in runs]
+            report = await guard.inspect(sb, {"execs": execs})
             reward = await guard.verify(sb, [])
     except Exception as e:  # a bad rollout is data: record it, keep going
         return OracleResult(

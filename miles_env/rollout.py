@@ -20,7 +20,7 @@ import anyio
 
 from miles_env.cost import CostConfig, episode_usage
 from miles_env.ends import Phase, end_of_error, end_of_harness
-from miles_env.environment import Environment
+from miles_env.environment import Environment, act_in_steps
 from miles_env.errors import MilesEnvError
 from miles_env.guards import Guard, GuardReport, GuardsConfig
 from miles_env.harness import Endpoint, Harness, HarnessResult, SessionRecorder, VerifiesInRun
@@ -89,7 +89,9 @@ async def _phases(ctx: RolloutContext, task: Task, endpoint: Endpoint, run: _Run
         if isinstance(ctx.harness, VerifiesInRun):  # its run() ends with the framework's verifier
             agent_s += verifier_timeout_s(spec.resources, ctx.verifier_timeout_s)
         with anyio.move_on_after(agent_s) as scope:
-            run.result = await ctx.harness.run(task, sandbox, endpoint)
+            run.result = _joined(await act_in_steps(
+                ctx.env, task, sandbox, lambda t: ctx.harness.run(t, sandbox, endpoint)
+            ))  # fmt: skip
         run.timings["harness_s"] = time.perf_counter() - t1
         if scope.cancelled_caught:  # the agent's own time ran out: a policy end
             run.result = HarnessResult(Status.TRUNCATED, [], f"agent timeout {agent_s:g}s exceeded")
@@ -175,6 +177,21 @@ def _episode(
             "transcript": run.result.transcript if run.result else [],
             "env_dist": env_distribution(ctx.env),  # {name, version} of the env's package
         },
+    )
+
+
+def _joined(results: list[HarnessResult]) -> HarnessResult:
+    """One result from a task's steps (one step: itself): the first status other than completed,
+    transcripts in order, each step's metadata under `steps`; the end: that first one's."""
+    if len(results) == 1:
+        return results[0]
+    bad = next((r for r in results if r.status is not Status.COMPLETED), None)
+    return HarnessResult(
+        bad.status if bad else Status.COMPLETED,
+        [m for r in results for m in r.transcript],
+        bad.error if bad else None,
+        {"steps": [r.metadata for r in results]},
+        bad.end if bad else results[-1].end,
     )
 
 
