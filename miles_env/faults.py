@@ -9,8 +9,11 @@ fails late (a container that never becomes ready) costs.
 generate call, every call in flight and every call for `down_s` after fail with EngineError, as
 a restarted server's would (ENGINE_ERROR when the harness gives up); the calls in `stall_at` are
 held `stall_s` before they are sampled, so a harness with a shorter request timeout gives up and
-retries (the held sampling is then never delivered: it never trains). Off by default; a run
-without `faults` has none of this in its path.
+retries (the held sampling is then never delivered: it never trains). Its calls are counted over
+every session the proxy serves: under `eval.mode: shared` the in-run evals' calls count and break
+too (the step-0 eval takes the first ones), so a run that wants a clean eval curve under engine
+faults uses `eval.mode: dedicated` (its own engine, never wrapped); sandbox faults hit training
+rollouts only. Off by default; a run without `faults` has none of this in its path.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ turns are not timeouts too) so its client retries (the held sampling is never de
 
 from __future__ import annotations
 
+import io
 import json
 import sqlite3
 from pathlib import Path
@@ -84,7 +85,8 @@ def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def test_a_fault_injected_run_trains_what_the_clean_episodes_give(tmp_path: Path, tiny_model: Path) -> None:
     run_dir = tmp_path / "run"
     cfg = _config(run_dir, tiny_model)
-    anyio.run(run_training, cfg, Console(quiet=True))
+    out = io.StringIO()
+    anyio.run(run_training, cfg, Console(file=out, width=400))
 
     train = rows(run_dir, "train")
     assert len(train) == 2
@@ -95,6 +97,11 @@ def test_a_fault_injected_run_trains_what_the_clean_episodes_give(tmp_path: Path
     assert all(0 < r["wasted_rollout_share"] < 1 for r in train)
     signal = json.loads((run_dir / "summary.json").read_text())["signal"]  # the run summary's classes
     assert signal["infra_failures"] > 0 and signal["ends"]["completed"] > 0, signal
+    ends = ", ".join(f"{k} {n}" for k, n in signal["ends"].items())  # the line the run ends with
+    assert (
+        f"episodes by end: {ends}; infrastructure failures never trained: {signal['infra_failures']} ("
+        in (out.getvalue())
+    )
     report = audit(run_dir)
     assert report.ok, report.drifts[:3]
     assert report.undelivered > 0  # the stalled calls: sampled, kept, never delivered

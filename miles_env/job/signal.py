@@ -97,6 +97,6 @@ class SignalLedger:
         s = self.summary()
         ends = ", ".join(f"{k} {n}" for k, n in s["ends"].items()) or "none"  # type: ignore[attr-defined]
         return (
-            f"episodes by end: {ends}; {s['infra_failures']} infrastructure failures never trained "
-            f"({s['episodes_rerolled']} re-rolled, {s['groups_dropped_invalid']} groups dropped)"
+            f"episodes by end: {ends}; infrastructure failures never trained: {s['infra_failures']} "
+            f"(re-rolled {s['episodes_rerolled']}, groups dropped {s['groups_dropped_invalid']})"
         )
