@@ -98,10 +98,8 @@ def test_a_fault_injected_run_trains_what_the_clean_episodes_give(tmp_path: Path
     signal = json.loads((run_dir / "summary.json").read_text())["signal"]  # the run summary's classes
     assert signal["infra_failures"] > 0 and signal["ends"]["completed"] > 0, signal
     ends = ", ".join(f"{k} {n}" for k, n in signal["ends"].items())  # the line the run ends with
-    assert (
-        f"episodes by end: {ends}; infrastructure failures never trained: {signal['infra_failures']} ("
-        in (out.getvalue())
-    )
+    line = f"episodes by end: {ends}; infrastructure failures never trained: {signal['infra_failures']} ("
+    assert line in out.getvalue()
     report = audit(run_dir)
     assert report.ok, report.drifts[:3]
     assert report.undelivered > 0  # the stalled calls: sampled, kept, never delivered
