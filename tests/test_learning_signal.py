@@ -224,6 +224,7 @@ async def test_a_group_is_completed_by_rolling_its_failures_out_again(tok: Any) 
 
 
 def test_end_rates_in_the_step_metrics() -> None:
+    from miles_env.cli.eval import summarize
     from miles_env.evals.base import episode_stats
 
     eps = [_ep(0, 1.0, Status.COMPLETED), _ep(1, None, Status.FAILED, EpisodeEnd.SANDBOX_START)]
@@ -233,6 +234,9 @@ def test_end_rates_in_the_step_metrics() -> None:
     assert set(itertools.chain(k for k in stats if k.startswith("ends/"))) == {
         f"ends/{e}" for e in EpisodeEnd
     }
+    summary = summarize(eps)  # what `miles-env eval` prints
+    assert summary["ends"] == {"completed": 1, "sandbox_start": 1} and summary["infra_failures"] == 1
+    assert summary["pass_rate"] == 0.5 and summary["pass_rate_policy"] == 1.0
 
 
 def test_the_loop_trains_a_lease_fresh_episodes_and_counts_stale_ones_only_as_told(tmp_path: Any) -> None:

@@ -26,6 +26,8 @@ __all__ = ["eval_command", "summarize"]
 
 
 def summarize(episodes: list[Episode]) -> dict[str, Any]:
+    from miles_env.evals.base import episode_stats  # the run's own rates (rollout: not at CLI start)
+
     n = len(episodes)
     sampled = sum(s.n_sampled for e in episodes for s in e.samples)
     total = sum(len(s.token_ids) for e in episodes for s in e.samples)
@@ -40,6 +42,7 @@ def summarize(episodes: list[Episode]) -> dict[str, Any]:
     return {
         "episodes": n,
         "pass_rate": (sum(1 for e in episodes if e.reward is not None and e.reward.passed) / n) if n else 0.0,
+        "pass_rate_policy": episode_stats(episodes)["pass_rate_policy"],  # over policy ends only
         "mean_reward": (sum(e.score for e in episodes) / n) if n else 0.0,
         "sampled_tokens": sampled,
         "total_tokens": total,
@@ -164,6 +167,7 @@ def eval_command(
         f"episodes {summary['episodes']}  pass rate {summary['pass_rate']:.3f}  "
         f"mean reward {summary['mean_reward']:.3f}  sampled tokens {summary['sampled_tokens']}  "
         f"total tokens {summary['total_tokens']}  statuses {summary['statuses']}  flags {summary['flags']}\n"
-        f"ends {summary['ends']}  ({summary['infra_failures']} infrastructure failures, not the policy's)\n"
+        f"ends {summary['ends']}  infrastructure failures (not the policy's) {summary['infra_failures']}  "
+        f"pass rate over policy ends {summary['pass_rate_policy']:.3f}\n"
         f"written to {out}/episodes.jsonl"
     )
