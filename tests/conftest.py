@@ -130,3 +130,52 @@ def engine_cluster() -> Iterator[Any]:
 
     with engine_nodes() as cluster:
         yield cluster
+
+
+# -- task images: one bootstrap, one build per image per session (tests/images_support.py) ----------
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the image tests' bootstrap and builds in the background once they are selected."""
+    if os.environ.get("MILES_ENV_IMAGES_PREWARM", "1") == "0":
+        return
+    if any(item.nodeid.startswith("tests/test_images.py") for item in session.items):
+        from tests.images_support import prewarm
+
+        prewarm()
+
+
+@pytest.fixture(scope="session")
+def image_bases() -> Any:
+    """debian:bookworm and debian:trixie in the loopback registry (made once; then a lookup)."""
+    from tests.images_support import prewarmed
+
+    return prewarmed("bases")
+
+
+@pytest.fixture(scope="session")
+def image_contexts() -> dict[str, Path]:
+    """The test images' build contexts (fixed contents, so their cache keys are stable)."""
+    from tests.images_support import contexts
+
+    return contexts()
+
+
+@pytest.fixture(scope="session")
+def local_images(image_bases: Any) -> Any:
+    """The local provider's builder (buildah), over the session's bootstrapped bases."""
+    from tests.images_support import prewarmed
+
+    return prewarmed("images")
+
+
+@pytest.fixture(scope="session")
+def bookworm_image(local_images: Any) -> Any:
+    from tests.images_support import prewarmed
+
+    return prewarmed("bookworm")
+
+
+@pytest.fixture(scope="session")
+def alias_image(local_images: Any) -> Any:
+    from tests.images_support import prewarmed
+
+    return prewarmed("aliases")

@@ -170,16 +170,18 @@ def _print_report(report: Any) -> None:
         table.add_row(split, tier or "-", str(sum(oks)), str(len(oks)))
     _out.print(table)
     for r in report.failures:
-        _out.print(f"[red]FAIL[/red] {escape(r.task_id)}: {escape(_first_reason(r))}", highlight=False)
+        why = "" if r.end.value == "completed" else " " + escape(f"[{r.end.value}]")  # infrastructure
+        _out.print(f"[red]FAIL[/red]{why} {escape(r.task_id)}: {escape(_first_reason(r))}", highlight=False)
     for r in report.results:  # reward-hacking flags the guards raised on the solution (miles_env/guards)
         if r.flags:
             _out.print(
                 f"[yellow]FLAG[/yellow] {escape(r.task_id)}: {escape(', '.join(r.flags))}", highlight=False
             )
     colour = "green" if not report.failures else "red"
+    ends = ", ".join(f"{k} {n}" for k, n in report.ends().items())
     _out.print(
         f"[{colour}]pass rate {report.pass_rate:.1%}[/{colour}] ({report.n_passed}/{report.n_total}) "
-        f"in {report.duration_s:.1f}s"
+        f"in {report.duration_s:.1f}s; ends: {ends}"
     )
 
 
@@ -234,12 +236,16 @@ def validate_command(
         Path | None, typer.Option("--report", help="Also write the report as JSON here.")
     ] = None,
     concurrency: Annotated[int, typer.Option(min=1, help="Sandboxes at once.")] = 4,
+    network: Annotated[
+        str | None,
+        typer.Option(help="'none' forbids the network to every task (as rollout.limits.network does)."),
+    ] = None,
 ) -> None:
     """The registration gate: schema, oracle = 1, do-nothing = 0, verifier determinism, 2-step GRPO."""
     from miles_env.jsonio import write_json
     from miles_env.validate import validate_env
 
-    result = validate_env(name, provider=provider, quick=quick, concurrency=concurrency)
+    result = validate_env(name, provider=provider, quick=quick, concurrency=concurrency, network=network)
     print(result.render())
     if report is not None:
         write_json(report, result.to_dict())
