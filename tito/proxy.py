@@ -67,18 +67,7 @@ from miles_env.tito.journal import (
 )
 from miles_env.tito.messages import ChatRequest, ChatResult
 from miles_env.tito.parsers import build_parsers
-from miles_env.tito.plan import (
-    Offload,
-    Plan,
-    PromptTooLong,
-    Seen,
-    full_prompt,
-    make_plan,
-    request_keys,
-    session_key,
-    text_size,
-    within,
-)
+from miles_env.tito.plan import Plan, PromptTooLong, Seen, full_prompt, plan_turn
 from miles_env.tito.render import Renderer, TemplateRefused
 from miles_env.tito.session import Session, SessionInfo
 from miles_env.tito.store import Journal, load_sessions
@@ -97,12 +86,6 @@ __all__ = ["TitoProxy", "SessionHandle"]
 
 R = TypeVar("R")
 T = TypeVar("T")
-
-# In-line planning (no thread hop, ~40 us and more under GIL contention) when hashing the texts
-# costs about as much (sha256, ~0.1 ms for 128K characters) and the tail to render and tokenize
-# is short (tokenizing 4K characters, ~1K tokens, holds the GIL anyway: render.py).
-_INLINE_KEY_CHARS = 128 * 1024
-_INLINE_RENDER_CHARS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +115,7 @@ class TitoProxy:
             self._sessions = {k: s for k, s in load_sessions(Path(store_dir)).items() if not s.closed}
         self._info: EngineInfo | None = None
         # session id -> its last small request's messages and keys (plan.Seen): the next request
-        # compares its resent history instead of hashing it; at most ~_INLINE_KEY_CHARS of text
+        # compares its resent history instead of hashing it; at most ~plan.INLINE_KEY_CHARS of text
         # each, a fraction of the memory of the session's own ids
         self._seen: dict[str, Seen] = {}
 
@@ -264,32 +247,11 @@ class TitoProxy:
     async def _plan(
         self, s: Session, req: ChatRequest, info: EngineInfo, limit: int | None, *, mark: bool = True
     ) -> Plan:
-        """Plan in-line when the request is small enough that a thread hop would cost more than the
-        work (measured from its texts' sizes before hashing, and from the tail's before rendering);
-        otherwise, or as soon as planning finds more to render, in a worker thread."""
+        """Stitch the request (plan.py: in-line when small, else in a worker thread), its refusals
+        translated to 400s."""
         _require_messages(req)
-        keys, stops = None, stop_ids(self.renderer, info)
-        if text_size(req.messages) <= _INLINE_KEY_CHARS and within(req.tools, _INLINE_KEY_CHARS):
-            keys = request_keys(s, req, self._seen.get(s.id))
-            self._seen[s.id] = Seen(req.messages, keys, session_key(s))
-            try:
-                with self._refusals(s, mark):
-                    return make_plan(
-                        s,
-                        req,
-                        self.renderer,
-                        limit,
-                        keys=keys,
-                        inline_chars=_INLINE_RENDER_CHARS,
-                        stops=stops,
-                    )
-            except Offload:
-                pass
-        else:
-            self._seen.pop(s.id, None)  # a large request is hashed in full, and not kept
-        return await self._off_loop(
-            s, lambda: make_plan(s, req, self.renderer, limit, keys=keys, stops=stops), mark=mark
-        )
+        with self._refusals(s, mark):
+            return await plan_turn(s, req, self.renderer, limit, stop_ids(self.renderer, info), self._seen)
 
     def _max_new(
         self, s: Session, req: ChatRequest, prompt_len: int, limit: int | None
