@@ -10,6 +10,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from rootfs_support import IMAGE, ImageProvider, build_rootfs
 from sandbox_contract import FETCH, HostileContract, SandboxContract, host_http_server  # noqa: F401
 
 from miles_env.errors import ConfigError, SandboxError, SandboxUnavailable
@@ -25,9 +26,20 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.fixture(scope="session")
+def contract_rootfs(tmp_path_factory) -> str:
+    return str(build_rootfs(tmp_path_factory.mktemp("contract-image")))
+
+
 @pytest.fixture
-def provider(tmp_path) -> LocalSandboxProvider:
-    return LocalSandboxProvider(LocalSandboxConfig(root_dir=str(tmp_path / "sandboxes")))
+def provider(tmp_path, contract_rootfs) -> LocalSandboxProvider:
+    config = LocalSandboxConfig(root_dir=str(tmp_path / "sandboxes"))
+    return ImageProvider(config, {contract_rootfs: IMAGE})
+
+
+@pytest.fixture
+def image_spec(contract_rootfs) -> SandboxSpec:
+    return SandboxSpec(rootfs=contract_rootfs)
 
 
 class TestLocalContract(SandboxContract):

@@ -142,13 +142,16 @@ class LocalSandboxProvider:
             layout.seed_workdir(spec.rootfs, spec.workdir, storage.path("work"), storage.ids)
         return storage
 
+    def image_config(self, spec: SandboxSpec) -> ImageConfig | None:
+        """The ENV, USER and WORKDIR every exec of `spec`'s sandbox gets: its image's; None for the
+        host's view (no image). A rootfs that comes with no config gets the empty one."""
+        return None if spec.rootfs is None else ImageConfig()
+
     async def create(self, spec: SandboxSpec) -> LocalSandbox:
         if not isinstance(spec, SandboxSpec):
             raise ConfigError(f"create(spec): expected a SandboxSpec, got {type(spec).__name__}")
         self._validate(spec)
-        # The image's ENV, USER and WORKDIR (None: the host's view, no image). With a task image
-        # unpacked as spec.rootfs, its own ImageConfig goes here.
-        image = None if spec.rootfs is None else ImageConfig()
+        image = self.image_config(spec)
         sandbox_id = secrets.token_hex(6)
         host_dir = self.root / sandbox_id
         zygote, cgroup = self._zygote(sandbox_id, spec.resources)

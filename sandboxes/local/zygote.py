@@ -249,14 +249,14 @@ class _JsonLines:
     def __init__(self, fd: int, sock: socket.socket) -> None:
         self.fd, self.sock, self.buf = fd, sock, b""
         self.deadline = time.monotonic() + _START_TIMEOUT_S
-        self.watch: list[object] = [fd, sock]
+        self.watch: list[int] = [fd, sock.fileno()]
 
     def next(self) -> dict | None:
         while b"\n" not in self.buf:
             ready = select.select(self.watch, [], [], max(0.0, self.deadline - time.monotonic()))[0]
             if not ready:
                 return None
-            if self.sock in ready:
+            if self.sock.fileno() in ready:
                 if not self.sock.recv(1, socket.MSG_PEEK):
                     return None  # the owner is gone
                 self.watch = [self.fd]  # a request is waiting: the owner is there, look no more
