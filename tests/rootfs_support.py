@@ -14,10 +14,13 @@ Built once per test process (`build_rootfs`), ~10 MB; owners are set only when w
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import re
 import shutil
 import subprocess
+import tarfile
 from pathlib import Path
 
 from miles_env.sandboxes.images.oci import ImageConfig
@@ -105,21 +108,17 @@ class ImageProvider(LocalSandboxProvider):
 
 def docker_image(client: object, rootfs: Path) -> str:
     """The same tree as a docker image with IMAGE's ENV, USER and WORKDIR (imported once per engine)."""
-    tag = "miles-env/contract-image:1"
+    repository, tag = "miles-env/contract-image", "1"
     api = client.api  # type: ignore[attr-defined]
     try:
-        api.inspect_image(tag)
-        return tag
+        api.inspect_image(f"{repository}:{tag}")
+        return f"{repository}:{tag}"
     except Exception:  # noqa: BLE001 - not there yet
         pass
-    changes = [f"ENV {k}={v}" for k, v in IMAGE.env.items()]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.add(str(rootfs), arcname=".")  # owners as they are on disk (app's files: uid 1000)
+    changes = [f"ENV {k}={json.dumps(v)}" for k, v in IMAGE.env.items()]
     changes += [f"USER {IMAGE.user}", f"WORKDIR {IMAGE.workdir}", 'CMD ["/bin/sh"]']
-    tar = subprocess.Popen(
-        ["tar", "-C", str(rootfs), "--numeric-owner", "-cf", "-", "."], stdout=subprocess.PIPE
-    )
-    args = ["docker", "import", *(a for c in changes for a in ("--change", c)), "-", tag]
-    done = subprocess.run(args, stdin=tar.stdout, capture_output=True, text=True, timeout=120)
-    tar.wait()
-    if done.returncode != 0:
-        raise RuntimeError(f"docker import of the contract image failed: {done.stderr.strip()[-400:]}")
-    return tag
+    api.import_image_from_data(buf.getvalue(), repository=repository, tag=tag, changes=changes)
+    return f"{repository}:{tag}"
