@@ -252,7 +252,9 @@ class SandboxContract:
             # The user's own files and HOME are theirs (ssh-keygen writes ~/.ssh); root's are not.
             if not self.writable_root(provider):
                 return await self._read_only_root(sb)
-            own = await sb.exec("mkdir -p ~/.ssh && echo key > ~/.ssh/id && cat ~/.ssh/id && echo more >> owned.txt")
+            own = await sb.exec(
+                "mkdir -p ~/.ssh && echo key > ~/.ssh/id && cat ~/.ssh/id && echo more >> owned.txt"
+            )
             assert own.ok and own.stdout == "key\n", own
             assert (await sb.exec("echo x >> /etc/passwd")).exit_code != 0
 

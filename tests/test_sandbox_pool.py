@@ -190,7 +190,8 @@ _CRASHER = textwrap.dedent(
         kept = [await pool.create(SandboxSpec()) for _ in range(2)]
         # A process one exec leaves running (the sandbox keeps it, as a container would).
         await kept[1].exec(f"sleep 601.{sys.argv[2]} > /dev/null 2>&1 &")
-        run = {"zygotes": [sb._zygote.pid for sb in kept], "bases": [str(sb.storage.base) for sb in kept]}
+        run = {"zygotes": [sb._zygote.pid for sb in kept], "inits": [sb.init_pid for sb in kept],
+               "bases": [str(sb.storage.base) for sb in kept]}
         print(json.dumps(run), flush=True)
         await kept[0].exec(f"sleep 600.{sys.argv[2]}")
     anyio.run(main)
@@ -199,7 +200,7 @@ _CRASHER = textwrap.dedent(
 
 
 def _survivors(tag: str, run: dict) -> list[str]:
-    """Live processes of the killed run: its commands, zygotes, bwraps and keepers."""
+    """Live processes of the killed run: its commands, zygotes, bwraps and sandboxes' inits."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
@@ -212,7 +213,8 @@ def _survivors(tag: str, run: dict) -> list[str]:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         except (OSError, IndexError):
             continue
-        if tag in cmd or int(entry) in run["zygotes"] or any(base in cmd for base in run["bases"]):
+        ours = int(entry) in run["zygotes"] or int(entry) in run.get("inits", ())
+        if ours or tag in cmd or any(base in cmd for base in run["bases"]):
             found.append(f"{entry}: {cmd[:120]}")
     return found
 
@@ -220,7 +222,7 @@ def _survivors(tag: str, run: dict) -> list[str]:
 def test_nothing_of_a_killed_run_survives_and_the_reaper_removes_what_it_left(root, local):
     """The owner is SIGKILLed, and one of its zygotes first: every process of its sandboxes dies
     without anyone's help (a zygote that sees its owner go stops its sandbox; the keeper of a
-    sandbox whose zygote is killed kills all of it), and `sandbox gc` removes the files."""
+    sandbox whose zygote is killed exits, and the kernel kills its pid namespace), and `sandbox gc` removes the files."""
     tag = str(os.getpid())
     proc = subprocess.Popen(
         [sys.executable, "-c", _CRASHER, str(root), tag], stdout=subprocess.PIPE, text=True
@@ -240,7 +242,7 @@ def test_nothing_of_a_killed_run_survives_and_the_reaper_removes_what_it_left(ro
 
     mine = anyio.run(live_one)
     assert len(_left(root)) == 3
-    assert len(_survivors(tag, run)) >= 4  # the two sleeps, the two zygotes (and the sandboxes' init)
+    assert len(_survivors(tag, run)) >= 6  # the two sleeps, the two zygotes, the two sandboxes' inits
     os.kill(run["zygotes"][1], signal.SIGKILL)  # the one holding the background sleep
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()

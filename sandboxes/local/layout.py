@@ -17,8 +17,8 @@ Then the workspace (`<storage>/work`, seeded from the image's files at that path
 `<storage>/tmp` at /tmp, a private /proc with the host-global knobs read-only, a read-only /dev
 with `<storage>/shm` as /dev/shm, and an /etc/hosts naming localhost and the sandbox.
 
-`options()` is the bwrap command line for that (after the namespace flags); the zygote adds
-the user namespaces, the status and block fds and the command.
+`options()` is the bwrap command line for that; the zygote adds the user and pid namespaces (its
+own), the status and block fds and the command.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def _root(spec: SandboxSpec, storage: Storage, config: LocalSandboxConfig) -> li
 
 def options(spec: SandboxSpec, storage: Storage, config: LocalSandboxConfig) -> list[str]:
     """bwrap's options for the sandbox's namespaces and mounts (no user namespace flags, no command)."""
-    args = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    args = ["--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     args += ["--assert-userns-disabled", "--cap-drop", "ALL", "--uid", "0", "--gid", "0"]
     args += ["--hostname", config.hostname, *_root(spec, storage, config)]
     args += ["--bind", str(storage.path("work")), spec.workdir, "--bind", str(storage.path("tmp")), "/tmp"]

@@ -39,6 +39,7 @@ __all__ = [
     "join",
     "make_userns",
     "move_mount",
+    "no_capabilities",
     "set_child_subreaper",
 ]
 
@@ -273,6 +274,16 @@ def _last_cap() -> int:
             return int(f.read())
     except OSError:
         return 40
+
+
+def no_capabilities() -> None:
+    """Give up every capability for good (none to regain at exec either), and be untraceable."""
+    for cap in range(_last_cap() + 1):
+        _prctl(_PR_CAPBSET_DROP, cap)
+    _prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL)
+    _prctl(_PR_SET_DUMPABLE, 0)
+    header, data = _CapHeader(_CAP_VERSION_3, 0), (_CapData * 2)()
+    _check(_libc.capset(ctypes.byref(header), data), "capset")
 
 
 def drop_to(uid: int, gid: int, groups: list[int]) -> None:

@@ -51,7 +51,7 @@ __all__ = ["LocalSandboxProvider"]
 
 _log = logging.getLogger(__name__)
 _SPAN = 1 << 16  # host ids per zygote, as root: an image's uids and gids 0..65535 (nobody included)
-_PROCS_OVERHEAD = 3  # the zygote, the sandbox's init and its keeper: not the sandbox's to count
+_PROCS_OVERHEAD = 2  # the zygote and the sandbox's init: not the sandbox's to count
 
 
 def _dispose(idle: list[tuple[Zygote, PidsCgroup | None]]) -> None:
@@ -162,7 +162,7 @@ class LocalSandboxProvider:
             host_dir.mkdir(mode=0o700)
             storage = self._storage(host_dir, zygote, spec)
             idmap = (spec.rootfs, str(storage.path("lower"))) if spec.rootfs and storage.ids else None
-            await zygote.start(self.bwrap, layout.options(spec, storage, self.config), idmap)
+            init_pid = await zygote.start(self.bwrap, layout.options(spec, storage, self.config), idmap)
         except BaseException as e:
             if storage is not None:
                 storage.remove()
@@ -181,6 +181,7 @@ class LocalSandboxProvider:
             image=image,
             user=user,
             on_close=self._give_back,
+            init_pid=init_pid,
         )
         try:
             for path, text in spec.files.items():

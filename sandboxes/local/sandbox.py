@@ -12,11 +12,11 @@ user's HOME, its WORKDIR as the default cwd.
 
 Invariants: nothing inside can reach the network (only `lo`, and what expose() bridges); as
 root, nothing inside runs as host root or holds a capability; after `close()` no process of the
-sandbox is alive (its keeper kills the whole pid namespace; the zygote checks that its cgroup
-holds only itself before it is reused) and its files and mounts are gone. `close()` is
+sandbox is alive (its init, pid 1 of its pid namespace, exits and the kernel kills the rest; the
+zygote checks that its cgroup holds only itself and the next init before it is reused) and its files and mounts are gone. `close()` is
 idempotent and runs on `async with` exit, on cancellation and on Ctrl-C. If the owner dies
-(SIGKILL included), the zygote sees EOF and stops the sandbox; if the zygote dies, the keeper
-sees EOF and kills the pid namespace: nothing of a killed run survives it.
+(SIGKILL included), the zygote sees EOF and stops the sandbox; if the zygote dies, the init sees
+EOF on its pipe and exits, which kills the pid namespace: nothing of a killed run survives it.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class LocalSandbox:
         image: ImageConfig | None = None,
         user: ExecUser | None = None,
         on_close: Callable[[Zygote, PidsCgroup | None, bool], None] | None = None,
+        init_pid: int = 0,
     ) -> None:
         self.id = sandbox_id
         self.workdir = spec.workdir
@@ -76,6 +77,7 @@ class LocalSandbox:
         self._closed = False
         self._pending_mounts: list[tuple[str, str]] = []
         self._bridge: Bridge | None = None  # made by the first expose()
+        self.init_pid = init_pid  # host pid of the sandbox's init (pid 1 inside)
         self.mounts = {spec.workdir: str(storage.path("work")), "/tmp": str(storage.path("tmp"))}
         self.mounts_ro: dict[str, str] = {}  # inner path -> host path, added by mount_ro()
 
@@ -206,19 +208,12 @@ class LocalSandbox:
             self.storage.remove()
 
     async def _stop(self) -> bool:
-        """Have the zygote end the sandbox; True once only the zygote is left in its cgroup."""
+        """Have the zygote end the sandbox; True once its init is gone and the zygote was left alone
+        in its cgroup (it checks that itself before it answers, then makes the next init)."""
         try:
-            if not await self._zygote.stop():
-                return False
+            return await self._zygote.stop() and self._zygote.process.poll() is None
         except SandboxError:
             return False
-        if self._cgroup is None:
-            return True
-        for _ in range(500):  # an exec's outer half may need a moment to report and exit
-            if [p for p in self._cgroup.pids() if p != self._zygote.pid] == []:
-                return self._zygote.process.poll() is None
-            await anyio.sleep(0.002)
-        return False
 
     async def __aenter__(self) -> LocalSandbox:
         return self

@@ -5,31 +5,32 @@ global cgroup_threadgroup_rwsem for writing, which waits for an RCU grace period
 every fork on the host meanwhile: ~0.3 ms on a busy host, ~10-20 ms on an idle one (measured in
 bench/results/sandbox.md; /sys/kernel/rcu_expedited=1 makes it vanish). A child forked by a
 process already inside the cgroup is in it from birth, with no such write. So the zygote joins
-the sandbox's pids cgroup once, and everything of the sandbox (its bwrap, init, keeper, every
+the sandbox's pids cgroup once, and everything of the sandbox (its init, its bwrap, every
 exec) is a fork of it; the provider recycles zygote+cgroup pairs across sandboxes.
 
-What a sandbox is (one at a time per zygote). `start` runs one long-lived bwrap that builds the
-sandbox's namespaces and mounts (with the zygote's user namespace pair, namespaces.py), then
-plants the keeper: a host process inside the sandbox's pid namespace, adopted by the sandbox's
-init, that the sandbox's own processes can neither see into nor signal (as root it is host root;
-their uid is another). The keeper reads a pipe whose only writer is the zygote; at EOF (`stop`,
-or the zygote's death, however it dies) it SIGKILLs every process of the pid namespace and exits,
-and with nothing left the init exits too. So processes an exec starts keep running (a server is
-still there for the next exec and the verifier) until the sandbox stops, and nothing outlives it.
-`exec` forks a child that enters the sandbox (namespaces.enter) and forks the command inside;
-that child stays outside the pid namespace, waits, and reports the command's host pid and exit.
+What a sandbox is (one at a time per zygote). `start` makes the sandbox's pid namespace (owned by
+the zygote's outer user namespace, namespaces.py) with an init of ours as pid 1, then runs one bwrap
+in it that builds the other namespaces and the mounts, and keeps their fds. The init adopts every
+orphan (and, SIGCHLD ignored, reaps it at once) and reads a pipe whose only writer is the zygote: at
+EOF (`stop`, or the zygote's death, however it dies) it exits, and the kernel kills every process
+of its namespace. No process inside can signal or trace it. So processes an exec starts keep
+running (a server is still there for the next exec and the verifier) until the sandbox stops, and
+nothing outlives it. `exec` forks a child that enters the sandbox (namespaces.enter) and forks the
+command inside; that child stays outside the pid namespace, waits, and reports the command's host
+pid and exit status.
 
 This file runs as a script with the host's python (stdlib only, `-S -E`), never imported by us;
 namespaces.py is its sibling import. Protocol over a SOCK_SEQPACKET socket (fd argv[1]): one
 JSON request per packet with SCM_RIGHTS fds; the last fd is where the answer goes (JSON lines),
 so the zygote never writes to the socket; a request too big for one packet comes in a memfd
 (`"memfd": true`, the fd before the answer's). Requests:
-  start {bwrap, options, idmap: [rootfs, target] | null}  fds [log, answer]: {"init": pid} | {"error"}
+  start {bwrap, options, idmap: [rootfs, target] | null}  fds [answer]: {"init": pid} | {"error": log}
   exec  {argv, env, cwd, ids: [uid, gid, groups], rlimits}  fds [stdin, stdout, stderr, answer]:
         {"child-pid": host pid} then {"exit-code": n} (128+N for signal N) | {"error"}
   listen {port}  fds [answer socket]: {"port": n} with the listening socket's fd (SCM_RIGHTS)
   mount {source, target}  fds [answer]: {"ok": true} | {"error"}
-  stop {}  fds [answer]: {"stopped": bool}
+  stop {}  fds [answer]: {"stopped": bool}: true once the sandbox's init and all else in our
+        cgroup is gone (only then may we serve another); the next init is made before the answer
 argv: <socket fd> <host uid> <span> <cgroup.procs path or "">. On EOF the zygote stops its
 sandbox, kills whatever else is left in its cgroup and exits.
 """
@@ -37,6 +38,7 @@ sandbox, kills whatever else is left in its cgroup and exits.
 from __future__ import annotations
 
 import array
+import fcntl
 import json
 import os
 import select
@@ -50,10 +52,9 @@ import zygote_child  # type: ignore[import-not-found]
 
 _MAX_FDS = 6
 _START_TIMEOUT_S = 60.0
-# bwrap's own first child, run once the sandbox is set up: it fails to exec, on purpose (no
-# binary of the root filesystem is needed), and bwrap's monitor exits; the keeper holds the init.
+# What bwrap execs once the sandbox is set up: it fails to, on purpose (no binary of the root
+# filesystem is needed), and bwrap exits; the namespaces live on in our fds and our init.
 _NOT_A_COMMAND = "/.miles-env-sandbox-ready"
-_KEEPER = "read _; n=0; while kill -9 -1 2>/dev/null && [ $n -lt 100000 ]; do n=$((n+1)); done"
 _NS_NAMES = [name for name, _ in nsx.SANDBOX_NS]
 
 
@@ -63,17 +64,24 @@ class Zygote:
         self.userns: nsx.Userns | None = None  # made by the first start, kept for every sandbox
         self.ns: dict[str, int] = {}  # the running sandbox's namespaces
         self.init_fd = -1  # pidfd of its init
-        self.keeper = -1  # the write end the keeper reads
+        self.init_pipe = -1  # the write end its init reads: closing it ends the sandbox
+        self.next_init: tuple[int, int, int, int] | None = None  # made ahead for the next start
 
     # -- helpers ---------------------------------------------------------------------------
     def own_fds(self) -> list[int]:
-        fds = [self.sock.fileno(), self.init_fd, self.keeper, *self.ns.values()]
+        fds = [
+            self.sock.fileno(),
+            self.init_fd,
+            self.init_pipe,
+            *self.ns.values(),
+            *(self.next_init or ())[1:],
+        ]
         if self.userns is not None:
             fds += [self.userns.outer, self.userns.inner]
         return [fd for fd in fds if fd >= 0]
 
     def close_for_child(self, keep: list[int]) -> None:
-        """In a fork: close what is the zygote's (above all the keeper's pipe and the socket)."""
+        """In a fork: close what is the zygote's (above all the init's pipe and the socket)."""
         for fd in self.own_fds():
             if fd not in keep:
                 os.close(fd)
@@ -86,7 +94,6 @@ class Zygote:
 
     # -- start -----------------------------------------------------------------------------
     def start(self, req: dict, fds: list[int]) -> dict:
-        log, answer = fds[0], fds[-1]
         if self.ns:
             self.stop()
         if self.userns is None:
@@ -98,22 +105,77 @@ class Zygote:
                 nsx.move_mount(tree, target)
             finally:
                 os.close(tree)
+        init = self._take_init()
         status_r, status_w = os.pipe()
         block_r, block_w = os.pipe()
-        argv = [req["bwrap"], "--userns", "3", "--userns2", "4", "--json-status-fd", "5", "--block-fd", "6"]
-        argv += [*req["options"], "--", _NOT_A_COMMAND]
+        log_r, log_w = os.pipe()
+        argv = [req["bwrap"], "--userns", "3", "--userns2", "4", "--pidns", "5", "--json-status-fd", "6"]
+        argv += ["--block-fd", "7", *req["options"], "--", _NOT_A_COMMAND]
         if os.fork() == 0:
-            self._exec_bwrap(argv, [self.userns.outer, self.userns.inner, status_w, block_r], log, answer)
-        os.close(status_w)
-        os.close(block_r)
+            self._exec_bwrap(
+                argv, [self.userns.outer, self.userns.inner, self.ns["pid"], status_w, block_r], log_w
+            )
+        for fd in (status_w, block_r, log_w):
+            os.close(fd)
         try:
-            return self._await_init(status_r, block_w)
+            return self._await_setup(init, status_r, block_w, log_r)
         finally:
-            os.close(status_r)
-            if block_w >= 0:
-                os.close(block_w)
+            for fd in (status_r, block_w, log_r):
+                os.close(fd)
 
-    def _exec_bwrap(self, argv: list[str], fds: list[int], log: int, answer: int) -> None:
+    def prepare_init(self) -> None:
+        """Make the next sandbox's pid namespace and init ahead (when idle: off start's path)."""
+        if self.next_init is None:
+            if self.userns is None:
+                self.userns = nsx.make_userns(self.uid, self.span)
+            self.next_init = self._make_init()
+
+    def _take_init(self) -> int:
+        self.prepare_init()
+        assert self.next_init is not None
+        init, self.init_fd, pidns, self.init_pipe = self.next_init
+        self.next_init = None
+        self.ns = {"pid": pidns}
+        return init
+
+    def _make_init(self) -> tuple[int, int, int, int]:
+        """A pid namespace owned by our outer user namespace, with an init of ours as its pid 1:
+        (its host pid, a pidfd, the namespace's fd, the write end of the pipe it reads)."""
+        assert self.userns is not None
+        read_end, write_end = os.pipe()
+        tell_r, tell_w = os.pipe()
+        child = os.fork()
+        if child == 0:
+            code = 0
+            try:
+                self.close_for_child([self.userns.outer, read_end, tell_w])
+                os.close(write_end)
+                nsx.join(self.userns.outer, nsx.CLONE_NEWUSER, "user")
+                nsx.unshare(nsx.CLONE_NEWPID)
+                init = os.fork()  # pid 1 of the new namespace
+                if init == 0:
+                    _run_init(read_end)
+                os.write(tell_w, str(init).encode())
+            except BaseException as e:  # noqa: BLE001 - the parent sees no pid
+                os.write(2, f"miles-env zygote: the sandbox's init: {e}\n".encode())
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(read_end)
+        os.close(tell_w)
+        try:
+            got = os.read(tell_r, 16)
+        finally:
+            os.close(tell_r)
+        _wait(child)  # gone before we answer: the sandbox's cgroup then holds only us and the init
+        if not got.isdigit():
+            os.close(write_end)
+            raise OSError(0, "could not start the sandbox's init")
+        init = int(got)
+        pidns = os.open(f"/proc/{init}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        return init, os.pidfd_open(init), pidns, write_end
+
+    def _exec_bwrap(self, argv: list[str], fds: list[int], log: int) -> None:
         try:
             os.setsid()
             for sig in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGXFSZ):  # ignored here; bwrap waits
@@ -121,77 +183,43 @@ class Zygote:
             self.become_host_uid()
             nsx.die_with_parent()  # set after the uid change, which would clear it
             null = os.open(os.devnull, os.O_RDWR)
-            for target, fd in [(0, null), (1, null), (2, log), *((3 + i, fd) for i, fd in enumerate(fds))]:
-                os.dup2(fd, target)
-            os.closerange(3 + len(fds), os.sysconf("SC_OPEN_MAX"))
+            _place([null, null, log, *fds])
             os.execv(argv[0], argv)
         except BaseException as e:  # noqa: BLE001 - reported on the log, then die
             os.write(log, f"miles-env zygote: cannot run {argv[0]}: {e}\n".encode())
         finally:
             os._exit(127)
 
-    def _await_init(self, status_r: int, block_w: int) -> dict:
+    def _await_setup(self, init: int, status_r: int, block_w: int, log_r: int) -> dict:
         lines = _JsonLines(status_r, self.sock)
         first = lines.next()
-        if first is None or "child-pid" not in first:
-            return {"error": "bwrap exited before it made the sandbox (its log says why)"}
-        init = int(first["child-pid"])
-        self.init_fd = os.pidfd_open(init)
-        self.ns = {name: os.open(f"/proc/{init}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC) for name in _NS_NAMES}
-        self.keeper = self._plant_keeper(self.ns["pid"])
-        os.write(block_w, b"x")  # bwrap may now run its first child, which exits at once
-        while lines.next() is not None:
-            pass
-        # bwrap exits once its first child has (run and) failed, or once setup failed: then the
-        # init, which did the setup, died first. Alive, it is the set-up sandbox's (the keeper's).
-        if not select.select([self.init_fd], [], [], 0)[0]:
+        if first is not None and "child-pid" in first:
+            setup = int(first["child-pid"])  # bwrap's process in our pid namespace, doing the mounts
+            for name in _NS_NAMES:
+                if name != "pid":
+                    self.ns[name] = os.open(f"/proc/{setup}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+            os.write(block_w, b"x")  # it may now exec its command, and fail to
+            while lines.next() is not None:
+                pass
+        os.set_blocking(log_r, False)
+        try:
+            log = os.read(log_r, 1 << 16).decode(errors="replace")
+        except BlockingIOError:
+            log = ""
+        # bwrap tries to exec the command only once everything is mounted: that attempt's message
+        # is the proof of a complete sandbox (no binary of the root filesystem is needed for it).
+        if f"execvp {_NOT_A_COMMAND}:" in log and not select.select([self.init_fd], [], [], 0)[0]:
             return {"init": init}
         self.stop()
-        return {"error": "bwrap could not set the sandbox up (its log says why)"}
-
-    def _plant_keeper(self, pidns: int) -> int:
-        """Fork the keeper into the sandbox's pid namespace; return once its init has adopted it."""
-        read_end, write_end = os.pipe()
-        outer = os.fork()
-        if outer == 0:
-            code = 0
-            try:
-                self.close_for_child([pidns, read_end])
-                os.close(write_end)
-                nsx.join(pidns, nsx.CLONE_NEWPID, "pid")
-                inner = os.fork()  # pid N inside; its child is orphaned when it exits, so the
-                if inner == 0:  # sandbox's init adopts it: the keeper
-                    if os.fork() == 0:
-                        self._exec_keeper(read_end)
-                    os._exit(0)
-                _wait(inner)  # when this returns, the keeper's parent is the init
-            except BaseException as e:  # noqa: BLE001
-                os.write(2, f"miles-env zygote: keeper: {e}\n".encode())
-                code = 1
-            finally:
-                os._exit(code)
-        os.close(read_end)
-        _wait(outer)
-        return write_end
-
-    def _exec_keeper(self, read_end: int) -> None:
-        try:
-            os.setsid()
-            os.chdir("/")
-            null = os.open(os.devnull, os.O_RDWR)
-            for target, fd in ((0, read_end), (1, null), (2, null)):
-                os.dup2(fd, target)
-            os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-            os.execv("/bin/sh", ["miles-env-keeper", "-c", _KEEPER])
-        finally:
-            os._exit(127)
+        return {"error": f"bwrap could not set the sandbox up: {log.strip()[-1500:]}"}
 
     # -- stop ------------------------------------------------------------------------------
     def stop(self) -> bool:
-        """End the running sandbox: the keeper kills all of it; wait for its init to be gone."""
-        if self.keeper >= 0:
-            os.close(self.keeper)
-            self.keeper = -1
+        """End the running sandbox: its init reads EOF and exits, and with it the kernel kills every
+        process of the pid namespace; True once the init (so all of them) is gone."""
+        if self.init_pipe >= 0:
+            os.close(self.init_pipe)
+            self.init_pipe = -1
         gone = True
         if self.init_fd >= 0:
             gone = bool(select.select([self.init_fd], [], [], 10.0)[0])
@@ -202,24 +230,26 @@ class Zygote:
         self.ns = {}
         return gone
 
-    def kill_cgroup(self) -> None:
-        """SIGKILL everything else in our cgroup (execs' outer halves still winding down)."""
+    def kill_cgroup(self) -> bool:
+        """SIGKILL everything else in our cgroup (execs' outer halves still winding down); True once
+        we are alone in it (then we may serve another sandbox)."""
         if not self.procs:
-            return
-        for _ in range(100):
+            return True
+        for _ in range(200):
             try:
                 with open(self.procs) as f:
                     pids = [int(p) for p in f.read().split() if int(p) != os.getpid()]
             except OSError:
-                return
+                return False
             if not pids:
-                return
+                return True
             for pid in pids:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
             select.select([], [], [], 0.005)
+        return False
 
     # -- exec, listen, mount (zygote_child.py) ------------------------------------------------
     def fork(self, op: str, req: dict, fds: list[int]) -> None:
@@ -278,6 +308,35 @@ def _wait(pid: int) -> None:
         pass
 
 
+def _place(fds: list[int]) -> None:
+    """Make fds[i] our fd i, for every i, and close everything else (in a child, before exec).
+
+    Each goes through a copy above all of them first: a plain dup2 in order would clobber a
+    source that happens to sit at a lower target's number."""
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in fds]
+    for target, fd in enumerate(high):
+        os.dup2(fd, target)
+    os.closerange(len(fds), os.sysconf("SC_OPEN_MAX"))
+
+
+def _run_init(read_end: int) -> None:
+    """The sandbox's pid 1: adopts every orphan and, as SIGCHLD is ignored, never leaves a zombie;
+    at EOF on `read_end` (the zygote closed it, or died) it exits, and the kernel kills the rest of
+    its pid namespace. No process inside can signal it (a namespace's init gets only the signals it
+    handles, and it handles none) or trace it (not dumpable, no capability, and as root another uid)."""
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # python's handler would let a SIGINT end it
+        os.setsid()
+        os.chdir("/")
+        null = os.open(os.devnull, os.O_RDWR)
+        _place([read_end, null, null])
+        nsx.no_capabilities()
+        while os.read(0, 64):
+            pass
+    finally:
+        os._exit(0)
+
+
 def _receive(sock: socket.socket) -> tuple[dict, list[int]] | None:
     fds = array.array("i")
     msg, ancdata, _, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(_MAX_FDS * fds.itemsize))
@@ -305,7 +364,8 @@ def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     zygote = Zygote(sock, int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps our children
-    nsx.set_child_subreaper()  # each sandbox's init, once its bwrap monitor exits, and keepers' parents
+    nsx.set_child_subreaper()  # each sandbox's init, once the child that made it has exited
+    zygote.prepare_init()
     while (got := _receive(sock)) is not None:
         req, fds = got
         op = req.get("op")
@@ -314,8 +374,10 @@ def main() -> None:
                 _answer(fds[-1], zygote.start(req, fds))
             elif op == "stop":
                 gone = zygote.stop()
-                zygote.kill_cgroup()
-                _answer(fds[-1], {"stopped": gone})
+                alone = zygote.kill_cgroup()
+                if gone and alone:  # before the answer: an idle zygote's cgroup is then settled
+                    zygote.prepare_init()
+                _answer(fds[-1], {"stopped": gone and alone})
             elif op in ("exec", "listen", "mount"):
                 zygote.fork(op, req, fds)
             else:

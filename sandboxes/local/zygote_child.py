@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import array
 import errno
+import fcntl
 import json
 import os
 import resource
@@ -47,7 +48,8 @@ def _command(req: dict[str, Any], stdio: list[int]) -> None:
         os.setsid()
         for res, soft, hard in req["rlimits"]:
             resource.setrlimit(res, (soft, hard))
-        for target, fd in enumerate(stdio):
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in stdio]  # no source clobbered
+        for target, fd in enumerate(high):
             os.dup2(fd, target)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))
         uid, gid, groups = req["ids"]
