@@ -7,7 +7,7 @@ distributions that depend on verifiers (environment packages, `verifiers:<module
 for nemo-gym the resources servers it ships with example data (`nemo-gym:<name>`).
 Task counts come from the data file when there is one (nemo-gym), else from a
 small cache that each adapter environment's `tasks()` fills when it lists tasks
-through its worker; an environment never listed shows no count.
+through its worker (counts.py); an environment never listed shows no count.
 
 A verifiers environment package that cannot load on the installed verifiers is
 listed as broken with the reason in one line (`error`), judged from files: its
@@ -15,22 +15,19 @@ listed as broken with the reason in one line (`error`), judged from files: its
 exports no verifiers.v1 `Taskset` (a `load_environment()` package of the older API).
 
 Invariant: discovery costs file reads only (milliseconds) and never raises for a
-broken venv: what cannot be read is left out. The cache is keyed by environment
-name and a stamp (mtimes of the venv marker and of the environment's file), so a
-reinstalled framework or an edited taskset is counted afresh.
+broken venv: what cannot be read is left out.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles_env.adapters.venv import MARKER, cache_root, installed, venv_dir
+from miles_env.adapters.counts import cached_counts
+from miles_env.adapters.venv import installed, venv_dir
 
-__all__ = ["AdapterEnv", "discover", "remember_counts", "cached_counts"]
+__all__ = ["AdapterEnv", "discover"]
 
 EXAMPLES_DIR = Path(__file__).resolve().parent / "examples"
 # Our examples that run as-is (vf_probe.py needs a probe.json written by its test).
@@ -48,52 +45,6 @@ class AdapterEnv:
     description: str
     n_tasks: dict[str, int] = field(default_factory=dict)  # empty: not counted yet
     error: str | None = None  # why it cannot load here (shown as broken by `env list`)
-
-
-def _counts_file() -> Path:
-    return cache_root() / "env-counts.json"
-
-
-def _stamp(name: str) -> str:
-    """mtimes of the framework's venv marker and of the file the name points at."""
-    framework, _, ref = name.partition(":")
-    parts = []
-    for p in (venv_dir(framework) / MARKER, Path(ref.split("?", 1)[0].rsplit(":", 1)[0])):
-        try:
-            parts.append(str(os.stat(p).st_mtime_ns))
-        except OSError:
-            parts.append("-")
-    return "/".join(parts)
-
-
-def _load_counts() -> dict[str, dict[str, object]]:
-    try:
-        data = json.loads(_counts_file().read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def remember_counts(name: str, counts: dict[str, int]) -> None:
-    """Record an adapter environment's task counts (called after its worker listed them)."""
-    data = _load_counts()
-    data[name] = {"stamp": _stamp(name), "n_tasks": counts}
-    path = _counts_file()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        tmp.replace(path)  # atomic: a concurrent reader sees the old or the new file
-    except OSError:
-        pass  # a cache that cannot be written only costs a count in `env list`
-
-
-def cached_counts(name: str) -> dict[str, int]:
-    entry = _load_counts().get(name)
-    if not isinstance(entry, dict) or entry.get("stamp") != _stamp(name):
-        return {}
-    counts = entry.get("n_tasks")
-    return {str(k): int(v) for k, v in counts.items()} if isinstance(counts, dict) else {}
 
 
 def _site_packages(framework: str) -> list[Path]:

@@ -12,7 +12,7 @@ Invariant: a worker crash, hang or garbage answer never raises out of `run`; it
 is an episode with Status.FAILED and the error kept. By default each episode's
 worker runs inside that episode's sandbox (`isolation.py`); with
 `isolation="none"` workers are pooled on the host per (adapter, target) and per
-event loop (`worker_for`).
+event loop (worker_pool.py).
 """
 
 from __future__ import annotations
@@ -21,42 +21,17 @@ from typing import Any
 
 import anyio
 
-from miles_env.adapters.venv import get_spec, venv_python
-from miles_env.adapters.worker_client import WorkerClient, WorkerError, python_argv
+from miles_env.adapters.isolation import isolation_of
+from miles_env.adapters.worker_client import WorkerError
 from miles_env.environment import Transcript
 from miles_env.errors import MilesEnvError
 from miles_env.harness import Endpoint, HarnessResult
 from miles_env.sandbox import Sandbox
 from miles_env.types import Reward, Status, Task
 
-__all__ = ["FrameworkHarness", "worker_for", "close_workers", "framework_reward", "FRAMEWORK_ROLE"]
+__all__ = ["FrameworkHarness", "framework_reward", "FRAMEWORK_ROLE"]
 
 FRAMEWORK_ROLE = "framework"
-_POOL: dict[tuple[str, str, str], WorkerClient] = {}
-
-
-def worker_for(adapter: str, script: str, *args: str, argv: list[str] | None = None) -> WorkerClient:
-    """The shared worker for (adapter, script, args); `argv` overrides the command (tests)."""
-    key = (adapter, script, "\0".join(argv or args))
-    client = _POOL.get(key)
-    if client is None:
-        spec = get_spec(adapter)
-        if argv is None:
-            python = venv_python(adapter)
-            if not python.exists():
-                raise MilesEnvError(
-                    f"adapter {adapter!r} is not installed: run `miles-env adapters install {adapter}`"
-                )
-            argv = python_argv(python, script, *args)
-        client = WorkerClient(argv, env=spec.env, name=adapter)
-        _POOL[key] = client
-    return client
-
-
-async def close_workers() -> None:
-    """Close every pooled worker (call before the event loop that started them ends)."""
-    for client in list(_POOL.values()):
-        await client.aclose()
 
 
 def framework_reward(task: Task, transcript: Transcript) -> Reward:
@@ -72,8 +47,6 @@ class FrameworkHarness:
     verifies_in_run = True  # the framework scores inside run(): VerifiesInRun
 
     def __init__(self, **config: Any) -> None:
-        from miles_env.adapters.isolation import isolation_of
-
         # isolation: "sandbox" (default: a fresh worker inside the episode's sandbox) or
         # "none" (the pooled worker on the host); see adapters/isolation.py.
         config["isolation"] = isolation_of(config.get("isolation"))

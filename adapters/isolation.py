@@ -29,9 +29,9 @@ from typing import Any
 
 from anyio.abc import Process
 
-from miles_env.adapters.framework_harness import worker_for
 from miles_env.adapters.venv import get_spec, venv_dir, venv_python
 from miles_env.adapters.worker_client import WORKERS_DIR, WorkerClient, python_argv
+from miles_env.adapters.worker_pool import worker_for
 from miles_env.errors import ConfigError, MilesEnvError
 from miles_env.harness import Endpoint
 from miles_env.sandbox import Sandbox

@@ -13,6 +13,9 @@ writes a line that is not a protocol message makes every pending call raise
 `WorkerError` carrying the reason and the tail of its stderr; the client then
 kills it and starts a fresh one on the next call. A worker failure is never
 raised past an episode: adapters turn it into Status.FAILED with the error kept.
+A reply to a request the host cancelled (`{"cancel": id}`) is expected, not a
+protocol error: the worker's handler may answer (CancelledError, or the result it
+finished just before the cancel arrived) after the caller has gone; it is dropped.
 
 Lifecycle: started lazily by the first `call`, reused for every episode of the
 same event loop, closed by `aclose()` (kill after a short grace period).
@@ -42,6 +45,7 @@ __all__ = ["WorkerError", "WorkerClient", "worker_script", "call_once", "Callbac
 WORKERS_DIR = Path(__file__).resolve().parent / "workers"
 Callback = Callable[[dict[str, Any]], Awaitable[Any]]
 _LINE_LIMIT = 64 << 20  # one protocol line (an episode's transcript) may be large
+_CANCELLED_KEPT = 4096  # cancelled ids remembered for their late replies
 
 
 class WorkerError(MilesEnvError):
@@ -80,6 +84,9 @@ class WorkerClient:
         self._proc: anyio.abc.Process | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._pending: dict[int, tuple[anyio.Event, list[Any]]] = {}
+        # Ids whose caller was cancelled: their late replies are dropped (bounded: a worker may
+        # never answer a cancel, e.g. when the request had already finished unseen).
+        self._cancelled: dict[int, None] = {}
         self._next = 0
         self._stderr: deque[str] = deque(maxlen=40)
         self._dead: str | None = None
@@ -93,7 +100,7 @@ class WorkerClient:
 
     async def _start(self) -> None:
         t0 = time.perf_counter()
-        self._dead, self._ready, self._pending = None, anyio.Event(), {}
+        self._dead, self._ready, self._pending, self._cancelled = None, anyio.Event(), {}, {}
         self._stderr.clear()
         if self.opener is not None:
             self._proc = await self.opener()
@@ -156,6 +163,8 @@ class WorkerClient:
             event, slot = self._pending[msg["id"]]
             slot.append(msg)
             event.set()
+        elif msg.get("id") in self._cancelled and ("result" in msg or "error" in msg):
+            del self._cancelled[msg["id"]]  # the late answer to a cancelled call: nobody waits
         else:
             raise WorkerError(f"unexpected message: {line[:200]!r}")
 
@@ -202,7 +211,7 @@ class WorkerClient:
             _killpg(self._proc.pid)
         self._proc, self.ready_info, self._tasks = None, {}, set()
         self._lock, self._write_lock, self._ready = anyio.Lock(), anyio.Lock(), anyio.Event()
-        self._pending, self._dead, self._loop = {}, None, _loop_id()
+        self._pending, self._cancelled, self._dead, self._loop = {}, {}, None, _loop_id()
 
     async def call(self, method: str, params: Any = None, *, timeout: float = 600.0) -> Any:
         """Send one request and wait for its answer; WorkerError on crash, hang or garbage."""
@@ -240,6 +249,9 @@ class WorkerClient:
 
     async def _cancel_remote(self, rid: int) -> None:
         """Our caller was cancelled: ask the worker to cancel request `rid` too (best effort)."""
+        self._cancelled[rid] = None
+        while len(self._cancelled) > _CANCELLED_KEPT:
+            del self._cancelled[next(iter(self._cancelled))]
         with anyio.CancelScope(shield=True), anyio.move_on_after(1):
             try:
                 await self._send({"cancel": rid})

@@ -27,7 +27,7 @@ import abc
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from miles_env.adapters.discover import remember_counts
+from miles_env.adapters.counts import remember_counts
 from miles_env.adapters.framework_harness import framework_reward
 from miles_env.adapters.isolation import Isolation, adapter_sandbox_spec, episode_worker
 from miles_env.adapters.venv import worker_rows

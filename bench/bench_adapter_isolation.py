@@ -70,7 +70,7 @@ async def sandboxed(name: str, provider: LocalSandboxProvider) -> float:
 
 async def episodes(n: int) -> None:
     """Whole verifiers episodes (ScriptedEngine, say-word) per isolation mode, medians of n."""
-    from miles_env.adapters.framework_harness import close_workers
+    from miles_env.adapters.worker_pool import close_workers
     from miles_env.engines.scripted import ScriptedEngine
     from miles_env.harnesses import get_harness
     from miles_env.models import load_tokenizer

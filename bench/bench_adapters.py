@@ -135,7 +135,7 @@ async def harbor(n: int, tmp: Path) -> dict[str, float]:
         t0 = time.perf_counter()
         await run_harbor_trial(task_dir, "nop", provider, trials_dir=tmp / "trials")
         trial.append(time.perf_counter() - t0)
-    from miles_env.adapters.framework_harness import close_workers
+    from miles_env.adapters.worker_pool import close_workers
 
     await close_workers()
     return {"native": statistics.median(native), "trial": statistics.median(trial), "first": first}

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import anyio
 
-from miles_env.fleet_config import FleetConfig
 from miles_env.sandbox import Sandbox, SandboxProvider
 from miles_env.sandboxes.buckets import FileBucket
 from miles_env.sandboxes.fleet import FleetProvider
+from miles_env.sandboxes.fleet_config import FleetConfig
 from miles_env.sandboxes.local import LocalSandboxConfig, LocalSandboxProvider
 from miles_env.types import SandboxSpec
 

@@ -55,7 +55,8 @@ async def setup_phase(n: int) -> dict[str, float]:
 
 
 async def episodes(n: int) -> dict[str, Any]:
-    from miles_env.adapters.framework_harness import FrameworkHarness, close_workers
+    from miles_env.adapters.framework_harness import FrameworkHarness
+    from miles_env.adapters.worker_pool import close_workers
     from miles_env.engines.scripted import ScriptedEngine
     from miles_env.harnesses.builtin import BuiltinHarness
     from miles_env.models import load_tokenizer

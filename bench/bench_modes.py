@@ -29,7 +29,7 @@ def run(mode: str, steps: int, out: Path, extra: list[str]) -> dict[str, float]:
     wall = time.time() - t0
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
     train = [r for r in rows if r["kind"] == "train"]
-    from miles_env.queue import SqliteReplayQueue
+    from miles_env.queue.sqlite import SqliteReplayQueue
 
     stats = SqliteReplayQueue(run_dir / "queue.db").stats()
     produced = sum(stats.episodes.values())

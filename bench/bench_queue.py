@@ -22,7 +22,7 @@ import time
 import zlib
 from pathlib import Path
 
-import miles_env.queue as mq
+import miles_env.queue.sqlite as mq
 from miles_env.types import Episode, Reward, Status, Trajectory, Turn
 
 

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import redis
 
-from miles_env.queue import SqliteReplayQueue
-from miles_env.queue_contract import ReplayQueue
-from miles_env.queue_redis import RedisReplayQueue
+from miles_env.queue.contract import ReplayQueue
+from miles_env.queue.redis import RedisReplayQueue
+from miles_env.queue.sqlite import SqliteReplayQueue
 from miles_env.types import Episode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -51,7 +51,9 @@ def load_baseline(rev: str, into: Path) -> Any:
     pkg = into / "_baseline_local"
     pkg.mkdir()
     for name in names:
-        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{name}"], capture_output=True, check=True)
+        text = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{rev}:{name}"], capture_output=True, check=True
+        )
         (pkg / Path(name).name).write_bytes(text.stdout)
     spec = importlib.util.spec_from_file_location(
         "miles_env.sandboxes._baseline_local", pkg / "__init__.py", submodule_search_locations=[str(pkg)]
@@ -91,7 +93,11 @@ async def latency(old: types.ModuleType, rootfs: str, iterations: int, gap_s: fl
     new_reuse = ImageProvider(LocalSandboxConfig(), {rootfs: IMAGE})
     new_fresh = LocalSandboxProvider(LocalSandboxConfig(warm=0))
     host, image = SandboxSpec(), SandboxSpec(rootfs=rootfs)
-    old_open, new_open, busy = (await old_reuse.create(host), await new_reuse.create(host), await new_reuse.create(host))
+    old_open, new_open, busy = (
+        await old_reuse.create(host),
+        await new_reuse.create(host),
+        await new_reuse.create(host),
+    )
     assert (await busy.exec("sleep 3600 > /dev/null 2>&1 &")).ok  # a server left running
     series: dict[str, Callable[[], Awaitable[None]]] = {
         "cycle host before": cycle(old_reuse, host),
@@ -142,7 +148,11 @@ async def concurrent(provider: Any, n: int) -> tuple[int, int, float]:
 
 _RATIOS = [
     ("cycle, host's view: after / before", "cycle host after", "cycle host before"),
-    ("cycle, image rootfs after / host's view before (target <= 1.5x)", "cycle image after", "cycle host before"),
+    (
+        "cycle, image rootfs after / host's view before (target <= 1.5x)",
+        "cycle image after",
+        "cycle host before",
+    ),
     ("cycle, new zygote (warm=0): after / before", "cycle fresh after", "cycle fresh before"),
     ("exec: after / before", "exec after", "exec before"),
     ("exec with a server running: after / exec before", "exec busy after", "exec before"),
@@ -154,7 +164,9 @@ async def main(rev: str, iterations: int, gap_ms: float, n: int, repeat: int) ->
         old = load_baseline(rev, Path(tmp))
         rootfs = str(build_rootfs(Path(tmp)))
         runs = [await latency(old, rootfs, iterations, gap_ms / 1000) for _ in range(repeat)]
-        print(f"local sandbox, before = {rev}, after = this tree; median of {iterations} interleaved rounds, ")
+        print(
+            f"local sandbox, before = {rev}, after = this tree; median of {iterations} interleaved rounds, "
+        )
         print(f"{gap_ms:g} ms gap; {repeat} run(s): median of the runs' medians (range)")
         for key in runs[0]:
             values = [r[key] for r in runs]

@@ -51,7 +51,7 @@ from miles_env.cluster.driver import ClusterRollouts, cluster_rollouts  # noqa: 
 from miles_env.config import RunConfig, load_config  # noqa: E402
 from miles_env.engines.scripted import PolicyRule, ScriptedEngine, ScriptedPolicy  # noqa: E402
 from miles_env.models import load_tokenizer  # noqa: E402
-from miles_env.queue_config import build_queue  # noqa: E402
+from miles_env.queue.config import build_queue  # noqa: E402
 from miles_env.registry import load_environment  # noqa: E402
 from miles_env.types import Task  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402

@@ -30,13 +30,13 @@ from miles_env.cost import CostConfig
 from miles_env.engines.configs import EngineConfig, HFEngineConfig
 from miles_env.errors import ConfigError
 from miles_env.evals.config import EvalMode, ExternalEvalConfig
-from miles_env.fleet_config import FleetConfig
 from miles_env.guards.config import GuardsConfig
 from miles_env.harnesses.configs import BuiltinConfig, HarnessConfig
 from miles_env.limits import LimitsOverride
 from miles_env.opd import Algorithm, OPDConfig
-from miles_env.queue_config import QueueConfig, SqliteQueueConfig
+from miles_env.queue.config import QueueConfig, SqliteQueueConfig
 from miles_env.runlog import LoggingConfig
+from miles_env.sandboxes.fleet_config import FleetConfig
 from miles_env.tito.config import TitoConfig
 
 __all__ = [

@@ -6,7 +6,7 @@ tokens of its samples (prompt tokens of every turn, the cached part of them, sam
 `RunCost` sums the episodes a run rolled out (each counted once, by id) into the step metrics
 `cost_usd` (since the last step), `cost_usd_total`, `cost_per_step_usd` and, once a rollout has
 passed, `cost_per_solved_usd` (total / passed episodes); with `cost.budget_usd` set it is
-`exhausted` once the total reaches the budget, and the job stops starting rollouts (job.py).
+`exhausted` once the total reaches the budget, and the job stops starting rollouts (job/run.py).
 Eval episodes count too (`add_eval`, as each one finishes; `eval_usd` is their part of the total,
 never a solved task): their spend shows in the next step's `cost_usd`, and once the budget is
 spent no eval starts and a resumed run completes no open group (an eval already running finishes).

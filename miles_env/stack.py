@@ -21,12 +21,12 @@ from miles_env.cost import CostConfig
 from miles_env.engines.base import Engine
 from miles_env.engines.configs import EngineConfig, HFEngineConfig
 from miles_env.environment import Environment
-from miles_env.fleet_config import FleetConfig
 from miles_env.harness import Harness, SessionRecorder
 from miles_env.http import serve_app
 from miles_env.limits import LimitsOverride
 from miles_env.rollout import RolloutContext
 from miles_env.sandbox import AsyncClosable, SandboxProvider
+from miles_env.sandboxes.fleet_config import FleetConfig
 from miles_env.tito.config import TitoConfig
 
 __all__ = ["StackConfig", "Stack", "open_stack", "run_fleet"]
@@ -70,7 +70,7 @@ class Stack:
 def run_fleet(cfg: RunConfig) -> FleetConfig:
     """The run's fleet section; on a Redis queue its creation bucket is shared through that Redis
     (every rollout worker of the run, on every node), unless fleet.redis_url names another."""
-    from miles_env.queue_config import RedisQueueConfig
+    from miles_env.queue.config import RedisQueueConfig
 
     if isinstance(cfg.queue, RedisQueueConfig) and cfg.fleet.redis_url is None:
         return cfg.fleet.model_copy(update={"redis_url": cfg.queue.url})

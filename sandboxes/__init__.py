@@ -13,6 +13,7 @@ which the stack puts in front of every provider it builds.
 Layout: a provider is a module or subpackage here (local/, docker/, e2b.py, ...);
 what more than one of them needs lives beside them (execargs.py, results.py,
 expose.py, ownership.py, cloud.py, pool.py, fleet.py, buckets.py), never inside a sibling.
+fleet_config.py is the run config's `fleet:` section (pydantic only, like the provider configs).
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ from pathlib import Path
 import anyio
 
 from miles_env.errors import SandboxError, SandboxThrottled
-from miles_env.fleet_config import FleetConfig, RetryPolicy
 from miles_env.sandbox import AsyncClosable, Sandbox, SandboxProvider
+from miles_env.sandboxes.fleet_config import FleetConfig, RetryPolicy
 from miles_env.types import SandboxSpec
 
 from .buckets import Bucket, Clock, FileBucket, RedisBucket, SystemClock

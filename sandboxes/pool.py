@@ -34,9 +34,9 @@ import anyio.lowlevel
 from anyio.abc import TaskGroup
 
 from miles_env.errors import SandboxError, SandboxThrottled
-from miles_env.fleet_config import RetryPolicy
 from miles_env.limits import sandbox_lifetime_s
 from miles_env.sandbox import Command, Reapable, Sandbox, SandboxProvider
+from miles_env.sandboxes.fleet_config import RetryPolicy
 from miles_env.types import ExecResult, SandboxSpec
 
 from .ownership import DEFAULT_TTL_S, Ownership, owner_labels

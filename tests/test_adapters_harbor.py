@@ -93,9 +93,9 @@ def test_builtin_harness_episode(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_harbor_own_trial_on_our_sandbox(tmp_path: Path) -> None:
     """Harbor's Trial (harbor venv) with our local sandbox as its environment (import_path)."""
-    from miles_env.adapters.framework_harness import close_workers
     from miles_env.adapters.harbor import run_harbor_trial
     from miles_env.adapters.venv import install
+    from miles_env.adapters.worker_pool import close_workers
     from miles_env.sandboxes import get_provider
 
     install("harbor")

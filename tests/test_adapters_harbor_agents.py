@@ -34,8 +34,9 @@ def terminus_reply(keystrokes: list[str], done: bool, duration: float = 0.3) -> 
 
 
 def run(tmp_path: Path, replies: list[str], **harness_cfg: Any) -> tuple[Any, Any]:
-    from miles_env.adapters.framework_harness import FrameworkHarness, close_workers
+    from miles_env.adapters.framework_harness import FrameworkHarness
     from miles_env.adapters.venv import install
+    from miles_env.adapters.worker_pool import close_workers
     from miles_env.engines.scripted import ScriptedEngine
     from miles_env.models import load_tokenizer
     from miles_env.rollout import run_episode

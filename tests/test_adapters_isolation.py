@@ -21,9 +21,10 @@ import anyio
 import pytest
 
 import miles_env.adapters as adapters_pkg
-from miles_env.adapters.framework_harness import FrameworkHarness, close_workers
+from miles_env.adapters.framework_harness import FrameworkHarness
 from miles_env.adapters.isolation import Isolation, adapter_sandbox_spec, isolation_of, ro_paths
 from miles_env.adapters.venv import venv_dir
+from miles_env.adapters.worker_pool import close_workers
 from miles_env.errors import ConfigError
 from miles_env.registry import load_environment
 from miles_env.types import SandboxSpec, Status

@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from miles_env.adapters.framework_harness import close_workers
+from miles_env.adapters.worker_pool import close_workers
 from miles_env.harnesses import get_harness
 from miles_env.registry import load_environment
 from miles_env.types import Status

@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 import miles_env.adapters as adapters_pkg
-from miles_env.adapters.framework_harness import close_workers
+from miles_env.adapters.worker_pool import close_workers
 from miles_env.harnesses import get_harness
 from miles_env.registry import load_environment
 from miles_env.types import Status
@@ -74,9 +74,9 @@ def test_broken_worker_fails_its_episode_and_the_run_goes_on(tmp_path: Path) -> 
     """run_many over [broken worker, real worker]: the first episode fails with the error, the second passes."""
     import sys
 
-    from miles_env.adapters.framework_harness import _POOL
     from miles_env.adapters.venv import install
     from miles_env.adapters.worker_client import WORKERS_DIR, WorkerClient
+    from miles_env.adapters.worker_pool import _POOL
     from miles_env.engines.scripted import ScriptedEngine
     from miles_env.models import load_tokenizer
     from miles_env.rollout import run_many

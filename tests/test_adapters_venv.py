@@ -114,7 +114,8 @@ def _fake_venvs(root: Path) -> None:
 
 
 def test_env_list_shows_installed_adapter_envs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from miles_env.adapters.discover import EXAMPLES_DIR, cached_counts, remember_counts
+    from miles_env.adapters.counts import cached_counts, remember_counts
+    from miles_env.adapters.discover import EXAMPLES_DIR
     from miles_env.registry import list_environments
 
     monkeypatch.setenv("MILES_ENV_CACHE", str(tmp_path))

@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 import miles_env.adapters as adapters_pkg
-from miles_env.adapters.framework_harness import close_workers
+from miles_env.adapters.worker_pool import close_workers
 from miles_env.harnesses import get_harness
 from miles_env.registry import load_environment
 from miles_env.types import Status
@@ -18,7 +18,7 @@ SAY = Path(adapters_pkg.__file__).parent / "examples" / "vf_say_word.py"
 
 @pytest.mark.slow
 def test_verifiers_episode_reward_and_tokens() -> None:
-    from miles_env.adapters.discover import cached_counts
+    from miles_env.adapters.counts import cached_counts
     from miles_env.adapters.venv import install
     from miles_env.engines.scripted import ScriptedEngine
     from miles_env.models import load_tokenizer

@@ -8,8 +8,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from miles_env.adapters.framework_harness import _POOL, FrameworkHarness
+from miles_env.adapters.framework_harness import FrameworkHarness
 from miles_env.adapters.worker_client import WORKERS_DIR, WorkerClient, WorkerError, call_once
+from miles_env.adapters.worker_pool import _POOL
 from miles_env.types import Status, Task
 
 FAULTY = """
@@ -27,13 +28,23 @@ async def stoppable(p):
         with open(p["flag"], "w") as f:
             f.write("cleaned up")
         raise
+async def late(p):  # answers a cancel only after the caller has gone
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        await asyncio.sleep(p["delay"])
+        raise
+async def quick(p):  # finishes while its caller is being cancelled: the result goes out anyway
+    await asyncio.sleep(p["delay"])
+    return "done"
+async def pid(p): return os.getpid()
 async def garbage(p):
     _rpc._out.write("this is not json\\n"); _rpc._out.flush(); await asyncio.sleep(3600)
 async def noisy(p):
     print("framework chatter on stdout"); os.system("echo child chatter"); return "clean"
 async def boom(p): raise ValueError("bad input: " + str(p))
 async def ask_host(p): return await _rpc.host_call("double", {{"x": p["x"]}})
-_rpc.serve(dict(echo=echo, crash=crash, hang=hang, stoppable=stoppable, garbage=garbage, noisy=noisy, boom=boom, ask_host=ask_host,
+_rpc.serve(dict(echo=echo, crash=crash, hang=hang, stoppable=stoppable, late=late, quick=quick, pid=pid, garbage=garbage, noisy=noisy, boom=boom, ask_host=ask_host,
                 info=crash),
            {{"framework": "faulty"}})
 """
@@ -145,6 +156,33 @@ def test_faulty_worker_fails_the_episode_and_the_run_goes_on(faulty: list[str]) 
         _POOL.clear()
     assert res.status is Status.FAILED and "exited with code 3" in (res.error or "")  # type: ignore[attr-defined]
     assert alive == "still alive"
+
+
+@pytest.mark.parametrize("method", ["late", "quick"])
+def test_a_late_reply_to_a_cancelled_call_is_dropped_and_the_worker_lives_on(
+    faulty: list[str], method: str
+) -> None:
+    """The worker's answer to a cancelled id arrives after the caller forgot it: not a protocol error.
+
+    `late` answers the cancel with CancelledError 0.3 s later; `quick` sends its result while the
+    caller is being cancelled. Either way the same worker (same pid) serves the next calls: one
+    episode's timeout must not kill the pooled worker every other episode shares.
+    """
+
+    async def main() -> tuple[int, int, str]:
+        client = WorkerClient(faulty, name="faulty")
+        try:
+            before = int(await client.call("pid"))
+            with anyio.move_on_after(0.2):
+                await client.call(method, {"delay": 0.25 if method == "quick" else 0.3})
+            await anyio.sleep(0.6)  # the late reply lands here, after the call has returned
+            after = int(await client.call("pid"))
+            return before, after, str(await client.call("echo", "still here"))
+        finally:
+            await client.aclose()
+
+    before, after, echo = anyio.run(main)
+    assert echo == "still here" and before == after
 
 
 def test_a_cancelled_call_cancels_the_request_in_the_worker(faulty: list[str], tmp_path: Path) -> None:

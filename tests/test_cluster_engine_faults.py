@@ -43,7 +43,7 @@ def test_a_killed_engine_actor_is_replaced_on_the_current_weights(
     log = tmp_path / "train.log"
     with RedisServer(tmp_path / "redis") as server, log.open("wb") as out:
         # the default staleness (1): an episode whose only turn hit the dead engine has no turn and
-        # no weight version, so it does not make its group stale (queue_contract.group_version)
+        # no weight version, so it does not make its group stale (queue/contract.py group_version)
         argv = train_argv(run_dir, tiny_model, STEPS, engine_cluster, server.url, engines, "engine.threads=1")
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
         try:
@@ -81,7 +81,7 @@ def test_a_killed_engine_actor_is_replaced_on_the_current_weights(
 def test_keep_served_holds_the_synced_export_when_the_next_one_replaces_it(tmp_path: Path) -> None:
     import shutil
 
-    from miles_env.cluster.engine_faults import keep_served
+    from miles_env.cluster.served import keep_served
 
     export = tmp_path / "weights"  # the trainer's export: rewritten whole at each step
     export.mkdir()

@@ -18,7 +18,7 @@ import anyio
 import pytest
 
 from miles_env.cost import CostConfig, Price, RunCost, episode_usage
-from miles_env.queue import SqliteReplayQueue
+from miles_env.queue.sqlite import SqliteReplayQueue
 from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.loop import LoopConfig, StepHooks, StepResult, TrainLoop
 from miles_env.trainer.torch_backend import TorchTrainer

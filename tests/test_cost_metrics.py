@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from miles_env.cost import CostConfig, RunCost
-from miles_env.episode_codec import decode_episode
 from miles_env.evals.base import episode_stats
 from miles_env.guards import FLAGS, GuardsConfig, zero_flagged
-from miles_env.queue import SqliteReplayQueue
+from miles_env.queue.codec import decode_episode
+from miles_env.queue.sqlite import SqliteReplayQueue
 from miles_env.types import Episode, Reward, Status, Usage
 from miles_env.view import open_run
 from tests.train_support import rows, train_args

@@ -15,9 +15,10 @@ import httpx
 import pytest
 
 from miles_env.engines import ScriptedEngineConfig, SGLangEngineConfig, build_engine
+from miles_env.engines._ring import HashRing
 from miles_env.engines.base import SamplingParams
 from miles_env.engines.hf import HFEngine, HFEngineConfig
-from miles_env.engines.sglang import HashRing, SGLangEngine
+from miles_env.engines.sglang import SGLangEngine
 from miles_env.engines.sglang_server import WireSamplingParams, running_server
 from miles_env.errors import ConfigError, EngineError
 

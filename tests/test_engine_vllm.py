@@ -19,8 +19,10 @@ import pytest
 from pydantic import ValidationError
 
 from miles_env.engines import SGLangEngineConfig, VLLMEngineConfig, build_engine
+from miles_env.engines._gate import Gate
 from miles_env.engines.base import SamplingParams
-from miles_env.engines.vllm import VLLMEngine, _Gate, vllm_model_dir
+from miles_env.engines.vllm import VLLMEngine
+from miles_env.engines.vllm_launch import vllm_model_dir
 from miles_env.errors import ConfigError, EngineError
 from miles_env.models import load_tokenizer, resolve_model
 
@@ -77,7 +79,7 @@ def test_model_dir_shadow_drops_the_gguf_quantization_config() -> None:
 
 @pytest.mark.anyio
 async def test_gate_exclusive_waits_for_shared_and_blocks_new_ones() -> None:
-    gate, log = _Gate(), []
+    gate, log = Gate(), []
 
     async def request(name: str, hold: float) -> None:
         async with gate.shared():

@@ -1,4 +1,4 @@
-"""Sandbox fleet control (sandboxes/fleet.py, sandboxes/buckets.py, miles_env/fleet_config.py).
+"""Sandbox fleet control (sandboxes/fleet.py, sandboxes/buckets.py, sandboxes/fleet_config.py).
 
 Fake parts, each standing for what cannot run here: a provider that rate-limits like a cloud API
 (refuses beyond N creations per window, by the test's clock) and a `ManualClock` (time moves only
@@ -22,10 +22,10 @@ import anyio.lowlevel
 import pytest
 
 from miles_env.errors import SandboxRateLimited, SandboxThrottled
-from miles_env.fleet_config import FleetConfig, RetryPolicy
 from miles_env.sandboxes.buckets import FileBucket, ManualClock, RedisBucket, refill
 from miles_env.sandboxes.cloud import map_sdk_error
 from miles_env.sandboxes.fleet import FleetProvider
+from miles_env.sandboxes.fleet_config import FleetConfig, RetryPolicy
 from miles_env.types import SandboxSpec, Status
 from tests.redis_server import RedisServer
 

@@ -20,13 +20,13 @@ from guards_support import HONEST, GuardedEnv
 from sandbox_contract import FETCH
 
 from miles_env.engines.scripted import ScriptedEngine
-from miles_env.episode_codec import decode_episode, encode_episode
 from miles_env.errors import ConfigError
 from miles_env.guards import GuardsConfig
 from miles_env.guards.commands import git_history_reads, package_installs
 from miles_env.harnesses.builtin import BuiltinHarness
 from miles_env.models import load_tokenizer
 from miles_env.oracle import run_solution
+from miles_env.queue.codec import decode_episode, encode_episode
 from miles_env.rollout import run_episode
 from miles_env.sandboxes import get_provider
 from miles_env.stack import StackConfig, open_stack

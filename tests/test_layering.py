@@ -1,6 +1,6 @@
 """INVARIANTS.md's layering section, enforced: one `Rule` per sentence, checked on the source.
 
-Also: the import graph has no cycle (module-level imports), importing the core pulls in no
+Also: the import graph has no cycle (module-level, lazy and type-only imports alike), importing the core pulls in no
 plug-in implementation (checked in a fresh interpreter, so transitive imports count), and
 the checker itself catches a planted violation and a planted cycle (so this test can fail).
 """
@@ -40,19 +40,32 @@ def _project(module: str) -> bool:
     return _in(module, P) or module.startswith("miles_env_")
 
 
+CORE_PACKAGES = ("cli", "queue", "job")  # core split into folders by family (the rest are plug-ins or tools)
+
+
 def _is_core(module: str) -> bool:
     rest = module.removeprefix(P + ".")
-    return module != P and _in(module, P) and ("." not in rest or rest.startswith("cli"))
+    return module != P and _in(module, P) and ("." not in rest or rest.split(".")[0] in CORE_PACKAGES)
+
+
+def _queue_backend(module: str) -> str | None:
+    """'sqlite' or 'redis' for a module of that queue backend (sqlite.py, sqlite_db.py, redis_scripts.py...)."""
+    if not _in(module, f"{P}.queue"):
+        return None
+    last = module.rpartition(".")[2]
+    return next((b for b in ("sqlite", "redis") if last == b or last.startswith(b + "_")), None)
 
 
 def _is_plugin_impl(module: str) -> bool:
-    """A plug-in's implementation: not the family's lookup package, its contract or a config model."""
+    """A plug-in's implementation: not the family's lookup package, its contract or a config model
+    (a `config`, `configs` or `*_config` module, such as sandboxes/fleet_config.py)."""
     last = module.rpartition(".")[2]
     return (
         _in(module, *PLUGIN_FAMILIES)
         and module not in PLUGIN_FAMILIES
         and module not in CONTRACTS
         and last not in ("config", "configs")
+        and not last.endswith("_config")
     )
 
 
@@ -68,6 +81,13 @@ RULES = [
         importer=_is_core,
         forbidden=_is_plugin_impl,
         kinds=ON_IMPORT,
+    ),
+    Rule(
+        "the queue's backends depend on the contract, never on each other; the contract on no backend",
+        importer=lambda m: _in(m, f"{P}.queue") and m != f"{P}.queue.config",
+        forbidden=lambda t: _queue_backend(t) is not None,
+        kinds=frozenset({"module", "lazy", "typing"}),
+        allow=lambda importer, target: _queue_backend(importer) == _queue_backend(target),
     ),
     Rule(
         "miles_env.tito depends on the Engine contract only, never on a concrete engine",
@@ -165,16 +185,28 @@ def test_the_checker_catches_a_planted_violation_and_cycle(tmp_path: Path) -> No
     (pkg / "a.py").write_text("from miles_env import b\n")
     (pkg / "b.py").write_text("import miles_env.a\n")
     (pkg / "types.py").write_text("def f():\n    from miles_env import a\n")
+    (pkg / "c.py").write_text("def f():\n    from miles_env import d\n")  # a circle closed lazily...
+    (pkg / "d.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from miles_env import c\n"
+    )
     (pkg / "trainer" / "__init__.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from miles_env.tito import x\n"
         "def g():\n    from miles_env.tito.proxy import TitoProxy\n"
     )
+    (pkg / "queue").mkdir()
+    (pkg / "queue" / "__init__.py").write_text("")
+    (pkg / "queue" / "sqlite_db.py").write_text("")
+    (pkg / "queue" / "sqlite.py").write_text("from miles_env.queue import sqlite_db\n")  # its own family
+    (pkg / "queue" / "redis.py").write_text("def f():\n    from miles_env.queue.sqlite import Q\n")
     found = all_imports(modules_of(tmp_path))
     broken = violations(found, RULES)
+    assert any("miles_env.queue.redis:2 imports miles_env.queue.sqlite (lazy)" in v for v in broken)
+    assert not any("miles_env.queue.sqlite:" in v for v in broken)
     assert any("miles_env.types:2 imports miles_env.a (lazy)" in v for v in broken)
     assert any("miles_env.trainer:5 imports miles_env.tito.proxy (lazy)" in v for v in broken)
     assert not any("(typing)" in v and "trainer" in v for v in broken)  # type-only imports never run
-    assert cycles(found) == [["miles_env.a", "miles_env.b"]]
+    assert cycles(found) == [["miles_env.a", "miles_env.b"], ["miles_env.c", "miles_env.d"]]
+    assert cycles(found, ON_IMPORT) == [["miles_env.a", "miles_env.b"]]  # ...that an import-time check misses
 
 
 def test_readme_layout_table_matches_the_folders() -> None:

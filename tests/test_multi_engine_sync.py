@@ -143,7 +143,7 @@ async def test_a_server_that_fails_the_load_is_an_error_naming_it(tiny_model: Pa
 
 @pytest.mark.anyio
 async def test_a_dead_server_leaves_the_ring_with_the_reason(tiny_model: Path, new_weights: Path) -> None:
-    from miles_env.job_sync import _per_server
+    from miles_env.job.sync import _per_server
 
     async with _servers(tiny_model, 1) as (_, live):
         async with _servers(tiny_model, 1) as (_, gone):

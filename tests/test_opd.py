@@ -143,7 +143,7 @@ def test_teacher_fills_a_group_and_the_metrics_read_it() -> None:
 
 
 def test_teacher_logprobs_are_checked_and_survive_the_queue_codec() -> None:
-    from miles_env.episode_codec import decode_episode, encode_episode
+    from miles_env.queue.codec import decode_episode, encode_episode
 
     with pytest.raises(ValueError, match=r"teacher_logprobs\[0\]=-1.0 where loss_mask is 0"):
         Trajectory(token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0], teacher_logprobs=[-1.0, -2.0])

@@ -14,7 +14,9 @@ import pytest
 from queue_contract import QueueContract, fill, make_episode
 from typer.testing import CliRunner
 
-from miles_env.queue import GroupState, QueueError, SqliteReplayQueue, decode_episode, encode_episode
+from miles_env.queue.codec import decode_episode, encode_episode
+from miles_env.queue.contract import GroupState, QueueError
+from miles_env.queue.sqlite import SqliteReplayQueue
 
 
 class SqliteBackend:

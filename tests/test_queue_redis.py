@@ -20,10 +20,10 @@ from pydantic import TypeAdapter, ValidationError
 from queue_contract import QueueContract, fill, make_episode
 from redis_server import RedisServer
 
-from miles_env.queue import QueueError, SqliteReplayQueue
-from miles_env.queue_config import QueueConfig, RedisQueueConfig, SqliteQueueConfig, build_queue
-from miles_env.queue_contract import ReplayQueue
-from miles_env.queue_redis import RedisReplayQueue
+from miles_env.queue.config import QueueConfig, RedisQueueConfig, SqliteQueueConfig, build_queue
+from miles_env.queue.contract import QueueError, ReplayQueue
+from miles_env.queue.redis import RedisReplayQueue
+from miles_env.queue.sqlite import SqliteReplayQueue
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +191,7 @@ def test_a_server_that_fsyncs_lazily_is_warned_about(
 ) -> None:
     admin = redis.Redis.from_url(server.url)
     try:
-        with caplog.at_level(logging.WARNING, logger="miles_env.queue_redis"):
+        with caplog.at_level(logging.WARNING, logger="miles_env.queue.redis"):
             RedisBackend(server.url).open(group_size=1)  # the fixture's server: appendfsync always
             assert caplog.records == []
             admin.config_set("appendfsync", "everysec")

@@ -45,8 +45,10 @@ def test_every_config_class_imports_without_any_sdk() -> None:
         f"""
         import sys
         from miles_env.sandboxes import PROVIDER_CONFIGS
+        from miles_env.sandboxes.fleet_config import FleetConfig  # the run config's `fleet:` section
         for name in PROVIDER_CONFIGS.names():
             PROVIDER_CONFIGS.load(name)()
+        FleetConfig()
         print(sorted(m for m in {SDKS!r} if m in sys.modules))
         """
     )

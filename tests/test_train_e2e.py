@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_env.queue import SqliteReplayQueue
+from miles_env.queue.sqlite import SqliteReplayQueue
 from tests.train_support import rows, train_args, trained_ids
 
 
@@ -262,7 +262,7 @@ def test_sigkill_with_a_group_half_put_then_resume_completes_and_trains_it(
 def test_train_on_a_redis_queue(tmp_path: Path, tiny_model: Path) -> None:
     # `queue: {kind: redis}` through the real job: episodes go to redis-server (AOF on), none to
     # a queue.db; every trained group is acked there, and the checkpoints hold the same ids.
-    from miles_env.queue_redis import RedisReplayQueue
+    from miles_env.queue.redis import RedisReplayQueue
     from tests.redis_server import RedisServer
 
     run_dir = tmp_path / "run"

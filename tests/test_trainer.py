@@ -104,7 +104,7 @@ def test_checkpoint_roundtrip_and_export(tiny: Path, tmp_path: Path) -> None:
 def test_train_from_queue_checkpoints_acks_and_filters_stale(tiny: Path, tmp_path: Path) -> None:
     import anyio
 
-    from miles_env.queue import SqliteReplayQueue
+    from miles_env.queue.sqlite import SqliteReplayQueue
     from miles_env.trainer.loop import LoopConfig, StepHooks, StepResult, train_from_queue
 
     a, b = rollouts(tiny)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_env.queue import SqliteReplayQueue
+from miles_env.queue.sqlite import SqliteReplayQueue
 from miles_env.types import Episode, Reward, Status, Trajectory, Turn
 
 CHILD = textwrap.dedent(
@@ -23,7 +23,7 @@ CHILD = textwrap.dedent(
     import json, os, sys, time
     from pathlib import Path
     import anyio
-    from miles_env.queue import SqliteReplayQueue
+    from miles_env.queue.sqlite import SqliteReplayQueue
     from miles_env.trainer.config import TrainerConfig
     from miles_env.trainer.loop import LoopConfig, train_from_queue
     from miles_env.trainer.torch_backend import TorchTrainer

@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 from miles_env.errors import ConfigError
-from miles_env.queue import SqliteReplayQueue
+from miles_env.queue.sqlite import SqliteReplayQueue
 from miles_env.trainer.build import build_trainer
 from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.loop import LoopConfig, StepHooks, StepResult, TrainLoop

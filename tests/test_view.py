@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from miles_env.errors import ConfigError
-from miles_env.queue import SqliteReplayQueue
+from miles_env.queue.sqlite import SqliteReplayQueue
 from miles_env.view import Kind, create_app, detect, open_run
 from miles_env.view.commands import commands_from_transcript
 from miles_env.view.detail import NotFound, advantages
@@ -91,8 +91,8 @@ def test_tokens_are_the_stored_arrays(run_dir: Path) -> None:
     data = run.details.tokens("ep000011", 0)
     with sqlite3.connect(run_dir / "queue.db") as conn:
         meta, blob = conn.execute("SELECT meta, arrays FROM episodes WHERE id='ep000011'").fetchone()
-    from miles_env.episode_codec import decode_episode
     from miles_env.models import load_tokenizer
+    from miles_env.queue.codec import decode_episode
     from miles_env.view.tokens import Pieces
 
     s = decode_episode(meta, blob).samples[0]

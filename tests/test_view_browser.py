@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from miles_env.episode_codec import decode_episode
+from miles_env.queue.codec import decode_episode
 from tests.view_support import chromium_path
 
 ROOT = Path(__file__).resolve().parents[1]

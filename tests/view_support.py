@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from miles_env.jsonio import dumps
-from miles_env.queue import SqliteReplayQueue
+from miles_env.queue.sqlite import SqliteReplayQueue
 from miles_env.types import Episode, Reward, Status, Trajectory, Turn
 
 __all__ = ["make_run", "make_episode", "chromium_path", "STATUSES"]

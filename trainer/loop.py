@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import anyio
 import anyio.to_thread
 
-from miles_env.queue import AsyncReplayQueue, Lease
+from miles_env.queue.aio import AsyncReplayQueue
+from miles_env.queue.contract import Lease
 from miles_env.types import Episode
 
 if TYPE_CHECKING:

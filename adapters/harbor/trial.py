@@ -1,7 +1,7 @@
 """Harbor's own Trial on our sandbox: the harbor package (its venv) drives, our sandbox executes.
 
-Concept: `run_harbor_trial(task_dir, agent, provider)` creates and sets up one of our
-sandboxes for the task (the same spec and Dockerfile setup as a native episode) and `trial_in_sandbox` asks the
+Concept: `run_harbor_trial(task_dir, agent, provider)` (environment.py) creates and sets up one of
+our sandboxes for the task (the same spec and Dockerfile setup as a native episode) and `trial_in_sandbox` asks the
 harbor worker to run `Trial.create(TrialConfig(environment.import_path=
 "harbor_env:MilesSandboxEnvironment"))` in it. That environment class calls back into
 this process (`sandbox.exec/keep/write/read/list`) for every command and file
@@ -28,14 +28,14 @@ from typing import Any
 
 import anyio
 
-from miles_env.adapters.framework_harness import FRAMEWORK_ROLE, worker_for
-from miles_env.adapters.harbor.environment import HarborTasksEnvironment
+from miles_env.adapters.framework_harness import FRAMEWORK_ROLE
+from miles_env.adapters.worker_pool import worker_for
 from miles_env.errors import SandboxError
 from miles_env.harness import Endpoint, HarnessResult
-from miles_env.sandbox import Sandbox, SandboxProvider
+from miles_env.sandbox import Sandbox
 from miles_env.types import Status, Task
 
-__all__ = ["run_harbor_trial", "trial_in_sandbox", "run_episode"]
+__all__ = ["trial_in_sandbox", "run_episode"]
 
 _SANDBOXES: dict[str, Sandbox] = {}
 _KEEPERS: dict[str, list[asyncio.Task[Any]]] = {}
@@ -178,19 +178,6 @@ async def _stop_keepers(sandbox: Sandbox, keepers: list[asyncio.Task[Any]]) -> N
     await asyncio.gather(*keepers, return_exceptions=True)
 
 
-async def run_harbor_trial(
-    task_dir: str | Path, agent: str, provider: SandboxProvider, *, trials_dir: str | Path | None = None
-) -> dict[str, Any]:
-    """One Harbor trial of `task_dir` with Harbor agent `agent`, in a fresh sandbox from `provider`."""
-    task_dir = Path(task_dir).resolve()
-    env = HarborTasksEnvironment(task_dir)
-    (task,) = env.tasks("test")
-    sandbox = await provider.create(env.sandbox_spec(task))
-    async with sandbox:
-        await env.setup(task, sandbox)  # the Dockerfile, as for a native episode
-        return await trial_in_sandbox(sandbox, task_dir, agent, trials_dir=trials_dir)
-
-
 async def run_episode(
     task: Task,
     sandbox: Sandbox,
@@ -232,7 +219,7 @@ async def run_episode(
         agent_kwargs=agent_kwargs,
         trials_dir=trials_dir,
         agent_timeout_s=agent_s,
-        timeout=agent_s + float(task.verifier.get("timeout_s", 120.0)) + 300,
+        timeout=agent_s + float(task.verifier.get("timeout_s", 600.0)) + 300,
     )
     rewards = r.get("rewards")
     details = {

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 if TYPE_CHECKING:
-    from miles_env.queue_config import RedisQueueConfig
+    from miles_env.queue.config import RedisQueueConfig
 
 app = typer.Typer(no_args_is_help=True, help="Inspect the replay queue of a run directory.")
 
@@ -31,14 +31,14 @@ def stats_command(
     from rich.console import Console
     from rich.table import Table
 
-    from miles_env.queue import SqliteReplayQueue
-    from miles_env.queue_contract import ReplayQueue
+    from miles_env.queue.contract import ReplayQueue
+    from miles_env.queue.sqlite import SqliteReplayQueue
 
     queue: ReplayQueue
     resolved = _resolved(run_dir)
     redis = _redis_config(resolved)
     if redis is not None:
-        from miles_env.queue_config import build_queue
+        from miles_env.queue.config import build_queue
 
         db = f"{redis.url.rpartition('@')[2]} ({redis.prefix or 'miles-env:' + run_dir.resolve().name})"
         pending = 2 * int((resolved.get("rollout") or {}).get("groups_per_step", 4))  # as the job sets it
@@ -85,7 +85,7 @@ def _resolved(run_dir: Path) -> dict[str, Any]:
 
 def _redis_config(resolved: dict[str, Any]) -> RedisQueueConfig | None:
     """The run's Redis queue config, if its resolved config names one."""
-    from miles_env.queue_config import RedisQueueConfig
+    from miles_env.queue.config import RedisQueueConfig
 
     section = resolved.get("queue") or {}
     return RedisQueueConfig.model_validate(section) if section.get("kind") == "redis" else None

@@ -22,7 +22,7 @@ def train_command(
 
     from miles_env.config import load_config
     from miles_env.http import loop_options
-    from miles_env.job import run_training
+    from miles_env.job.run import run_training
 
     console = Console()
     cfg = load_config(config, overrides or [])

@@ -2,7 +2,7 @@
 
 Concept: `miles-env train` with `cluster.address` set keeps the trainer, the training loop, the
 task rng and the weight sync, and replaces only where groups are rolled out: `cluster_rollouts`
-yields a `ClusterRollouts`, the job's dispatch (job.py `_Job.produce`), which sends each chosen
+yields a `ClusterRollouts`, the job's dispatch (job/run.py `_Job.produce`), which sends each chosen
 task to one of `cluster.rollout_workers` `RolloutWorker` actors (worker.py), placed with Ray's
 SPREAD strategy (and `worker_resources`, e.g. {"rollout": 1} on rollout nodes). The workers put
 the episodes into the Redis queue themselves; the loop takes them from there as in one process.

@@ -14,7 +14,7 @@ up (the run goes on with the others).
 
 Invariant (zero-KL): a replacement joins no ring before it serves the weights every other engine
 serves. The driver's client records what each sync loaded (`PlacedEngines.served`: the export
-kept aside by `keep_served`, hard links, since the trainer's next export overwrites the folder;
+kept aside by served.py's `keep_served`, hard links, since the trainer's next export overwrites the folder;
 or the LoRA adapter) and every sync holds `PlacedEngines.sync_lock`; the replacement loads
 `served` and joins under that same lock, so no sync can fall between its load and its join, and
 every later sync reaches it. Then the driver hands the new list of live URLs to every rollout
@@ -28,67 +28,23 @@ it joined (`PlacedEngines.summary`), and `engines_replaced`.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import anyio
 import httpx
 
-from miles_env.cluster.engines import Placed, PlacedEngines, Served, start_engine
+from miles_env.cluster.engines import Placed, PlacedEngines, start_engine
+from miles_env.cluster.served import Served
 from miles_env.engines._http import request
 from miles_env.errors import ClusterError, EngineError
 
-__all__ = ["OnChange", "keep_served", "router_add", "watch_engines", "replace_engine"]
+__all__ = ["OnChange", "watch_engines", "replace_engine"]
 
 log = logging.getLogger(__name__)
 
 WATCH_S = 1.0  # between two health rounds
-ROUTER_ADD_S = 60.0  # for sglang-router to register a new worker as healthy
 
 OnChange = Callable[[list[str]], Awaitable[None]]  # the live engine URLs, after a replacement joined
-
-
-def keep_served(path: Path) -> Path:
-    """Hard-link the export at `path` (a folder or a file) to `<path>.served`, replacing the one
-    kept before; copies where the file system has no hard links. Returns the kept path."""
-    kept = path.with_name(f"{path.name}.served")
-    tmp = path.with_name(f".{path.name}.served-tmp")
-    _remove(tmp)
-    if path.is_dir():
-        tmp.mkdir(parents=True)
-        for f in path.iterdir():
-            _link(f, tmp / f.name)
-    else:
-        _link(path, tmp)
-    _remove(kept)
-    os.rename(tmp, kept)
-    return kept
-
-
-def _link(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def _remove(p: Path) -> None:
-    if p.is_dir():
-        shutil.rmtree(p)
-    elif p.exists():
-        p.unlink()
-
-
-async def router_add(client: httpx.AsyncClient, router: str, url: str) -> None:
-    """Register `url` with sglang-router (`POST /workers`, queued) and wait until it is healthy there."""
-    from miles_env.engines.router import router_workers
-
-    await request(client, "sglang-router", "POST", f"{router}/workers", json={"url": url})
-    with anyio.fail_after(ROUTER_ADD_S):
-        while not (await router_workers(client, router)).get(url):
-            await anyio.sleep(0.2)
 
 
 async def watch_engines(engines: PlacedEngines, on_change: OnChange) -> None:

@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict
 
 from miles_env.cluster import session
 from miles_env.cluster.config import EnginesConfig
+from miles_env.cluster.served import Served, keep_served
 from miles_env.config import RunConfig
 from miles_env.engines import EngineConfig
 from miles_env.engines.sglang import SGLangEngine
@@ -52,7 +53,6 @@ __all__ = [
     "EngineServer",
     "Placed",
     "PlacedEngines",
-    "Served",
     "placed_engines",
     "start_engine",
 ]
@@ -146,15 +146,6 @@ class Placed:
     joined_version: int | None = None  # the weight version it served when it joined the rings
 
 
-@dataclass(frozen=True, slots=True)
-class Served:
-    """What the last weight sync loaded on every engine: a replacement loads the same before joining."""
-
-    version: int
-    path: Path  # a weight export (kept aside, engine_faults.keep_served) or a LoRA adapter folder
-    lora_name: str | None = None  # set: `path` is an adapter loaded under this name
-
-
 class PlacedEngines(SGLangEngine):
     """The job's engine over the placed actors; closing it stops them (module docstring)."""
 
@@ -183,8 +174,6 @@ class PlacedEngines(SGLangEngine):
         async with self.sync_lock:
             version = await super().update_weights_from_disk(path, weight_version)
             if self.replaces:  # the next export may overwrite `path`: keep what is served now
-                from miles_env.cluster.engine_faults import keep_served
-
                 self.served = Served(version, await anyio.to_thread.run_sync(keep_served, Path(path)))
             return version
 
@@ -225,7 +214,7 @@ class PlacedEngines(SGLangEngine):
         """Add `p` (serving the current weights; the caller holds `sync_lock`) to the ring and the
         router: every later sync reaches it."""
         if self.router is not None:
-            from miles_env.cluster.engine_faults import router_add
+            from miles_env.engines.router import router_add
 
             await router_add(self._client, self.router, p.url)
         self.placed.append(p)

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict
 
 from miles_env.config import RunConfig
 from miles_env.engines.configs import SGLangEngineConfig
-from miles_env.queue import AsyncReplayQueue
+from miles_env.queue.aio import AsyncReplayQueue
 from miles_env.rollout import RolloutContext, run_group
 from miles_env.types import Task
 
@@ -95,7 +95,7 @@ class RolloutWorker:
 
     async def _hold(self) -> None:
         from miles_env.harnesses import build_harness
-        from miles_env.queue_config import build_queue
+        from miles_env.queue.config import build_queue
         from miles_env.registry import load_environment
         from miles_env.stack import StackConfig, open_stack, run_fleet
 
@@ -118,7 +118,7 @@ class RolloutWorker:
                     stack.rollout_context(env, harness, cfg.rollout.episode_timeout_s, cfg.rollout.limits),
                     guards=cfg.guards,
                 )
-                self._queue = queue_sync.aio
+                self._queue = AsyncReplayQueue(queue_sync)
                 self._limiter = anyio.CapacityLimiter(
                     max(1, cfg.rollout.concurrency // cfg.rollout.group_size)
                 )

@@ -54,7 +54,8 @@ async def build_hf(cfg: HFEngineConfig) -> Engine:
 
 
 async def build_sglang(cfg: SGLangEngineConfig) -> Engine:
-    from miles_env.engines.sglang import SGLangEngine, launch_sglang
+    from miles_env.engines.sglang import SGLangEngine
+    from miles_env.engines.sglang_launch import launch_sglang
 
     if cfg.launch:
         if cfg.router != "ring":
@@ -86,7 +87,8 @@ async def _routed_sglang(cfg: SGLangEngineConfig, urls: list[str]) -> Engine:
 
 
 async def build_vllm(cfg: VLLMEngineConfig) -> Engine:
-    from miles_env.engines.vllm import VLLMEngine, vllm_model_dir, vllm_server_spec
+    from miles_env.engines.vllm import VLLMEngine
+    from miles_env.engines.vllm_launch import vllm_model_dir, vllm_server_spec
     from miles_env.http import free_port
     from miles_env.models import resolve_model
 

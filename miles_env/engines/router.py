@@ -35,13 +35,15 @@ from typing import Any
 import anyio
 import httpx
 
+from miles_env.engines._http import request
 from miles_env.engines._launch import ManagedServer, ServerSpec, log_tail
 from miles_env.errors import ConfigError, EngineError
 from miles_env.http import free_port
 
-__all__ = ["ROUTING_KEY_HEADER", "router_spec", "start_router", "router_workers"]
+__all__ = ["ROUTING_KEY_HEADER", "router_spec", "start_router", "router_workers", "router_add"]
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # the router's sticky key (forwarded to the worker)
+ROUTER_ADD_S = 60.0  # for sglang-router to register a new worker as healthy (router_add)
 
 
 def router_spec(
@@ -108,3 +110,11 @@ async def start_router(
         f"sglang-router at {spec.url}: workers {sorted(want)} not all registered after "
         f"{startup_timeout_s:.0f}s (log {log_path}):\n{log_tail(log_path)}"
     )
+
+
+async def router_add(client: httpx.AsyncClient, router: str, url: str) -> None:
+    """Register `url` with sglang-router (`POST /workers`, queued) and wait until it is healthy there."""
+    await request(client, "sglang-router", "POST", f"{router}/workers", json={"url": url})
+    with anyio.fail_after(ROUTER_ADD_S):
+        while not (await router_workers(client, router)).get(url):
+            await anyio.sleep(0.2)

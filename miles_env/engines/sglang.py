@@ -14,7 +14,7 @@ an EngineRefused (`_http.py`); EOS ids come from the model directory
 
 Invariant: requests of one session always go to the same server, so that
 server's prefix cache serves the session's next turn: either our consistent-hash
-ring over the URLs picks it, or, with `router=URL`, every `/generate` goes to
+ring over the URLs (_ring.py) picks it, or, with `router=URL`, every `/generate` goes to
 SGLang's router (router.py), which keeps the session (`X-SMG-Routing-Key`) on
 one worker. Requests without a session rotate over the servers. Every transport
 or HTTP failure becomes an EngineError naming the URL: the turn in flight fails,
@@ -29,14 +29,12 @@ writer, so it waits for running requests (readers) unless `abort_all_requests`;
 our embedded server's hf engine drains the same way. Each Generation's `cached_tokens` is summed (`prefix_cache_stats`).
 
 Lifecycle: one httpx.AsyncClient per engine; `close()` closes it, and stops
-the servers `launch_sglang` started (managed subprocesses, `_launch.py`).
+the servers `launch_sglang` started (sglang_launch.py: managed subprocesses, `_launch.py`).
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-import hashlib
 import itertools
 import time
 from collections.abc import Sequence
@@ -48,36 +46,17 @@ import httpx
 
 from miles_env.engines._http import request
 from miles_env.engines._model_dir import local_model_dir, model_eos_ids
+from miles_env.engines._ring import HashRing
 from miles_env.engines.base import EngineInfo, Generation, PrefixCacheStats, SamplingParams, ServerSync
 from miles_env.engines.router import ROUTING_KEY_HEADER
 from miles_env.errors import ConfigError, EngineError, EngineRefused
 
 if TYPE_CHECKING:
     from miles_env.engines._launch import ManagedServer
-    from miles_env.engines.configs import SGLangEngineConfig
 
-__all__ = ["SGLangEngine", "HashRing", "SESSION_HEADER", "launch_sglang", "sglang_python"]
+__all__ = ["SGLangEngine", "SESSION_HEADER"]
 
 SESSION_HEADER = "X-Session-Id"  # KV-reuse hint for our server; a real SGLang ignores it
-
-_VNODES = 64
-
-
-def _hash(key: str) -> int:
-    return int.from_bytes(hashlib.sha1(key.encode()).digest()[:8], "big")
-
-
-class HashRing:
-    """Consistent hashing: adding or removing a URL moves only that URL's sessions."""
-
-    def __init__(self, urls: Sequence[str]) -> None:
-        points = sorted((_hash(f"{url}#{i}"), url) for url in urls for i in range(_VNODES))
-        self._keys = [p for p, _ in points]
-        self._urls = [u for _, u in points]
-
-    def pick(self, key: str) -> str:
-        i = bisect.bisect(self._keys, _hash(key)) % len(self._keys)
-        return self._urls[i]
 
 
 def _wire_sampling(s: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
@@ -386,44 +365,3 @@ class SGLangEngine:
         finally:
             for server in self.servers:
                 await server.stop()
-
-
-def sglang_python() -> Path:
-    """The interpreter of an SGLang venv at CACHE/engines/sglang, else this one."""
-    import sys
-
-    from miles_env.models import cache_dir
-
-    venv = cache_dir() / "engines" / "sglang" / "bin" / "python"
-    return venv if venv.exists() else Path(sys.executable)
-
-
-async def launch_sglang(cfg: SGLangEngineConfig) -> SGLangEngine:
-    """Start one real SGLang server (`python -m sglang.launch_server`) and return a client of it."""
-    import tempfile
-
-    from miles_env.engines._launch import ManagedServer, ServerSpec, servable_model_dir
-    from miles_env.http import free_port
-    from miles_env.models import resolve_model
-
-    if cfg.url or cfg.urls:
-        raise ConfigError("engine.url: kind 'sglang' either attaches to url/urls or launches, not both")
-    model_dir = servable_model_dir(resolve_model(cfg.model))
-    port = cfg.port or free_port()
-    log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="miles-env-sglang-"))
-    argv = [
-        str(Path(cfg.python) if cfg.python else sglang_python()), "-m", "sglang.launch_server",
-        "--model-path", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", cfg.dtype,
-    ]  # fmt: skip
-    if cfg.max_context:
-        argv += ["--context-length", str(cfg.max_context)]
-    if cfg.seed is not None:
-        argv += ["--random-seed", str(cfg.seed)]
-    spec = ServerSpec(
-        "sglang", (*argv, *cfg.server_args), f"http://127.0.0.1:{port}", log_dir / f"sglang-{port}.log",
-        startup_timeout_s=cfg.startup_timeout_s, nice=cfg.nice,
-    )  # fmt: skip
-    server = ManagedServer(spec)
-    await server.start()
-    return SGLangEngine(spec.url, timeout_s=cfg.timeout_s, servers=[server], model_dir=model_dir)

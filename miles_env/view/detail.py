@@ -1,7 +1,7 @@
 """One episode in full, one GRPO group side by side: what the episode and group pages show.
 
 An episode is read from where its row says (index.py): the replay queue (decoded with
-episode_codec, the same bytes the trainer took), a JSONL line (eval), or the store alone (a proxy
+queue/codec.py, the same bytes the trainer took), a JSONL line (eval), or the store alone (a proxy
 session: no transcript, no reward). Its samples are the exported trajectories; the token payload of
 one sample is its ids, loss mask and logprobs as stored, with display pieces from the tokenizer
 (tokens.py), the turn boundaries and weight versions, and the audit's drift positions.
@@ -17,8 +17,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from miles_env.episode_codec import decode_episode
 from miles_env.errors import MilesEnvError
+from miles_env.queue.codec import decode_episode
 from miles_env.view.commands import commands_from_transcript
 from miles_env.view.decoded import commands_from_turns, decoded_turns
 from miles_env.view.index import EpisodeIndex, Row

@@ -37,6 +37,7 @@ import anyio
 from miles_env.errors import ConfigError, SandboxError
 from miles_env.types import NetworkPolicy, Resources, SandboxSpec
 
+from ..images.local import LocalImage, LocalImages
 from ..images.oci import ImageConfig
 from . import layout
 from .cgroup import PidsCgroup, remove_orphan_zygote_cgroups
@@ -78,6 +79,7 @@ class LocalSandboxProvider:
             self.bwrap = bwrap_for_others(self.bwrap, self.mount_dir)
             remove_orphan_mounts(self.mount_dir)  # what a crashed run left, once the reaper removed its dir
         self._idle: list[tuple[Zygote, PidsCgroup | None]] = []
+        self._images: LocalImages | None = None  # made on the first spec with a build or an image
         self._warned_no_mount = False
         self._warned_no_cpu = False
         if self.config.use_cgroup:
@@ -150,8 +152,15 @@ class LocalSandboxProvider:
     async def create(self, spec: SandboxSpec) -> LocalSandbox:
         if not isinstance(spec, SandboxSpec):
             raise ConfigError(f"create(spec): expected a SandboxSpec, got {type(spec).__name__}")
+        built: LocalImage | None = None
+        if spec.rootfs is None and (spec.build is not None or spec.image is not None):
+            # The task's image, built and unpacked once per content hash (sandboxes/images/local.py):
+            # the lower layer of the sandbox's root, with its config for every exec.
+            self._images = self._images or LocalImages(self.config.images)
+            built = await anyio.to_thread.run_sync(self._images.get, spec)
+            spec = spec.model_copy(update={"rootfs": str(built.rootfs)})
         self._validate(spec)
-        image = self.image_config(spec)
+        image = built.config if built is not None else self.image_config(spec)
         sandbox_id = secrets.token_hex(6)
         host_dir = self.root / sandbox_id
         zygote, cgroup = self._zygote(sandbox_id, spec.resources)
@@ -183,6 +192,8 @@ class LocalSandboxProvider:
             on_close=self._give_back,
             init_pid=init_pid,
         )
+        if built is not None:  # the bases it was built on (recorded in the episode's metadata)
+            sandbox.image_bases = built.bases
         try:
             for path, text in spec.files.items():
                 await sandbox.write_file(path, text)

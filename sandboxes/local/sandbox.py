@@ -34,6 +34,7 @@ from miles_env.types import ExecResult, SandboxSpec
 
 from ..execargs import command_argv, exec_args
 from ..images.oci import ImageConfig
+from ..images.resolve import ResolvedImage
 from ..results import RawResult, classify
 from .bridge import Bridge
 from .cgroup import PidsCgroup
@@ -48,6 +49,9 @@ __all__ = ["LocalSandbox"]
 
 class LocalSandbox:
     """A Sandbox (miles_env.sandbox.Sandbox) backed by bubblewrap; built by LocalSandboxProvider."""
+
+    # Set by the provider when the sandbox's root is a task image it built (sandboxes/images/local.py).
+    image_bases: tuple[ResolvedImage, ...] = ()
 
     def __init__(
         self,

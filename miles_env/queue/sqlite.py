@@ -1,37 +1,28 @@
-"""Durable replay queue: episodes in, leased GRPO groups out (SQLite, WAL).
+"""The replay queue on SQLite (WAL): the embedded default backend of contract.py's `ReplayQueue`.
 
-Concept: rollout workers `put` episodes; a group (the episodes of one task
-sampled together, sharing `group_id`) becomes *pending* once `group_size`
-episodes arrived. The trainer `take`s pending groups under a lease, trains on
-them, and `ack`s them once the model state that saw them is durable (a
-checkpoint). `release` or lease expiry returns a group to pending.
+Concept: one file in the run directory holds the groups, their episodes and the quarantine
+(sqlite_schema.py); rollout workers `put`, the trainer `take`s under a lease and `ack`s after its
+checkpoint (contract.py has the group lifecycle).
 
-Invariants: an episode id is stored once (a retried `put` is a no-op); a group
-is never returned while leased or after it is acked; a group whose oldest weight
-version is older than `current_version - max_staleness` is dropped as stale
-(counted, never returned). Every state change is one SQLite transaction, so a
-crash of either side loses nothing that was committed.
+Invariants: an episode id is stored once (a retried `put` is a no-op); a group is never returned
+while leased or after it is acked; a group whose oldest weight version is older than
+`current_version - max_staleness` is dropped as stale (counted, never returned). Every state
+change is one SQLite transaction, so a crash of either side loses nothing that was committed.
 
-Integrity: `put` stores a sha256 of each episode's bytes (episode_codec.py);
-`take` re-checks it. An episode whose bytes changed at rest (SQLite's integrity
-check does not look inside a BLOB) is recorded in the `quarantine` table and its
-group moves to state quarantined: never trained, counted in `stats`, logged once.
-Databases from before the checksum column gain it on open (rows still to be
-trained get the checksum of their bytes as found). SQLite failures (disk full,
-not a database) surface as QueueError carrying SQLite's own message.
+Integrity: `put` stores a sha256 of each episode's bytes (codec.py); `take` re-checks it. An
+episode whose bytes changed at rest (SQLite's integrity check does not look inside a BLOB) is
+recorded in the `quarantine` table and its group moves to state quarantined: never trained,
+counted in `stats`, logged once. SQLite failures (disk full, not a database) surface as
+QueueError carrying SQLite's own message.
 
-Crash recipe (see trainer/loop.py): the trainer records the episode ids of each
-step in its checkpoint and acks only after the checkpoint is durable; on restart
-`recover(trained_ids)` acks what the checkpoint already contains and releases
-every other lease, so nothing is lost and nothing is trained twice.
+Crash recipe (see trainer/loop.py): the trainer records the episode ids of each step in its
+checkpoint and acks only after the checkpoint is durable; on restart `recover(trained_ids)` acks
+what the checkpoint already contains and releases every other lease, so nothing is lost and
+nothing is trained twice.
 
-Lifecycle of a group: open -> pending -> leased -> acked, with leased -> pending
-(release, expiry, recover), pending -> stale (staleness filter) and pending ->
-quarantined (checksum mismatch at take).
-
-One implementation: the synchronous, thread-safe methods below (one SQLite
-connection per thread, sqlite_db.py; several processes may share the file). `AsyncReplayQueue`
-(queue_aio.py) is a thin anyio wrapper for the async orchestrator and trainer loop.
+One implementation: the synchronous, thread-safe methods below (one SQLite connection per thread,
+sqlite_db.py; several processes may share the file). `AsyncReplayQueue` (aio.py) is a thin anyio
+wrapper for the async orchestrator and trainer loop.
 """
 
 from __future__ import annotations
@@ -43,121 +34,26 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
-
-from miles_env.episode_codec import decode_episode, encode_episode, payload_checksum
-from miles_env.errors import MilesEnvError
-from miles_env.queue_aio import POLL_S, AsyncReplayQueue
-from miles_env.queue_contract import group_version, wait_for_capacity
-from miles_env.sqlite_db import SqliteFile
+from miles_env.queue.aio import AsyncReplayQueue
+from miles_env.queue.codec import decode_episode, encode_episode, payload_checksum
+from miles_env.queue.contract import (
+    GroupState,
+    Lease,
+    OpenGroup,
+    QueueError,
+    QueueStats,
+    group_version,
+    wait_for_capacity,
+)
+from miles_env.queue.sqlite_db import SqliteFile
+from miles_env.queue.sqlite_schema import open_schema
 from miles_env.types import Episode
 
-__all__ = [
-    "QueueError",
-    "Lease",
-    "OpenGroup",
-    "QueueStats",
-    "SqliteReplayQueue",
-    "AsyncReplayQueue",
-    "GroupState",
-    "encode_episode",
-    "decode_episode",
-]
+__all__ = ["SqliteReplayQueue"]
 
 log = logging.getLogger(__name__)
-
-
-class QueueError(MilesEnvError):
-    """The replay queue refused an operation (bad group, unknown lease, wrong group_size) or its
-    SQLite storage failed (the message then carries SQLite's, e.g. "database or disk is full")."""
-
-
-class GroupState(StrEnum):
-    """A group's state, stored as its string value in the `groups` table."""
-
-    OPEN = "open"  # fewer than group_size episodes so far
-    PENDING = "pending"  # complete, waiting for the trainer
-    LEASED = "leased"
-    ACKED = "acked"
-    STALE = "stale"
-    QUARANTINED = "quarantined"  # an episode's stored bytes failed their checksum
-
-
-_STATES = tuple(GroupState)
-
-
-@dataclass(frozen=True, slots=True)
-class Lease:
-    lease_id: str
-    group_id: str
-    episodes: tuple[Episode, ...]
-    expires_at: float
-
-    @property
-    def episode_ids(self) -> list[str]:
-        return [e.id for e in self.episodes]
-
-
-@dataclass(frozen=True, slots=True)
-class OpenGroup:
-    """A group with fewer than group_size episodes stored (its producer died between two puts):
-    `n_have` episodes of task `task_id`; putting the missing ones under `group_id` completes it."""
-
-    group_id: str
-    task_id: str
-    n_have: int
-
-
-class QueueStats(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    group_size: int
-    max_pending_groups: int
-    open_groups: int
-    pending_groups: int
-    leased_groups: int
-    acked_groups: int
-    stale_groups: int
-    quarantined_groups: int
-    complete_groups: int
-    episodes: dict[str, int]  # group state -> number of episodes
-    stale_dropped_episodes: int
-    quarantined_episodes: int  # episodes whose own bytes failed their checksum
-
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS groups (
-    group_id TEXT PRIMARY KEY,
-    n INTEGER NOT NULL,
-    min_version INTEGER NOT NULL,
-    state TEXT NOT NULL,
-    lease_id TEXT,
-    lease_expires REAL,
-    completed_at REAL
-);
-CREATE INDEX IF NOT EXISTS groups_state ON groups (state, completed_at);
-CREATE INDEX IF NOT EXISTS groups_lease ON groups (lease_id);
-CREATE TABLE IF NOT EXISTS episodes (
-    id TEXT PRIMARY KEY,
-    group_id TEXT NOT NULL,
-    seq INTEGER NOT NULL,
-    meta TEXT NOT NULL,
-    arrays BLOB NOT NULL,
-    checksum TEXT
-);
-CREATE INDEX IF NOT EXISTS episodes_group ON episodes (group_id, seq);
-CREATE TABLE IF NOT EXISTS quarantine (
-    episode_id TEXT PRIMARY KEY,
-    group_id TEXT NOT NULL,
-    reason TEXT NOT NULL,
-    at REAL NOT NULL
-);
-"""
 
 
 class SqliteReplayQueue:
@@ -177,11 +73,7 @@ class SqliteReplayQueue:
         self.max_pending_groups = max_pending_groups
         self._db = SqliteFile(self.path, what="replay queue", error=QueueError, synchronous=synchronous)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = self._conn()
-        with self._db.errors():
-            conn.executescript(_SCHEMA)
-        self._add_checksums(conn)
-        self.group_size = self._init_group_size(conn, group_size)
+        self.group_size = open_schema(self._db, group_size)
 
     # -- connection and transactions -------------------------------------------------------------
 
@@ -190,38 +82,6 @@ class SqliteReplayQueue:
 
     def _write(self) -> AbstractContextManager[sqlite3.Connection]:
         return self._db.write()
-
-    def _add_checksums(self, conn: sqlite3.Connection) -> None:
-        """Migrate a database from before the checksum column: add it, and checksum the rows that
-        may still be trained (acked and stale ones are never read again)."""
-        with self._write():
-            if any(col[1] == "checksum" for col in conn.execute("PRAGMA table_info(episodes)")):
-                return
-            conn.execute("ALTER TABLE episodes ADD COLUMN checksum TEXT")
-            rows = conn.execute(
-                "SELECT e.id, CAST(e.meta AS BLOB), e.arrays FROM episodes e JOIN groups g USING (group_id) "
-                "WHERE g.state IN (?, ?, ?)",
-                (GroupState.OPEN, GroupState.PENDING, GroupState.LEASED),
-            ).fetchall()
-            conn.executemany(
-                "UPDATE episodes SET checksum=? WHERE id=?", [(payload_checksum(m, b), i) for i, m, b in rows]
-            )
-
-    def _init_group_size(self, conn: sqlite3.Connection, group_size: int | None) -> int:
-        with self._write():
-            row = conn.execute("SELECT value FROM meta WHERE key='group_size'").fetchone()
-            if row is None:
-                if group_size is None:
-                    raise QueueError(f"{self.path}: new queue database needs group_size")
-                if group_size < 1:
-                    raise QueueError(f"group_size={group_size}: must be >= 1")
-                conn.execute("INSERT INTO meta VALUES ('group_size', ?)", (str(group_size),))
-                conn.execute("INSERT INTO meta VALUES ('stale_dropped', '0')")
-                return group_size
-        stored = int(row[0])
-        if group_size is not None and group_size != stored:
-            raise QueueError(f"group_size={group_size} but {self.path} was created with group_size={stored}")
-        return stored
 
     def close(self) -> None:
         self._db.close()
@@ -274,7 +134,7 @@ class SqliteReplayQueue:
 
     def wait_for_capacity(self, timeout: float | None = None) -> bool:
         """Block while max_pending_groups complete groups are waiting; False on timeout."""
-        return wait_for_capacity(self, timeout, POLL_S)
+        return wait_for_capacity(self, timeout)
 
     # -- consumer side ---------------------------------------------------------------------------
 
@@ -456,7 +316,7 @@ class SqliteReplayQueue:
 
     def stats(self) -> QueueStats:
         conn = self._conn()
-        groups = dict.fromkeys(_STATES, 0)
+        groups = dict.fromkeys(tuple(GroupState), 0)
         episodes = dict(groups)
         with self._db.errors():
             for state, n_groups, n_eps in conn.execute(

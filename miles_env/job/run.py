@@ -1,7 +1,7 @@
 """The main job: agentic RL in one process (`miles-env train CONFIG`).
 
 This module only wires: config -> environment, harness, engine, stack (proxy, sandboxes),
-replay queue, trainer (resolved and built by job_plan.py), then hands them to the one training loop
+replay queue, trainer (resolved and built by plan.py), then hands them to the one training loop
 (`miles_env.trainer.loop.TrainLoop`), whose `StepHooks` `_Job` implements: rollouts into the
 queue (in line for sync, concurrent producers for fully_async), weight sync after each step
 (engine version = trainer step), eval every N steps, metrics and console output, and its rng
@@ -37,7 +37,7 @@ from miles_env.engines.base import (
 from miles_env.errors import ConfigError
 from miles_env.evals import build_evaluator
 from miles_env.evals.base import EvalSetup, episode_stats
-from miles_env.job_plan import (
+from miles_env.job.plan import (
     Dispatch,
     JobPlan,
     build_job_trainer,
@@ -47,10 +47,10 @@ from miles_env.job_plan import (
     rollout_dispatch,
     write_resolved,
 )
-from miles_env.job_sync import build_syncer, sync_weights
+from miles_env.job.sync import build_syncer, sync_weights
 from miles_env.jsonio import write_json
 from miles_env.opd import Teacher, build_teacher, opd_metrics
-from miles_env.queue import AsyncReplayQueue
+from miles_env.queue.aio import AsyncReplayQueue
 from miles_env.rollout import RolloutContext, run_group
 from miles_env.runlog import RunLog
 from miles_env.trainer.loop import StepHooks, StepResult, TrainerBackend, TrainLoop
@@ -263,7 +263,7 @@ async def _follow(cfg: RunConfig, rank: int) -> dict[str, Any]:
 
 async def run_training(cfg: RunConfig, console: Console) -> dict[str, Any]:
     """Run (or resume) the job described by `cfg`; return the final summary."""
-    from miles_env.queue_config import build_queue
+    from miles_env.queue.config import build_queue
     from miles_env.stack import open_stack
     from miles_env.trainer.ranks import Leader, torchrun_rank
 
@@ -299,7 +299,7 @@ async def run_training(cfg: RunConfig, console: Console) -> dict[str, Any]:
             eval_ctx = replace(
                 stack.rollout_context(plan.env, plan.eval_harness, timeout_s, limits), guards=cfg.guards
             )
-            queue = queue_sync.aio
+            queue = AsyncReplayQueue(queue_sync)
             job = _Job(cfg, plan, contexts=(ctx, eval_ctx), queue=queue, trainer=trainer, engine=engine,
                        log=log, console=console, dispatch=dispatch, teacher=teacher)  # fmt: skip
             async with job.evaluator:  # what eval.mode owns (a dedicated engine) lives for the run

@@ -1,7 +1,7 @@
-"""The Lua scripts of the Redis replay queue: each state change of queue_redis.py, as one atomic step.
+"""The Lua scripts of the Redis replay queue: each state change of redis.py, as one atomic step.
 
 Concept: Redis runs a script alone, start to finish, and its AOF logs the script's writes as one
-MULTI/EXEC block, so a script is what a SQLite transaction is to queue.py: a crash (of Redis or of
+MULTI/EXEC block, so a script is what a SQLite transaction is to sqlite.py: a crash (of Redis or of
 a client) leaves every script either whole or absent. A script that raises does not roll back
 what it already wrote, so the scripts that can refuse (`FINISH`) check every lease before their
 first write.
@@ -14,7 +14,7 @@ lives in one slot):
   P:ge:GID        list   the group's episode ids, in arrival order
   P:e:EID         hash   g (group id), seq, meta, arrays, sum (sha256); the three payload
                          fields are deleted once the group is acked or stale (never read again)
-  P:pending       zset   pending groups by completion time (ties by group id, as queue.py)
+  P:pending       zset   pending groups by completion time (ties by group id, as sqlite.py)
   P:pendv         zset   the same groups by their oldest weight version (the staleness filter)
   P:leased        zset   leased groups by lease expiry
   P:count         hash   "g:STATE" groups and "e:STATE" episodes per state

@@ -1,28 +1,22 @@
-"""The anyio face of the replay queue: `SqliteReplayQueue.aio`.
+"""The anyio face of the replay queue: `AsyncReplayQueue(queue)`, also a backend's `.aio`.
 
-Concept: one implementation, the synchronous thread-safe queue (queue.py); each call here runs
-the sync method in a worker thread. Waiting for capacity polls with anyio.sleep, so a blocked
-producer holds no thread, and polls rather than waits on an Event because the consumer that
-frees capacity may be another process.
+Concept: one implementation, the synchronous thread-safe queue of either backend (contract.py's
+`ReplayQueue`); each call here runs the sync method in a worker thread. Waiting for capacity polls
+with anyio.sleep, so a blocked producer holds no thread, and polls rather than waits on an Event
+because the consumer that frees capacity may be another process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 import anyio
 import anyio.to_thread
 
+from miles_env.queue.contract import POLL_S, Lease, OpenGroup, QueueStats, ReplayQueue
 from miles_env.types import Episode
 
-if TYPE_CHECKING:
-    from miles_env.queue import Lease, OpenGroup, QueueStats
-    from miles_env.queue_contract import ReplayQueue
-
-__all__ = ["AsyncReplayQueue", "POLL_S"]
-
-POLL_S = 0.05
+__all__ = ["AsyncReplayQueue"]
 
 
 class AsyncReplayQueue:

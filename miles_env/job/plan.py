@@ -5,7 +5,7 @@ stack configs, model path) without building anything heavy; `build_job_trainer` 
 (in this process, or as a Ray actor on a trainer node); `job_engine` the engine (in this process,
 or a client of engine actors Ray placed); `rollout_dispatch` where groups are rolled out (here, or
 on Ray rollout workers); `loop_config` the TrainLoop's settings; `write_resolved` RUN_DIR/config.yaml
-(the resolved config with the environment's distribution). job.py wires these together.
+(the resolved config with the environment's distribution). run.py wires these together.
 """
 
 from __future__ import annotations

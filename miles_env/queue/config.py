@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
-    from miles_env.queue_contract import ReplayQueue
+    from miles_env.queue.contract import ReplayQueue
 
 __all__ = ["SqliteQueueConfig", "RedisQueueConfig", "QueueConfig", "build_queue"]
 
@@ -63,7 +63,7 @@ def build_queue(
 ) -> ReplayQueue:
     """Open (or create) the run's replay queue. `group_size=None` opens an existing one."""
     if isinstance(cfg, SqliteQueueConfig):
-        from miles_env.queue import SqliteReplayQueue
+        from miles_env.queue.sqlite import SqliteReplayQueue
 
         return SqliteReplayQueue(
             run_dir / cfg.file,
@@ -71,7 +71,7 @@ def build_queue(
             max_pending_groups=max_pending_groups,
             synchronous=cfg.synchronous,
         )
-    from miles_env.queue_redis import RedisReplayQueue
+    from miles_env.queue.redis import RedisReplayQueue
 
     return RedisReplayQueue(
         cfg.url,

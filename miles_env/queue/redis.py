@@ -1,13 +1,13 @@
-"""The replay queue on Redis: the contract of queue.py, shared by rollout and trainer hosts.
+"""The replay queue on Redis: the contract of contract.py, shared by rollout and trainer hosts.
 
 Concept: the same queue as `SqliteReplayQueue` (GRPO groups complete at `group_size`, leases,
 acks after the checkpoint, staleness filter, back-pressure, per-episode sha256 checks with
 quarantine), for runs whose producers and trainer do not share a disk. SQLite stays the
 embedded default; tests/queue_contract.py runs one suite against both.
 
-Invariant: every state change is one Lua script (queue_redis_scripts.py), which Redis runs
+Invariant: every state change is one Lua script (redis_scripts.py), which Redis runs
 alone and its append-only file (AOF) logs whole, so a crash of Redis or of a client keeps each
-change whole or absent, as queue.py's transactions do. The queue refuses a server without AOF
+change whole or absent, as sqlite.py's transactions do. The queue refuses a server without AOF
 (`require_aof`): a restart would lose everything. Run it with `appendfsync always`: Redis then
 writes and fsyncs before it replies, so a put or ack that returned survives a crash of Redis and a
 power cut alike. With `everysec` (warned about at open) a reply means only "in the kernel, soon":
@@ -21,7 +21,7 @@ steps; release must return a group ahead of newer ones; the staleness filter dro
 groups by their oldest weight version; and each change must move the counters that `stats`
 and back-pressure read. A script over hashes and sorted sets does each in one atomic step.
 
-Integrity: `put` stores the sha256 of each episode's bytes (episode_codec.py); `take` leases
+Integrity: `put` stores the sha256 of each episode's bytes (codec.py); `take` leases
 groups in one script, checks them here, and moves a group with a bad episode to quarantined in a
 second script. A client that dies between the two only leaves a lease that expires, and the
 next `take` checks that group again. Payloads of acked and stale groups are deleted (Redis holds
@@ -45,12 +45,19 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from miles_env import queue_redis_scripts as lua
-from miles_env.episode_codec import decode_episode, encode_episode, payload_checksum
 from miles_env.jsonio import dumps
-from miles_env.queue import GroupState, Lease, OpenGroup, QueueError, QueueStats
-from miles_env.queue_aio import POLL_S, AsyncReplayQueue
-from miles_env.queue_contract import group_version, wait_for_capacity
+from miles_env.queue import redis_scripts as lua
+from miles_env.queue.aio import AsyncReplayQueue
+from miles_env.queue.codec import decode_episode, encode_episode, payload_checksum
+from miles_env.queue.contract import (
+    GroupState,
+    Lease,
+    OpenGroup,
+    QueueError,
+    QueueStats,
+    group_version,
+    wait_for_capacity,
+)
 from miles_env.types import Episode
 
 if TYPE_CHECKING:
@@ -210,7 +217,7 @@ class RedisReplayQueue:
 
     def wait_for_capacity(self, timeout: float | None = None) -> bool:
         """Block while max_pending_groups complete groups are waiting; False on timeout."""
-        return wait_for_capacity(self, timeout, POLL_S)
+        return wait_for_capacity(self, timeout)
 
     # -- consumer side ---------------------------------------------------------------------------
 
