@@ -73,7 +73,7 @@ class DockerSandbox:
         image: ImageConfig | None = None,
     ) -> None:
         self.id = name
-        self.image = image or ImageConfig()  # the image's ENV, USER, WORKDIR, which every exec gets
+        self.image_config = image or ImageConfig()  # the image's ENV, USER, WORKDIR, which every exec gets
         self.container_id = cid
         self.workdir = spec.workdir
         self.spec = spec
@@ -172,7 +172,7 @@ class DockerSandbox:
         res = self.spec.resources
         # No HOME: the engine sets the exec user's passwd home itself, as `docker exec` does.
         args = exec_args(
-            self.spec, self.workdir, timeout=timeout, cwd=cwd, env=env, stdin=stdin, image=self.image
+            self.spec, self.workdir, timeout=timeout, cwd=cwd, env=env, stdin=stdin, image=self.image_config
         )
         out = await self._run(
             self._wrap(cmd),

@@ -72,7 +72,7 @@ class LocalSandbox:
         self.spec = spec
         self.storage = storage
         self.host_dir = storage.host_dir  # bookkeeping (owner.json); the files are under storage.base
-        self.image = image  # None: the host's view (no image); else the image's ENV, USER, WORKDIR
+        self.image_config = image  # None: the host's view (no image); else the image's ENV, USER, WORKDIR
         self.user = user or ExecUser(0, 0, (0,), spec.workdir, "root")
         self._max_read_bytes = max_read_bytes
         self._cgroup = cgroup
@@ -94,7 +94,7 @@ class LocalSandbox:
         self, cmd: Command, *, cwd: str | None, env: Mapping[str, str] | None, timeout: float | None = None
     ) -> tuple[ZygoteChild, float]:
         """Start `cmd` in the sandbox (exec's and spawn's first half); the child and its time limit."""
-        home = self.user.home if self.image is not None else None
+        home = self.user.home if self.image_config is not None else None
         args = exec_args(
             self.spec,
             self.workdir,
@@ -102,7 +102,7 @@ class LocalSandbox:
             cwd=cwd,
             env=env,
             stdin=None,
-            image=self.image,
+            image=self.image_config,
             home=home,
         )
         child = self._zygote.spawn(
