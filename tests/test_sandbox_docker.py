@@ -79,9 +79,17 @@ def image_spec(contract_image) -> SandboxSpec:
 
 
 class TestDockerContract(SandboxContract):
-    def writable_root(self, provider) -> bool:
-        # A writable root only where the engine caps the container's layer (provider.py).
-        return bool(provider.layer_quota)
+    async def test_the_writable_root_is_within_the_disk_quota(self, provider):
+        """Where the engine caps the layer (storage_opt) the contract's hard cap; elsewhere the
+        disk watchdog (watchdog.py): the episode ends with one SandboxError naming disk_mb."""
+        if await _engine_caps_layers(provider):
+            return await super().test_the_writable_root_is_within_the_disk_quota(provider)
+        async with await provider.create(SandboxSpec(resources=Resources(disk_mb=8, timeout_s=60))) as sb:
+            fill = (
+                "mkdir -p /opt/fill && for i in $(seq 8); do head -c 2097152 /dev/zero > /opt/fill/f$i; done"
+            )
+            with pytest.raises(SandboxError, match=r"disk quota exceeded: .* past disk_mb=8 MB"):
+                await sb.exec(fill + "; sleep 40")  # 16 MiB into a layer of 8, then wait to be ended
 
 
 class TestDockerHostile(HostileContract):
@@ -153,11 +161,15 @@ async def test_gigabyte_of_output_is_truncated_fast(provider):
         assert len(r.stderr) == 1 << 16
 
 
-async def test_cannot_write_outside_workspace(provider):
+async def test_writes_outside_workspace_stay_in_the_containers_layer(provider):
+    """The root is writable (as `docker run` gives): such writes land in the container's own layer,
+    never on the host; write_file still takes only the writable mounts' paths."""
+    token = os.urandom(4).hex()
     async with await provider.create(SandboxSpec()) as sb:
-        for target in ("/usr/evil", "/etc/evil", "/evil", "/root/evil"):
-            r = await sb.exec(f"echo x > {target}")
-            assert r.exit_code != 0, target
+        for target in (f"/usr/evil-{token}", f"/etc/evil-{token}", f"/evil-{token}", f"/root/evil-{token}"):
+            r = await sb.exec(f"mkdir -p $(dirname {target}) && echo x > {target} && cat {target}")
+            assert r.stdout == "x\n", (target, r)
+            assert not os.path.exists(target), target
         with pytest.raises(SandboxError, match="outside"):
             await sb.write_file("/etc/evil", "x")
 
@@ -210,6 +222,90 @@ async def test_the_images_own_workspace_files_are_kept(provider, tmp_path):
         r = await sb.exec("cat seed/seed.txt hard; grep ' /workspace ' /proc/self/mounts")
         assert r.stdout.startswith("from the imagefrom the image") and "tmpfs" in r.stdout, r
         assert await sb.read_file("seed/seed.txt") == b"from the image"
+
+
+async def test_a_non_root_user_writes_its_own_workdir(provider, tmp_path):
+    """The workspace tmpfs takes the image directory's owner and mode, as docker's own volumes do:
+    an image whose USER owns its WORKDIR (Terminal-Bench's `USER app` tasks) can write it."""
+    from miles_env.sandboxes.docker import DEFAULT_IMAGE
+
+    (tmp_path / "Dockerfile").write_text(
+        f"FROM {DEFAULT_IMAGE}\nRUN mkdir -p /app && echo seed > /app/seed && chown -R 1000:1000 /app "
+        "&& chmod 0750 /app\nUSER 1000\nWORKDIR /app\n"
+    )
+    async with await provider.create(SandboxSpec(build=str(tmp_path), workdir="/app")) as sb:
+        r = await sb.exec("id -u; stat -c '%u %g %a' /app; echo 'int main(){}' > sum.c && cat seed sum.c")
+        assert r.stdout == "1000\n1000 1000 750\nseed\nint main(){}\n", r
+        assert "tmpfs" in (await sb.exec("grep ' /app ' /proc/self/mounts")).stdout
+    async with await provider.create(SandboxSpec()) as sb:  # an image without the dir: root's 0755
+        assert (await sb.exec("stat -c '%u %a' .")).stdout == "0 755\n"
+
+
+async def _engine_caps_layers(provider) -> bool:
+    """Whether this engine caps a container's writable layer (storage_opt): one probe sandbox."""
+    if provider.layer_quota is None:
+        async with await provider.create(SandboxSpec()):
+            pass
+    return bool(provider.layer_quota)
+
+
+@pytest.fixture
+def watched(docker_engine, tmp_path):
+    """A provider that bounds every root layer with the watchdog (as on overlay2 over ext4), polling fast."""
+    from miles_env.sandboxes.docker import DockerSandboxConfig, DockerSandboxProvider
+
+    p = DockerSandboxProvider(
+        DockerSandboxConfig(
+            base_url=docker_engine, run_root=str(tmp_path / "run"), run_id="pytest-" + os.urandom(3).hex(),
+            disk_poll_s=0.5,
+        )
+    )  # fmt: skip
+    p.layer_quota = False  # the watchdog's path even on an engine that could cap layers
+    yield p
+    left = p.client.api.containers(all=True, filters={"label": f"miles-env.run-id={p.owner.run_id}"})
+    for c in left:
+        p.remove_sync(c["Id"])
+    assert left == [], "containers leaked"
+
+
+async def test_the_watchdog_ends_only_the_sandbox_that_fills_its_root(watched):
+    spec = SandboxSpec(resources=Resources(disk_mb=16, timeout_s=60))
+    async with await watched.create(spec) as sb, await watched.create(spec) as sibling:
+        mine = "mkdir -p /opt /var/tmp && head -c 4194304 /dev/zero > /opt/mine && echo ok"
+        assert (await sibling.exec(mine)).stdout == "ok\n"
+        # 4 MiB files (each under RLIMIT_FSIZE = disk_mb) to 24 MiB in /var/tmp and /opt: the layer, not a mount.
+        fill = "mkdir -p /opt /var/tmp; for i in 1 2 3; do dd if=/dev/zero of=/var/tmp/f$i bs=1M count=4; dd if=/dev/zero of=/opt/f$i bs=1M count=4; done 2>/dev/null"
+        with pytest.raises(
+            SandboxError,
+            match=r"^sandbox \S+: disk quota exceeded: the root's writable layer grew past disk_mb=16 MB",
+        ):
+            await sb.exec(fill + "; sleep 40")
+        with pytest.raises(SandboxError, match="disk quota exceeded"):
+            await sb.exec("echo again")
+        with pytest.raises(SandboxError, match="disk quota exceeded"):
+            await sb.read_file("x")
+        assert not watched.client.api.inspect_container(sb.id)["State"]["Running"]
+        # The sibling goes on: its files, its execs, its layer still watched.
+        r = await sibling.exec("wc -c < /opt/mine && echo more > /var/tmp/more && cat /var/tmp/more")
+        assert r.stdout == "4194304\nmore\n", r
+        assert watched.watchdog.verdict(sibling.container_id) is None
+    # No sandbox left: the watchdog's thread ends by itself; aclose joins it either way.
+    for _ in range(40):
+        if not watched.watchdog.alive():
+            break
+        await anyio.sleep(0.1)
+    assert not watched.watchdog.alive()
+    await watched.aclose()
+
+
+async def test_a_layer_the_engine_cannot_measure_ends_the_sandbox(watched):
+    """A path past PATH_MAX makes the engine's size walk fail (SizeRw -1): that cannot blind the watchdog."""
+    async with await watched.create(SandboxSpec(resources=Resources(disk_mb=64, timeout_s=60))) as sb:
+        deep = "d=$(printf 'a%.0s' $(seq 250)); mkdir -p /opt && cd /opt && for i in $(seq 20); do mkdir $d && cd $d || break; done"
+        with pytest.raises(SandboxError, match="disk quota unverifiable"):
+            await sb.exec(deep + "; sleep 40")
+    await watched.aclose()
+    assert not watched.watchdog.alive()
 
 
 # -- faults ---------------------------------------------------------------------------------------

@@ -40,6 +40,13 @@ class DockerSandboxConfig(BaseModel):
     build_network: Literal["default", "host"] | None = Field(
         None, description="network of RUN steps in builds; None = the engine's bridge, else the host's"
     )
+    disk_poll_s: float = Field(
+        2.0,
+        gt=0,
+        le=60,
+        description="how often the disk watchdog measures each sandbox's writable layer where the engine "
+        "cannot cap it (overlay2 on ext4): the slack past disk_mb is this interval at disk speed",
+    )
     max_read_bytes: int = Field(
         64 << 20, gt=0, description="largest file read_file() returns; a larger one is a SandboxError"
     )

@@ -10,10 +10,12 @@ Invariant: read_file never returns, and never streams into memory, more than
 `max_read_bytes` (+ one tar header's slack): the size is checked first (a HEAD of the
 archive endpoint, or `stat` in /tmp) and again while reading, since a file may grow.
 
-Seeding: the engine fills an empty named volume from the image, but not a tmpfs one;
-`workdir_seed()` reads the image's own files under the workdir once (through a
-container that never starts) as a tar re-rooted at the workdir, for the provider to
-copy into each new sandbox's volume (capped at disk_mb).
+Seeding: the engine fills an empty named volume from the image (files, and the directory's
+owner and mode), but not a tmpfs one; `workdir_seed()` reads the image's own files under the
+workdir once (through a container that never starts) as a tar re-rooted at the workdir, for
+the provider to copy into each new sandbox's volume (capped at disk_mb), and the directory's
+own uid, gid and mode, which become the tmpfs's mount options (so an image whose non-root
+USER owns its WORKDIR can write it, as under docker's own volumes).
 
 All calls into the Docker SDK here are synchronous; `ContainerFiles` runs them in a
 worker thread, `workdir_seed()` expects to be called from one.
@@ -39,7 +41,7 @@ from miles_env.errors import SandboxError
 
 from .exec import ExecOutcome
 
-__all__ = ["ContainerFiles", "ErrorExplainer", "ExecRunner", "strip_top", "workdir_seed"]
+__all__ = ["ContainerFiles", "ErrorExplainer", "ExecRunner", "WorkdirSeed", "strip_top", "workdir_seed"]
 
 # Writes stdin to $1, making its parents; refuses a symlink at $1.
 _WRITE_TMP = 'mkdir -p "$(dirname "$1")" && [ ! -L "$1" ] && cat > "$1"'
@@ -72,26 +74,45 @@ class ErrorExplainer(Protocol):
     async def __call__(self, e: BaseException, what: str) -> SandboxError: ...
 
 
-def strip_top(archive: bytes) -> bytes:
-    """A tar of `dir/...` (as the archive API returns a directory) re-rooted at `dir`; b"" if empty."""
+@dataclass(frozen=True, slots=True)
+class WorkdirSeed:
+    """The image's workdir: its files (a tar relative to it, b"" if none) and its own owner and mode."""
+
+    tar: bytes = b""
+    uid: int = 0
+    gid: int = 0
+    mode: int = 0o755  # a workdir the image lacks: made root-owned 0755, as the engine makes it
+
+    def mount_opts(self) -> str:
+        """tmpfs mount options that give the mount point the image directory's owner and mode."""
+        return f"uid={self.uid},gid={self.gid},mode={self.mode & 0o7777:04o}"
+
+
+def strip_top(archive: bytes) -> WorkdirSeed:
+    """A tar of `dir/...` (as the archive API returns a directory) re-rooted at `dir`, and dir's owner."""
     out = io.BytesIO()
     count = 0
+    top: tarfile.TarInfo | None = None
     with tarfile.open(fileobj=io.BytesIO(archive)) as src, tarfile.open(fileobj=out, mode="w") as dst:
         for member in src:
             _, sep, rest = member.name.partition("/")
             if not sep or not rest:
-                continue  # the directory itself: the mount point keeps its own mode
+                top = top or member  # the directory itself: its owner and mode go to the mount point
+                continue
             data = src.extractfile(member) if member.isfile() else None
             member.name = rest
             if member.islnk():  # a hard link names its target by archive path, re-rooted too
                 member.linkname = member.linkname.partition("/")[2]
             dst.addfile(member, data)
             count += 1
-    return out.getvalue() if count else b""
+    tar = out.getvalue() if count else b""
+    if top is None or not top.isdir():
+        return WorkdirSeed(tar)
+    return WorkdirSeed(tar, top.uid, top.gid, top.mode)
 
 
-def workdir_seed(api: Any, image_id: str, workdir: str, disk_mb: int, labels: dict[str, str]) -> bytes:
-    """The image's own files under `workdir` as a tar relative to it (b"" when it has none); blocking."""
+def workdir_seed(api: Any, image_id: str, workdir: str, disk_mb: int, labels: dict[str, str]) -> WorkdirSeed:
+    """The image's own files under `workdir` and that directory's owner and mode; blocking."""
     helper = api.create_container(image_id, command=["true"], labels=labels)["Id"]
     try:
         stream, _ = api.get_archive(helper, workdir)
@@ -102,7 +123,7 @@ def workdir_seed(api: Any, image_id: str, workdir: str, disk_mb: int, labels: di
                 raise SandboxError(f"the image's files under {workdir} exceed disk_mb={disk_mb}")
         return strip_top(bytes(raw))
     except docker.errors.NotFound:
-        return b""
+        return WorkdirSeed()
     finally:
         api.remove_container(helper, force=True)
 

@@ -5,9 +5,12 @@ imported once as an image, or `spec.build` built once per content hash by build.
 resolved through sandboxes/images, RUN steps with a build network),
 kept alive by `sleep infinity` under docker-init, with a named volume at spec.workdir,
 a tmpfs /tmp, no network (`network_mode=none`), and memory, CPU and pids limits. Its
-root is writable (the container's own layer, as `docker run` gives) where the engine can
-cap that layer at disk_mb (`storage_opt size`: overlay2 on xfs with pquota); elsewhere it
-stays read-only, since an uncapped layer would let a sandbox fill the engine's disk. Every
+root is always writable (the container's own layer, as `docker run` gives, so apt-get,
+pip and writes under /opt work as for every Harbor user). Where the engine can cap that
+layer at disk_mb (`storage_opt size`: overlay2 on xfs with pquota) the cap is hard;
+elsewhere (overlay2 on ext4, most engines) watchdog.py's DiskWatchdog polls the layer's
+size and kills a sandbox that grows it past disk_mb: a soft bound, whose slack is one poll
+interval (`disk_poll_s`) at the host disk's write speed (see watchdog.py). Every
 exec gets the image's ENV, USER, its user's HOME and WORKDIR (sandbox.py, execargs.py).
 
 Privilege: never privileged; every capability dropped (none is added back: the
@@ -16,7 +19,7 @@ none, while CHOWN, DAC_OVERRIDE, FOWNER, MKNOD, SETUID... would let a command ma
 device nodes or take over files it does not own); no-new-privileges, so a setuid
 file gains nothing. The workspace volume is a tmpfs of the local driver (`size` =
 disk_mb, capped inodes, nosuid,nodev: a setuid-root file made there never acts as
-one on the host), /tmp and /dev/shm are tmpfs of at most disk_mb and 64 MB each.
+one on the host; owner and mode those of the image's own directory, files.py), /tmp and /dev/shm are tmpfs of at most disk_mb and 64 MB each.
 The container's root is still host uid 0 unless the engine remaps users
 (dockerd --userns-remap); that is the engine's configuration, not ours.
 
@@ -25,8 +28,9 @@ host, pid and pid start time, created-at, TTL, host run dir), so `reap()` can
 remove what a crashed run left behind.
 
 Lifecycle: create -> (sandbox.py) exec/files/expose -> close (container and volume
-removed, run dir deleted); create cleans up after itself when it fails or is
-cancelled. The SDK is synchronous: every call runs in a worker thread (engine.py).
+removed, run dir deleted, the watchdog told); create cleans up after itself when it fails or is
+cancelled; the provider's aclose() stops the watchdog's thread (which also ends by itself
+once no sandbox is left). The SDK is synchronous: every call runs in a worker thread (engine.py).
 """
 
 from __future__ import annotations
@@ -57,8 +61,9 @@ from ..ownership import Ownership, is_stale, owner_labels
 from .build import DockerBuilder
 from .config import DockerSandboxConfig
 from .engine import call
-from .files import workdir_seed
+from .files import WorkdirSeed, workdir_seed
 from .sandbox import DockerSandbox
+from .watchdog import DiskWatchdog
 
 __all__ = ["DockerSandboxProvider"]
 
@@ -80,12 +85,14 @@ class DockerSandboxProvider:
         except docker.errors.DockerException as e:
             raise SandboxUnavailable(f"docker: cannot configure a client: {e}") from e
         self.owner = Ownership.here(self.config.run_id, self.config.ttl_s)
-        self._seeds: dict[tuple[str, str], bytes] = {}  # (image id, workdir) -> workdir_seed()
+        self._seeds: dict[tuple[str, str], WorkdirSeed] = {}  # (image id, workdir) -> workdir_seed()
         self._configs: dict[str, ImageConfig] = {}  # image id -> its ENV, USER, WORKDIR
         self.layer_quota: bool | None = None  # can the engine cap a container's writable layer?
         self.run_root = Path(self.config.run_root or Path(tempfile.gettempdir()) / "miles-env-docker")
         self.builder = DockerBuilder(self.client, self.config.images, self.config.build_network)
         self.built_bases: dict[str, tuple[ResolvedImage, ...]] = {}  # build tag -> its resolved bases
+        # Bounds the writable layer where the engine cannot (layer_quota False): watchdog.py.
+        self.watchdog = DiskWatchdog(self.client.api, self.config.disk_poll_s)
 
     async def ping(self) -> None:
         try:
@@ -138,12 +145,20 @@ class DockerSandboxProvider:
         self.built_bases[tag] = bases
         return tag
 
+    def _seed_sync(self, image: str, workdir: str, disk_mb: int, labels: dict[str, str]) -> WorkdirSeed:
+        """The image's workdir files, owner and mode: read once per image (files.py)."""
+        key = (self.client.api.inspect_image(image)["Id"], workdir)
+        if key not in self._seeds:
+            self._seeds[key] = workdir_seed(self.client.api, key[0], workdir, disk_mb, labels)
+        return self._seeds[key]
+
     def _create_sync(self, spec: SandboxSpec, name: str, run_dir: Path, labels: dict[str, str]) -> Any:
         res = spec.resources
         image = self._image_sync(spec)
+        seed = self._seed_sync(image, spec.workdir, res.disk_mb, labels)
         # A tmpfs of the local driver: the quota and nosuid,nodev hold on the host side too.
         inodes = max(1024, res.disk_mb * 128)
-        opts = f"size={res.disk_mb}m,nr_inodes={inodes},nosuid,nodev,mode=0755"
+        opts = f"size={res.disk_mb}m,nr_inodes={inodes},nosuid,nodev,{seed.mount_opts()}"
         self.client.volumes.create(
             name=name,
             labels=labels,
@@ -175,17 +190,15 @@ class DockerSandboxProvider:
             security_opt=["no-new-privileges"],
         )
         container = self._create_container(kwargs, res.disk_mb)
-        key = (container.attrs["Image"], spec.workdir)
-        if key not in self._seeds:  # read once per image: see files.py
-            self._seeds[key] = workdir_seed(self.client.api, key[0], spec.workdir, res.disk_mb, labels)
-        seed = self._seeds[key]
+        if not self.layer_quota:  # watched from before it starts: no write goes unmeasured
+            self.watchdog.watch(container.id, res.disk_mb)
         container.start()
-        if seed:
-            self.client.api.put_archive(container.id, spec.workdir, seed)
+        if seed.tar:
+            self.client.api.put_archive(container.id, spec.workdir, seed.tar)
         return container
 
     def _create_container(self, kwargs: dict[str, Any], disk_mb: int) -> Any:
-        """The container, with a writable root capped at disk_mb where the engine can cap it."""
+        """The container, its writable root capped at disk_mb where the engine can (else watched)."""
         if self.layer_quota is not False:
             try:
                 container = self.client.containers.create(**kwargs, storage_opt={"size": f"{disk_mb}m"})
@@ -194,8 +207,8 @@ class DockerSandboxProvider:
             except docker.errors.APIError as e:
                 if "storage-opt" not in str(e) and "storage opt" not in str(e).lower():
                     raise
-                self.layer_quota = False  # e.g. overlay2 on extfs: the root stays read-only
-        return self.client.containers.create(**kwargs, read_only=True)
+                self.layer_quota = False  # e.g. overlay2 on extfs: the watchdog bounds the layer
+        return self.client.containers.create(**kwargs)
 
     def image_config_sync(self, image_id: str) -> ImageConfig:
         """The image's ENV, USER and WORKDIR (`docker image inspect`), once per image."""
@@ -250,6 +263,10 @@ class DockerSandboxProvider:
                 raise SandboxError(f"docker create: host run dir {run_dir}: {e}") from e
             raise
         return sandbox
+
+    async def aclose(self) -> None:
+        """Stop the disk watchdog's thread (AsyncClosable); sandboxes still open stay as they are."""
+        await anyio.to_thread.run_sync(self.watchdog.close)
 
     async def reap(self, ttl_s: float | None = None) -> list[str]:
         """Remove containers and volumes of ours whose owner died or whose TTL passed."""

@@ -5,7 +5,9 @@ says otherwise, with the image's ENV under the call's: execargs.py) whose wrappe
 sets the same rlimits as the local provider (so results.py's classification applies)
 and carries a unique `MILES_EXEC` token in its environment; a timeout, an output flood or a
 cancellation kills every process carrying that token, which is the exec's whole
-process tree (exec.py). Files go through the engine's archive API (files.py).
+process tree (exec.py). Files go through the engine's archive API (files.py). When the
+provider's disk watchdog killed the container (its writable layer passed disk_mb:
+watchdog.py), the ongoing exec and every later call raise that one-line SandboxError.
 
 expose() needs the engine on this host: the sandbox's host run dir is bind-mounted
 read-only at INNER_RUN and expose.py's forwarder and HostListener carry the bytes;
@@ -44,6 +46,7 @@ from .files import ContainerFiles
 if TYPE_CHECKING:
     from .build import DockerBuilder
     from .config import DockerSandboxConfig
+    from .watchdog import DiskWatchdog
 
 __all__ = ["ContainerOwner", "DockerSandbox"]
 
@@ -54,6 +57,7 @@ class ContainerOwner(Protocol):
     client: docker.DockerClient
     config: DockerSandboxConfig
     builder: DockerBuilder
+    watchdog: DiskWatchdog
 
     def remove_sync(self, name: str) -> None: ...
 
@@ -131,6 +135,7 @@ class DockerSandbox:
                 stop.set()
                 with anyio.CancelScope(shield=True), anyio.move_on_after(10):
                     await self._kill_token(token)
+        self._check_quota()  # the watchdog ended it: the exit code is its SIGKILL, not the command's
         return outcome
 
     async def _kill_token(self, token: str) -> None:
@@ -145,6 +150,9 @@ class DockerSandbox:
 
     async def _explain(self, e: BaseException, what: str) -> SandboxError:
         """Map an engine error, naming the container's state when it stopped or vanished."""
+        why = self._provider.watchdog.verdict(self.container_id)
+        if why is not None:
+            return SandboxError(f"sandbox {self.id}: {what}: {why}")
         try:
             state = await anyio.to_thread.run_sync(
                 lambda: self._api.inspect_container(self.container_id)["State"]
@@ -236,6 +244,12 @@ class DockerSandbox:
     def _check_open(self) -> None:
         if self._closed:
             raise SandboxError(f"sandbox {self.id} is closed")
+        self._check_quota()
+
+    def _check_quota(self) -> None:
+        why = self._provider.watchdog.verdict(self.container_id)
+        if why is not None:
+            raise SandboxError(f"sandbox {self.id}: {why}")
 
     async def start_sidecar(
         self,
@@ -259,7 +273,10 @@ class DockerSandbox:
                 healthcheck=healthcheck, timeout=timeout,
             )  # fmt: skip
 
-        self._sidecars.append(await anyio.to_thread.run_sync(start))
+        cid = await anyio.to_thread.run_sync(start)
+        self._sidecars.append(cid)
+        # Its own layer is never capped by the engine (no storage_opt): bounded as ours would be.
+        self._provider.watchdog.watch(cid, self.spec.resources.disk_mb, owner=self.container_id)
 
     async def close(self) -> None:
         if self._closed:
@@ -270,6 +287,8 @@ class DockerSandbox:
                 s.close()
             for listener in self._listeners:
                 listener.close()
+            for cid in (*self._sidecars, self.container_id):
+                self._provider.watchdog.unwatch(cid)
             for cid in self._sidecars:
                 try:
                     await anyio.to_thread.run_sync(self._provider.remove_sync, cid)
