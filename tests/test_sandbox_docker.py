@@ -284,6 +284,10 @@ async def test_the_watchdog_ends_only_the_sandbox_that_fills_its_root(watched):
             await sb.exec("echo again")
         with pytest.raises(SandboxError, match="disk quota exceeded"):
             await sb.read_file("x")
+        for _ in range(100):  # the engine records the SIGKILLed container's exit a moment later
+            if not watched.client.api.inspect_container(sb.id)["State"]["Running"]:
+                break
+            await anyio.sleep(0.1)
         assert not watched.client.api.inspect_container(sb.id)["State"]["Running"]
         # The sibling goes on: its files, its execs, its layer still watched.
         r = await sibling.exec("wc -c < /opt/mine && echo more > /var/tmp/more && cat /var/tmp/more")
