@@ -74,6 +74,12 @@ class SessionState(Protocol):
     @property
     def truncated(self) -> str | None: ...  # the budget that cut its last turn, if one did
 
+    @property
+    def n_turns(self) -> int: ...
+
+    @property
+    def first_prompt(self) -> int | None: ...  # tokens of its first request, answered or refused
+
 
 @runtime_checkable
 class SessionRecorder(Protocol):

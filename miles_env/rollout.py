@@ -19,7 +19,7 @@ from miles_env.cost import CostConfig, episode_usage
 from miles_env.environment import Environment
 from miles_env.errors import MilesEnvError
 from miles_env.guards import Guard, GuardReport, GuardsConfig
-from miles_env.harness import Harness, HarnessResult, SessionRecorder, VerifiesInRun
+from miles_env.harness import Harness, HarnessResult, SessionRecorder, SessionState, VerifiesInRun
 from miles_env.limits import (
     DEFAULT_VERIFIER_TIMEOUT_S,
     LimitsOverride,
@@ -102,9 +102,12 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
         timings["total_s"] = time.perf_counter() - t0
     try:
         samples = ctx.proxy.export(handle.session_id)
-        budget_hit = ctx.proxy.get_session(handle.session_id).truncated
+        session = ctx.proxy.get_session(handle.session_id)
+        budget_hit = session.truncated
         if budget_hit and status is Status.COMPLETED:  # the proxy cut a turn short (tokens, context)
             status, error = Status.TRUNCATED, f"session budget: {budget_hit}"
+        if unfit := first_prompt_unfit(ctx.harness.name, session, endpoint.max_context):
+            status, error = Status.FAILED, unfit  # the model never had a turn: nothing the policy did
     finally:
         ctx.proxy.close_session(handle.session_id)
     resources = spec.resources if spec is not None else Resources()
@@ -131,7 +134,20 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
             "harness": result.metadata if result else {},
             "transcript": result.transcript if result else [],
             "env_dist": env_distribution(ctx.env),  # {name, version} of the env's package
+            "first_prompt_tokens": session.first_prompt,  # what the harness's first request cost
         },
+    )
+
+
+def first_prompt_unfit(harness: str, session: SessionState, context: int | None) -> str | None:
+    """The episode's error when the harness's first request was refused for its size and no turn
+    followed (the CLI gave up: nothing was sampled), else None. One line, with the size."""
+    if session.n_turns or session.truncated != "max_context" or session.first_prompt is None:
+        return None
+    return (
+        f"{harness}'s first prompt is {session.first_prompt} tokens, more than the model's context "
+        f"({context} tokens): nothing was sampled; trim what it sends (--harness-opt lean=true, "
+        "docs/harnesses.md 'Small models') or give the engine a larger context"
     )
 
 

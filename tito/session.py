@@ -83,6 +83,9 @@ class SessionInfo:
     truncated: str | None  # the budget that cut the session's last turn or refused its last request
     closed: bool
     n_aux: int = 0  # auxiliary requests served (title generation, ...): never trained on
+    # tokens of the session's first request: its first turn's prompt, or what the proxy counted when
+    # it refused that request for the context (a lower bound when its size alone proved it too long)
+    first_prompt: int | None = None
 
 
 class Session:
@@ -100,6 +103,7 @@ class Session:
         self.n_turns = 0
         self.sampled_tokens = 0
         self.n_aux = 0
+        self.first_prompt: int | None = None  # SessionInfo.first_prompt (a refusal's: memory only)
         self.aliases: dict[str, str] = {}  # client-visible item id -> stored message key
         self.lock = anyio.Lock()  # serialises the requests of one session
 
@@ -131,6 +135,7 @@ class Session:
             self.truncated,
             self.closed,
             self.n_aux,
+            first_prompt=self.first_prompt,
         )
 
     def apply(self, event: SessionEvent) -> None:
@@ -180,6 +185,8 @@ class Session:
         b.marks.append((len(b.keys), len(b.token_ids)))
         if e.aliases:
             self.aliases.update(e.aliases)
+        if self.first_prompt is None:
+            self.first_prompt = start
         self.n_turns += 1
         self.sampled_tokens += len(out)
 
