@@ -32,7 +32,7 @@ from tests.cli_harness_support import require_cli
 
 BLOCKS = doc_blocks(DOCS.read_text())
 COMMANDS = [c for b in BLOCKS for c in doc_commands(b)]
-SMOLLM2 = "--harness-opt tools=Bash --harness-opt max_turns=8 --engine hf --model smollm2"
+SMOLLM2 = "--engine hf --model smollm2"
 RUN_BY = {
     "scripts/install-clis.sh": "test_install_commands_find_the_cached_pins",
     "--harness claude-code --engine hf --model /path/to/ckpt": "test_eval_with_your_model",

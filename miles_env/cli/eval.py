@@ -35,7 +35,7 @@ def summarize(episodes: list[Episode]) -> dict[str, Any]:
         statuses[e.status.value] = statuses.get(e.status.value, 0) + 1
         for f in e.flags:
             flags[f] = flags.get(f, 0) + 1
-    firsts = [f for e in episodes if (f := e.metadata.get("first_prompt_tokens")) is not None]
+    firsts = [size for e in episodes if (size := e.metadata.get("first_prompt_tokens")) is not None]
     return {
         "episodes": n,
         "pass_rate": (sum(1 for e in episodes if e.reward is not None and e.reward.passed) / n) if n else 0.0,

@@ -118,7 +118,8 @@ def codex_config_toml(
         ]
         if "tool_output_token_limit" not in extra:
             top.append(f"tool_output_token_limit = {tool_output_limit(context, auto_compact)}")
-    features, tables = [], []
+    features: list[str] = []
+    tables: list[str] = []
     if lean:
         keys, features, tables = lean_toml(instructions)
         top += keys
