@@ -54,4 +54,4 @@ done
 [ $failed = 0 ] || exit 1
 rm -rf "$logs"
 stage "installs, lint and type check done"
-$PY -m pytest -q --durations=30 "$@"
+$PY -m pytest -q -n "${MILES_ENV_TEST_WORKERS:-2}" --durations=30 "$@"

@@ -63,6 +63,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     schedule(items)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from tests.scheduling import make_scheduler
+
+    return make_scheduler(config, log)
+
+
 # -- shared fixtures ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:

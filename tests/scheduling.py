@@ -1,4 +1,4 @@
-"""How the suite is spread over pytest-xdist workers (scripts/test.sh runs `-n N --dist loadgroup`).
+"""How the suite is spread over pytest-xdist workers (scripts/test.sh runs `pytest -n N`).
 
 Concept: a test module is one unit of work (its module-scoped fixtures, a model load or a server,
 are built once, on one worker), except where several modules share a machine-wide resource that
@@ -11,15 +11,23 @@ groups, and why:
 - `ray`: one local Ray cluster at a time (each takes ~1.5 GB and both cores to start).
 - `vllm`: one vLLM CPU server at a time (it binds its OMP threads to both cores).
 Heavy units go first (HEAVY_FIRST), so no long module starts last while the other worker idles.
-Without xdist (`pytest` alone) none of this changes anything: the order is only a reordering of
-whole modules, and the markers are ignored.
+Without xdist (`pytest` alone) nothing changes but the order, a reordering of whole modules.
+
+Why a scheduler of our own (`GroupScheduling`, xdist's `pytest_xdist_make_scheduler` hook) and not
+`--dist loadgroup` with `xdist_group` markers: pytest 9 reads `Node.nodeid` from a structured id,
+so xdist 3.8's loadgroup (which renames `item._nodeid` to `...@group`) groups nothing; seen here:
+two modules marked with one group ran on two workers at once (tests/test_test_hygiene.py checks
+that ours holds).
 """
 
 from __future__ import annotations
 
+from pathlib import PurePosixPath
+from typing import Any
+
 import pytest
 
-__all__ = ["group_of", "schedule"]
+__all__ = ["group_of", "schedule", "scope_of", "make_scheduler"]
 
 _GROUPS: dict[str, tuple[str, ...]] = {
     "host-procs": (
@@ -38,15 +46,30 @@ _BY_MODULE = {m: g for g, modules in _GROUPS.items() for m in modules}
 HEAVY_FIRST = ("ray", "vllm", "host-procs", "docker", "test_adapters_harbor_agents", "test_harness_codex")
 
 
+def scope_of(nodeid: str) -> str:
+    """The unit of work of a test id: its module's group, else the module itself."""
+    stem = PurePosixPath(nodeid.split("::", 1)[0]).stem
+    return _BY_MODULE.get(stem, stem)
+
+
 def group_of(item: pytest.Item) -> str:
-    module = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else item.nodeid
-    return _BY_MODULE.get(module, module)
+    return scope_of(item.nodeid)
 
 
 def schedule(items: list[pytest.Item]) -> None:
-    """Mark each test with its xdist group and move the heavy units to the front (stable)."""
+    """Move the heavy units to the front, keeping every other order (a stable sort)."""
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(group_of(item)))
     items.sort(key=lambda it: rank.get(group_of(it), len(rank)))
+
+
+def make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's LoadScopeScheduling with our units: each unit runs whole, in order, on one worker."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # keep schedule()'s order (xdist's default: most tests first)
+
+    class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+    return GroupScheduling(config, log)
