@@ -118,6 +118,12 @@ def test_how_claude_code_results_end() -> None:
     assert outcome(result("blocking_limit"), Status.COMPLETED, None)[0] is Status.TRUNCATED
     assert outcome(result("", "error_max_turns"), Status.COMPLETED, None)[0] is Status.TRUNCATED
     assert outcome(result("model_error"), Status.COMPLETED, None)[::2] == (Status.ABORTED, None)
+    # SmolLM2 rambling past a 96-token reply size, Claude Code's continuations too (seen in a run)
+    capped = {
+        **result("api_error"),
+        "result": "API Error: Claude's response exceeded the 96 output token maximum.",
+    }
+    assert outcome(capped, Status.ABORTED, "e")[0] is Status.TRUNCATED
     assert outcome({"is_error": False}, Status.COMPLETED, None) == (Status.COMPLETED, None, None)
     assert policy_end("RepeatedFormatError", FORMAT_EXITS) == POLICY_FORMAT
     assert policy_end("Submitted", FORMAT_EXITS) is None and policy_end(None, FORMAT_EXITS) is None

@@ -19,6 +19,7 @@ a short system prompt). Its JSON result says how it ended (`outcome`).
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -52,6 +53,9 @@ COMPACT_BUFFER = 13000
 # it could not parse (the model's output: a policy end).
 CONTEXT_ENDS = frozenset({"prompt_too_long", "blocking_limit"})
 FORMAT_EXITS = frozenset({"malformed_tool_use_exhausted"})
+# Its result when replies keep stopping at the reply size (CLAUDE_CODE_MAX_OUTPUT_TOKENS) after its
+# own continuation attempts: terminal_reason "api_error", this wording. The output budget: truncated.
+OUTPUT_CAP = re.compile(r"response exceeded the \d+ output token maximum")
 
 
 def output_limits(context: int) -> dict[str, str]:
@@ -90,13 +94,15 @@ def context_env(context: int, output_tokens: int | None) -> dict[str, str]:
 def outcome(output: Any, status: Status, error: str | None) -> tuple[Status, str | None, str | None]:
     """(status, error, end class) from Claude Code's JSON result, when it reports an error; else the
     exit status's. Claude Code exits 0 on some failures (max turns, API errors) and 1 on others,
-    and says which in its JSON: max turns and the context are budgets (truncated), giving up on
-    unparsable tool calls is the model's doing (aborted, POLICY_FORMAT), anything else aborted."""
+    and says which in its JSON: max turns, the context and the reply size are budgets (truncated),
+    giving up on unparsable tool calls is the model's doing (aborted, POLICY_FORMAT), anything else
+    aborted."""
     if not isinstance(output, dict) or not output.get("is_error"):
         return status, error, None
     sub, reason = str(output.get("subtype", "")), str(output.get("terminal_reason") or "")
     error = f"Claude Code result {reason or sub or 'error'}: {str(output.get('result', ''))[:400]}"
-    if "max_turns" in sub or reason == "max_turns" or reason in CONTEXT_ENDS:
+    budget = reason in CONTEXT_ENDS or OUTPUT_CAP.search(str(output.get("result", ""))) is not None
+    if "max_turns" in sub or reason == "max_turns" or budget:
         return Status.TRUNCATED, error, None
     return Status.ABORTED, error, policy_end(reason, FORMAT_EXITS)
 
