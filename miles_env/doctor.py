@@ -4,7 +4,7 @@ Concept: each check is a small function returning a `Check` (ok or not, what was
 command that fixes it). `needs(config)` says which checks a given run config cannot do without:
 every run needs Python, torch, bubblewrap and the default model; a docker sandbox needs the
 Docker SDK and a daemon, `harness.name: claude-code` (codex, opencode) needs node and the pinned CLI,
-`mini-swe-agent` its venv, and so on.
+`mini-swe-agent` its venv, Harbor tasks (`env: harbor:...`) the image tools, and so on.
 Checks that the config does not need are still shown, marked optional.
 
 Invariant: checking never changes the machine (no installs, no model conversion) and never
@@ -188,6 +188,33 @@ def check_docker() -> Check:
     return Check("docker", True, f"daemon {version}, SDK {sdk.detail}, image {image}")
 
 
+def check_image_tools() -> Check:
+    fix = "bash scripts/install-images.sh"
+    missing = [t for t in ("buildah", "skopeo", "mmdebstrap", "docker-registry") if shutil.which(t) is None]
+    if missing:
+        return Check("image tools", False, f"not on PATH: {', '.join(missing)}", fix)
+    rc, out = _run(["buildah", "--version"])
+    return Check("image tools", rc == 0, out.splitlines()[0] if out else "buildah does not run", fix)
+
+
+def check_image_bases() -> Check:
+    from miles_env.sandboxes.images.aliases import DEBIAN_SUITES
+    from miles_env.sandboxes.images.config import ImagesConfig
+
+    cache = ImagesConfig().cache()
+    tags = cache / "registry/data/docker/registry/v2/repositories/library/debian/_manifests/tags"
+    missing = [s for s in DEBIAN_SUITES if not (tags / s).is_dir()]
+    mirror = os.environ.get("MILES_ENV_REGISTRY_MIRROR")
+    if missing:
+        detail = (
+            f"not bootstrapped: debian:{', debian:'.join(missing)} (needed where no registry is reachable)"
+        )
+        if mirror:
+            detail += f"; mirror {mirror} configured"
+        return Check("image bases", False, detail, "miles-env images bootstrap")
+    return Check("image bases", True, f"debian:{', debian:'.join(DEBIAN_SUITES)} in {cache / 'registry'}")
+
+
 def check_vllm() -> Check:
     from miles_env.engines.vllm_launch import VLLM_PIN, vllm_python
 
@@ -244,6 +271,8 @@ CHECKS: dict[str, Callable[[], Check]] = {
     "opencode": check_opencode,
     "mini-swe-agent": check_mini_swe_agent,
     "docker": check_docker,
+    "image tools": check_image_tools,
+    "image bases": check_image_bases,
     "vllm venv": check_vllm,
     "megatron-core": check_megatron,
     **{f"adapter {n}": _check_adapter(n) for n in ADAPTERS.names()},
@@ -266,6 +295,8 @@ def needs(config: RunConfig) -> set[str]:
         required |= {"node/npm", harness}
     elif harness == "mini-swe-agent":  # a venv in the cache, no node
         required.add(harness)
+    if config.env.startswith("harbor:"):  # task images are built from their Dockerfiles
+        required.add("image tools")
     if config.engine.kind == "vllm":
         required.add("vllm venv")
     if config.trainer.backend == "megatron":

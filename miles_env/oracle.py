@@ -19,10 +19,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import anyio
 
-from miles_env.environment import Environment
+from miles_env.environment import Environment, act_in_steps
 from miles_env.guards import Guard, GuardsConfig
 from miles_env.sandbox import Sandbox, SandboxProvider
-from miles_env.types import Task
+from miles_env.types import ExecResult, Task
 
 __all__ = ["OracleResult", "OracleReport", "StagesSolution", "run_oracle", "run_solution"]
 
@@ -121,10 +121,18 @@ async def run_solution(
         async with await provider.create(env.sandbox_spec(task)) as sb:
             await env.setup(task, sb)
             guard = await Guard.start(guards or GuardsConfig(), env, task, sb, provider)
-            if solution is None and isinstance(env, StagesSolution):
-                await env.stage_solution(task, sb)
-            res = await sb.exec(["bash", "-c", script], timeout=_SOLUTION_TIMEOUT_S)
-            report = await guard.inspect(sb, {"execs": [{"command": script, "exit_code": res.exit_code}]})
+
+            async def act(t: Task) -> ExecResult:
+                if solution is None and isinstance(env, StagesSolution):
+                    await env.stage_solution(t, sb)
+                return await sb.exec(
+                    ["bash", "-c", script if solution else t.solution or ""], timeout=_SOLUTION_TIMEOUT_S
+                )
+
+            runs = await act_in_steps(env, task, sb, act)
+            res = runs[-1]
+            execs = [{"command": script, "exit_code": r.exit_code} for r in runs]
+            report = await guard.inspect(sb, {"execs": execs})
             reward = await guard.verify(sb, [])
     except Exception as e:  # a bad rollout is data: record it, keep going
         return OracleResult(

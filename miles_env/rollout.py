@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import anyio
 
 from miles_env.cost import CostConfig, episode_usage
-from miles_env.environment import Environment
+from miles_env.environment import Environment, act_in_steps
 from miles_env.errors import MilesEnvError
 from miles_env.guards import Guard, GuardReport, GuardsConfig
 from miles_env.harness import Harness, HarnessResult, SessionRecorder, SessionState, VerifiesInRun
@@ -77,7 +77,9 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
             if isinstance(ctx.harness, VerifiesInRun):  # its run() ends with the framework's verifier
                 agent_s += verifier_timeout_s(spec.resources, ctx.verifier_timeout_s)
             with anyio.move_on_after(agent_s) as scope:
-                result = await ctx.harness.run(task, sandbox, endpoint)
+                result = _joined(await act_in_steps(
+                    ctx.env, task, sandbox, lambda t: ctx.harness.run(t, sandbox, endpoint)
+                ))  # fmt: skip
             timings["harness_s"] = time.perf_counter() - t1
             if scope.cancelled_caught:
                 result = HarnessResult(Status.TRUNCATED, [], f"agent timeout {agent_s:g}s exceeded")
@@ -148,6 +150,20 @@ def first_prompt_unfit(harness: str, session: SessionState, context: int | None)
         f"{harness}'s first prompt is {session.first_prompt} tokens, more than the model's context "
         f"({context} tokens): nothing was sampled; trim what it sends (--harness-opt lean=true, "
         "docs/harnesses.md 'Small models') or give the engine a larger context"
+    )
+
+
+def _joined(results: list[HarnessResult]) -> HarnessResult:
+    """One result from a task's steps (one step: itself): the first status other than completed,
+    transcripts in order, each step's metadata under `steps`."""
+    if len(results) == 1:
+        return results[0]
+    bad = next((r for r in results if r.status is not Status.COMPLETED), None)
+    return HarnessResult(
+        bad.status if bad else Status.COMPLETED,
+        [m for r in results for m in r.transcript],
+        bad.error if bad else None,
+        {"steps": [r.metadata for r in results]},
     )
 
 

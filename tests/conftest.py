@@ -1,5 +1,6 @@
 """Shared test configuration: offline, quiet, the `slow` marker, and no silent skips in CI; the
-`tiny_model` fixture the end-to-end training runs share (a tiny random Llama with the SmolLM2 tokenizer)."""
+`tiny_model` fixture the end-to-end training runs share (a tiny random Llama with the SmolLM2 tokenizer),
+the session's `tiny_moe` (a tiny random Qwen3-MoE, same tokenizer)."""
 
 from __future__ import annotations
 
@@ -93,6 +94,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3-MoE checkpoint (2 layers, 4 experts, top 2; ~6 MB) with the SmolLM2
+    tokenizer, built once per test session by `miles_env.models.make_tiny_moe` (tests/test_moe*.py)."""
+    from miles_env.models import make_tiny_moe
+
+    return make_tiny_moe(tmp_path_factory.mktemp("tiny_moe") / "model")
+
+
 @pytest.fixture
 def ray_cluster() -> Iterator[Any]:
     """A real local multi-node Ray cluster: a head without CPUs and two worker nodes, each offering
@@ -120,3 +130,52 @@ def engine_cluster() -> Iterator[Any]:
 
     with engine_nodes() as cluster:
         yield cluster
+
+
+# -- task images: one bootstrap, one build per image per session (tests/images_support.py) ----------
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the image tests' bootstrap and builds in the background once they are selected."""
+    if os.environ.get("MILES_ENV_IMAGES_PREWARM", "1") == "0":
+        return
+    if any(item.nodeid.startswith("tests/test_images.py") for item in session.items):
+        from tests.images_support import prewarm
+
+        prewarm()
+
+
+@pytest.fixture(scope="session")
+def image_bases() -> Any:
+    """debian:bookworm and debian:trixie in the loopback registry (made once; then a lookup)."""
+    from tests.images_support import prewarmed
+
+    return prewarmed("bases")
+
+
+@pytest.fixture(scope="session")
+def image_contexts() -> dict[str, Path]:
+    """The test images' build contexts (fixed contents, so their cache keys are stable)."""
+    from tests.images_support import contexts
+
+    return contexts()
+
+
+@pytest.fixture(scope="session")
+def local_images(image_bases: Any) -> Any:
+    """The local provider's builder (buildah), over the session's bootstrapped bases."""
+    from tests.images_support import prewarmed
+
+    return prewarmed("images")
+
+
+@pytest.fixture(scope="session")
+def bookworm_image(local_images: Any) -> Any:
+    from tests.images_support import prewarmed
+
+    return prewarmed("bookworm")
+
+
+@pytest.fixture(scope="session")
+def alias_image(local_images: Any) -> Any:
+    from tests.images_support import prewarmed
+
+    return prewarmed("aliases")

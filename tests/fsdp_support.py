@@ -55,11 +55,17 @@ def lone_group() -> list[list[Episode]]:
     return [[a, b.model_copy(update={"samples": [masked]})]]
 
 
-def trainer(model: Path, lora: bool) -> TorchTrainer:
-    """A float32 trainer whose microbatches hold one sample each (two 13-token rows exceed 24)."""
+EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # a MoE's fused expert tensors
+
+
+def trainer(model: Path, lora: int) -> TorchTrainer:
+    """A float32 trainer whose microbatches hold one sample each (two 13-token rows exceed 24);
+    lora 1: LoRA on the linears, 2: also on a MoE's experts (PEFT target_parameters)."""
+    params = EXPERTS if lora == 2 else ()
     cfg = TrainerConfig(
-        lr=1e-3, max_tokens_per_microbatch=24, lora=LoraConfig(rank=4, alpha=8) if lora else None
-    )
+        lr=1e-3, max_tokens_per_microbatch=24,
+        lora=LoraConfig(rank=4, alpha=8, target_parameters=params) if lora else None,
+    )  # fmt: skip
     return TorchTrainer(model, cfg)
 
 
@@ -102,7 +108,7 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def _main(out: Path, model: Path, lora: bool, resume_from: Path) -> None:
+def _main(out: Path, model: Path, lora: int, resume_from: Path) -> None:
     """2 fresh steps (checkpoint after the first) -> out/fresh; then `resume_from`'s checkpoint,
     one step -> out/resumed."""
     t = trainer(model, lora)
@@ -119,4 +125,4 @@ def _main(out: Path, model: Path, lora: bool, resume_from: Path) -> None:
 
 
 if __name__ == "__main__":
-    _main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1", Path(sys.argv[4]))
+    _main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))

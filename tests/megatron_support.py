@@ -25,7 +25,15 @@ import torch
 from miles_env.types import Episode
 from tests.trainer_support import random_groups
 
-__all__ = ["PP_WORKER", "assert_same_run", "groups", "run_torchrun", "tiny_model"]
+__all__ = [
+    "PP_WORKER",
+    "assert_same_run",
+    "groups",
+    "odd_groups",
+    "run_torchrun",
+    "tiny_model",
+    "train_and_record",
+]
 
 PP_WORKER = Path(__file__).with_name("test_megatron_pp.py")  # its __main__: one worker rank
 
@@ -58,6 +66,12 @@ def tiny_model(path: Path, kind: str = "llama", seed: int = 0) -> Path:
 def groups(seed: int = 0, vocab: int = 96) -> list[list[Episode]]:
     """Two GRPO groups of three random trajectories each (trainer_support.random_groups)."""
     return random_groups([[1.0, 0.0, 0.5]] * 2, seed, vocab)
+
+
+def odd_groups(seed: int = 0, vocab: int = 96) -> list[list[Episode]]:
+    """Groups of 3 and 2 episodes, 5 samples of 13 to 19 tokens: 3 microbatches under a budget of 40
+    padded tokens, so two data-parallel ranks run 2 and 1 (+ a filler)."""
+    return random_groups([[1.0, 0.0, 0.3], [0.0, 1.0]], seed, vocab, stagger=True)
 
 
 def run_torchrun(out: Path, nproc: int, *args: str, script: str = str(PP_WORKER)) -> list[dict[str, float]]:
@@ -107,3 +121,55 @@ def assert_same_run(
     assert set(sa) == set(sb)  # after step 2, gathered from both stages
     for k in sa:
         assert (sa[k] - sb[k]).abs().max() <= 5 * lr, k
+
+
+def train_and_record(
+    out: Path,
+    model_dir: Path,
+    pp: int,
+    kl: float,
+    dist_opt: bool = False,
+    tp: int = 1,
+    ep: int = 1,
+    odd: bool = False,
+    cp: int = 1,
+) -> None:
+    """One rank of a run (or a whole single-process run, in this process): 2 steps with an export and
+    a checkpoint after the first, logprobs, a resumed trainer's second step; rank 0 writes
+    metrics.json and state.pt (the gathered weights after step 2) into `out`."""
+    from miles_env.trainer.megatron.backend import MegatronTrainer, MegatronTrainerConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+
+    cfg = MegatronTrainerConfig(tp=tp, pp=pp, ep=ep, cp=cp, lr=1e-3, fused_adamw=False, kl_coef=kl, max_tokens_per_microbatch=40,
+                                distributed_optimizer=dist_opt)  # fmt: skip
+    batch = odd_groups if odd else groups
+    trainer = MegatronTrainer(model_dir, cfg)
+    m1 = trainer.train_step(batch())
+    trainer.export_weights(out / "export")
+    trainer.save_checkpoint(out / "ckpt")  # one dir per (tp, pp) rank, written by dp rank 0
+    m2 = trainer.train_step(batch(seed=1))
+    samples = [e.samples[0] for g in batch(seed=2) for e in g]
+    logps = trainer.logprobs(samples)  # forward-only through the pipeline, on every rank
+    m2["logprobs_sum"] = float(sum(t.double().sum() for t in logps))
+    m2["logprobs_len"] = float(sum(t.numel() for t in logps))
+    m2["adam_numel"] = float(_adam_state_numel(trainer.optimizer))
+    state = trainer.state_dict()  # collective: every rank gathers
+    # a resumed trainer (weights and Adam state, sharded or not) takes the very same second step
+    resumed = MegatronTrainer(model_dir, cfg)
+    resumed.load_checkpoint(out / "ckpt")
+    m2["resumed_loss"] = resumed.train_step(batch(seed=1))["loss"]
+    again = resumed.state_dict()
+    m2["resumed_max_diff"] = max(float((again[k] - v).abs().max()) for k, v in state.items())
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save(state, out / "state.pt")
+        (out / "metrics.json").write_text(json.dumps([m1, m2]))
+
+
+def _adam_state_numel(optimizer: Any) -> int:
+    """Elements of AdamW's first moment held by this rank (megatron's optimizers wrap torch's)."""
+    total = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        base = getattr(opt, "optimizer", opt)
+        total += sum(s["exp_avg"].numel() for s in base.state.values() if "exp_avg" in s)
+    return total

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from miles_env.models import make_tiny_moe
 from miles_env.trainer.fsdp import deal
 from miles_env.trainer.samples import pack_microbatches
 from tests.fsdp_support import METRICS, lone_group, run_torchrun, save_run, steps, trainer
@@ -24,7 +25,9 @@ from tests.trainer_support import make_tiny_model
 def _same_metrics(a: list[dict[str, float]], b: list[dict[str, float]]) -> None:
     assert len(a) == len(b)
     for ma, mb in zip(a, b, strict=True):
-        for key in METRICS:
+        for key in METRICS + tuple(
+            k for k in ("moe_aux_loss", "moe_max_load") if k in ma
+        ):  # MoE: summed over ranks
             assert mb[key] == pytest.approx(ma[key], rel=1e-5, abs=1e-6), key
 
 
@@ -53,11 +56,16 @@ def test_deal_gives_every_rank_as_many_microbatches() -> None:
     assert deal([], 24, pack_microbatches, 1, 2) == []
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [0, 1, 2], ids=["full", "lora", "moe-lora-experts"])
 def test_two_ranks_take_the_single_process_step_and_resume_across_world_sizes(
-    tmp_path: Path, lora: bool
+    tmp_path: Path, lora: int
 ) -> None:
-    model = make_tiny_model(tmp_path / "model")
+    """lora 2: a tiny Qwen3-MoE (miles_env.models.make_tiny_moe) with LoRA on its attention and its
+    fused experts (PEFT target_parameters; the load-balancing loss in the step)."""
+    if lora == 2:
+        model = make_tiny_moe(tmp_path / "model", tokenizer=None)
+    else:
+        model = make_tiny_model(tmp_path / "model")
     one = trainer(model, lora)  # the single process, in this one
     save_run(one, tmp_path / "one", steps(one, 2, tmp_path / "one_ckpt"))
     run_torchrun(tmp_path / "two", 2, str(model), str(int(lora)), str(tmp_path / "one_ckpt"))
@@ -77,7 +85,7 @@ def test_two_ranks_take_the_single_process_step_and_resume_across_world_sizes(
     ca = torch.load(next((tmp_path / "one_ckpt").glob("step_*")) / "state.pt", weights_only=False)
     cb = torch.load(next((two / "ckpt").glob("step_*")) / "state.pt", weights_only=False)
     assert sorted(ca) == sorted(cb) and sorted(ca["optimizer"]["state"]) == sorted(cb["optimizer"]["state"])
-    assert ("adapter" in cb) == lora
+    assert ("adapter" in cb) == bool(lora)
     # (b) 1 -> 2: the single process's checkpoint, resumed on 2 ranks, takes the same step 2
     _same_metrics(one_m[1:], json.loads((two / "resumed" / "metrics.json").read_text()))
     _same_state(tmp_path / "one", two / "resumed")

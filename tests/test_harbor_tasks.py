@@ -1,19 +1,21 @@
 """Our own Harbor-format tasks (examples/harbor-tasks): oracle 1.0 and do-nothing 0.0 on every
-task, on the local provider (the Dockerfile replayed in bubblewrap) and on the docker provider
-(the Dockerfile built for real, offline, on a real dockerd from scripts/start-dockerd.sh); a
-near-miss solution scores 0, so the verifiers check the task and not just a file's presence.
+task, on the local provider (the Dockerfile built by buildah, `FROM python:3.11-slim` through the
+session's bootstrapped bases and the alias table) and on the docker provider (built by a real
+dockerd from scripts/start-dockerd.sh); a near-miss solution scores 0, so the verifiers check
+the task and not just a file's presence.
 """
 
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 import yaml
 
-from miles_env.adapters.harbor.dockerfile import parse_dockerfile
+from miles_env.adapters.harbor.taskdir import final_stage
 from miles_env.oracle import run_solution
 from miles_env.registry import load_environment
 from miles_env.validate import validate_env
@@ -59,7 +61,7 @@ def test_the_tasks_are_harbor_format_with_nontrivial_dockerfiles() -> None:
         for rel in ("task.toml", "instruction.md", "tests/test.sh", "solution/solve.sh"):
             assert (d / rel).is_file(), d / rel
         assert "/logs/verifier/reward.txt" in (d / "tests" / "test.sh").read_text()
-        ops = [s.op for s in parse_dockerfile((d / "environment" / "Dockerfile").read_text())]
+        ops = [i.op for i in final_stage((d / "environment" / "Dockerfile").read_text())]
         assert ops.count("RUN") >= 2 and "COPY" in ops and "WORKDIR" in ops and "ENV" in ops, (name, ops)
 
 
@@ -74,7 +76,7 @@ def _probe_all(provider_name: str) -> dict[str, tuple[float, float]]:
     return {o.task_id: (o.score, n.score) for o, n in zip(oracle, nop, strict=True)}
 
 
-def test_oracle_one_and_nop_zero_on_the_local_provider() -> None:
+def test_oracle_one_and_nop_zero_on_the_local_provider(image_bases: Any) -> None:
     assert _probe_all("local") == {name: (1.0, 0.0) for name in NAMES}
 
 
@@ -84,7 +86,7 @@ def test_oracle_one_and_nop_zero_on_the_docker_provider(docker_engine: str) -> N
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_a_near_miss_scores_zero(name: str) -> None:
+def test_a_near_miss_scores_zero(name: str, image_bases: Any) -> None:
     from miles_env.sandboxes import get_provider
 
     env = load_environment(f"harbor:{TASKS / name}")
@@ -94,7 +96,7 @@ def test_a_near_miss_scores_zero(name: str) -> None:
     assert res.score == 0.0, res.details
 
 
-def test_env_validate_takes_the_directory() -> None:
+def test_env_validate_takes_the_directory(image_bases: Any) -> None:
     """A directory of Harbor tasks is validated as `harbor:<dir>`, versioned by its content hash."""
     report = validate_env(str(TASKS), quick=True)
     assert report.passed, report.render()
@@ -103,7 +105,7 @@ def test_env_validate_takes_the_directory() -> None:
     assert report.distribution["version"].startswith("sha256:")
 
 
-def test_env_validate_trains_on_the_directory(tmp_path: Path, tiny_model: Path) -> None:
+def test_env_validate_trains_on_the_directory(tmp_path: Path, tiny_model: Path, image_bases: Any) -> None:
     """The full gate on the directory: its tasks train through `harbor:<dir>?split=train`."""
     report = validate_env(str(TASKS), model=str(tiny_model), work_dir=tmp_path)
     assert report.passed, report.render()

@@ -8,7 +8,8 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
-CONFTEST = (Path(__file__).parent / "conftest.py").read_text()
+HERE = Path(__file__).parent
+CONFTEST = (HERE / "conftest.py").read_text()
 TESTS = """
 import pytest
 def test_docker(): pytest.skip("no docker daemon with a usable base image")
@@ -20,12 +21,19 @@ def test_ok(): pass
 """
 
 
+def _with_our_conftest(pytester: pytest.Pytester) -> None:
+    """Our conftest and the `tests` modules its hooks import (tests/scheduling.py), as in the repo."""
+    pytester.makeconftest(CONFTEST)
+    pytester.mkpydir("tests")
+    (pytester.path / "tests" / "scheduling.py").write_text((HERE / "scheduling.py").read_text())
+
+
 @pytest.mark.parametrize("ci", ["true", ""])
 def test_unexpected_skips_fail_only_in_ci(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, ci: str
 ):
     monkeypatch.setenv("CI", ci)
-    pytester.makeconftest(CONFTEST)
+    _with_our_conftest(pytester)
     pytester.makepyfile(test_x=TESTS)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     if ci:
@@ -39,7 +47,7 @@ def test_module_level_importorskip_fails_collection_in_ci(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ):
     monkeypatch.setenv("CI", "true")
-    pytester.makeconftest(CONFTEST)
+    _with_our_conftest(pytester)
     pytester.makepyfile(
         test_y='import pytest\npytest.importorskip("no_such_module_xyz")\ndef test_a(): pass\n'
     )

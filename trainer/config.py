@@ -29,6 +29,11 @@ class LoraConfig(BaseModel):
     target_modules: tuple[str, ...] = Field(
         ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), min_length=1
     )
+    target_parameters: tuple[str, ...] = Field(
+        (),
+        description="parameters adapted directly (PEFT's target_parameters): a MoE's fused experts, "
+        "e.g. mlp.experts.gate_up_proj, mlp.experts.down_proj (one low-rank pair per expert)",
+    )
 
 
 class TrainerConfig(BaseModel):
@@ -62,6 +67,12 @@ class TrainerConfig(BaseModel):
         True, description="drop samples whose advantage is 0 (groups with one reward): no gradient, all cost"
     )
     lora: LoraConfig | None = Field(None, description="train LoRA adapters only; None = every weight")
+    moe_aux_loss_coef: float | None = Field(
+        None,
+        ge=0,
+        description="MoE load-balancing loss weight (trainer/moe.py); None = the model config's "
+        "router_aux_loss_coef, 0 = off (still logged)",
+    )
 
     @model_validator(mode="after")
     def _clip_range(self) -> TrainerConfig:

@@ -149,29 +149,45 @@ def load_full_model_state(model: Any, state: dict[str, Any], strict: bool = True
 
 
 def merged_lora_state(model: Any, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF-named full weights with each LoRA module's delta (scale * B @ A) merged in, from the
-    gathered `full` state (trainer/lora.py's merged_state, for a sharded model)."""
+    """HF-named full weights with each LoRA module's delta (scale * B @ A; per expert for a MoE's
+    fused experts, PEFT's ParamWrapper) merged in, from the gathered `full` state (trainer/lora.py's
+    merged_state, for a sharded model)."""
     from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import ParamWrapper
 
-    from miles_env.trainer.lora import ADAPTER_NAME
+    from miles_env.trainer.lora import ADAPTER_NAME, hf_name
 
-    scales = {
-        name: float(mod.scaling[ADAPTER_NAME])
-        for name, mod in model.named_modules()
-        if isinstance(mod, LoraLinear) and ADAPTER_NAME in mod.lora_A
-    }
+    if not full:  # a rank other than 0: the gather gave it nothing
+        return {}
+    deltas: dict[str, torch.Tensor] = {}
+    for name, mod in model.named_modules():
+        if not (isinstance(mod, LoraLinear | ParamWrapper) and ADAPTER_NAME in mod.lora_A):
+            continue
+        a = full[f"{name}.lora_A.{ADAPTER_NAME}.weight"].float()
+        b = full[f"{name}.lora_B.{ADAPTER_NAME}.weight"].float()
+        scale = float(mod.scaling[ADAPTER_NAME])
+        if isinstance(mod, ParamWrapper) and mod.num_experts > 1:
+            deltas[hf_name(f"{name}.{mod.parameter_name}")] = _expert_delta(mod, a, b) * scale
+        else:
+            param = mod.parameter_name if isinstance(mod, ParamWrapper) else "weight"
+            deltas[hf_name(f"{name}.{param}")] = (b @ a) * scale
     out: dict[str, torch.Tensor] = {}
     for name, t in full.items():
         if ".lora_" in name:
             continue
-        hf = name.replace(".base_layer.", ".")
-        mod = name.removesuffix(".base_layer.weight")
-        if mod in scales and name.endswith(".base_layer.weight"):
-            a = full[f"{mod}.lora_A.{ADAPTER_NAME}.weight"].float()
-            b = full[f"{mod}.lora_B.{ADAPTER_NAME}.weight"].float()
-            t = t + ((b @ a) * scales[mod]).to(t.dtype)
-        out[hf] = t
+        hf = hf_name(name)
+        out[hf] = t + deltas[hf].to(t.dtype) if hf in deltas else t
     return out
+
+
+def _expert_delta(mod: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """PEFT ParamWrapper's per-expert delta (its get_delta_weight) from full lora_A [r*E, in] and
+    lora_B [out, r*E]: [E, out, in] when PEFT swapped the 3-D parameter's features, else [E, in, out]."""
+    e = mod.num_experts
+    a3, b3 = a.reshape(e, -1, a.shape[-1]), b.reshape(b.shape[0], -1, e)
+    return torch.einsum(
+        "o r e, e r i -> e o i" if mod._did_swap_in_out_features else "o r e, e r i -> e i o", b3, a3
+    )
 
 
 def _fqns(optimizer: torch.optim.Optimizer, model: Any) -> list[str]:

@@ -10,6 +10,10 @@ Wire format: a PEFT adapter dir (`adapter_config.json` + `adapter_model.safetens
 named `base_model.model.<module>.lora_{A,B}.weight`), what vLLM's `/v1/load_lora_adapter`,
 SGLang's `/load_lora_adapter` and the embedded engine (`engines/_weights.py`) load.
 
+Mixture-of-experts: `target_parameters` adapts a MoE's fused expert tensors directly (PEFT's
+ParamWrapper, one low-rank pair per expert, applied as a parametrization during the forward);
+`target_modules` keeps adapting the attention (and a shared expert's) linears.
+
 Invariants: the base weights never change, bit for bit; every engine computes the same unmerged
 forward (base + alpha / rank * B @ A), so the zero-KL check still holds. One adapter sync is one
 weight version: `sync_adapter` loads the adapter named `policy-v{step}` and the engine's weight
@@ -19,6 +23,7 @@ version becomes the step, which every turn records (Generation.weight_version).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -39,6 +44,7 @@ __all__ = [
     "adapter_name",
     "adapter_state",
     "attach",
+    "hf_name",
     "load_adapter_state",
     "merged_state",
     "param_share",
@@ -58,11 +64,13 @@ def attach(model: Any, cfg: LoraConfig) -> None:
     peft_cfg = PeftLoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
         target_modules=list(cfg.target_modules), bias="none",
+        target_parameters=list(cfg.target_parameters) or None,
     )  # fmt: skip
     try:
         inject_adapter_in_model(peft_cfg, model, adapter_name=ADAPTER_NAME)
-    except ValueError as e:  # no module matched target_modules
-        raise ConfigError(f"trainer.lora.target_modules={list(cfg.target_modules)}: {e}") from e
+    except (ValueError, RuntimeError) as e:  # no module (or parameter) matched
+        targets = list(cfg.target_modules) + list(cfg.target_parameters)
+        raise ConfigError(f"trainer.lora target_modules / target_parameters {targets}: {e}") from e
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
 
@@ -104,19 +112,27 @@ def merged_state(model: Any) -> dict[str, torch.Tensor]:
     exported checkpoint carries. The model itself stays unmerged."""
     import torch
     from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import ParamWrapper
 
     deltas: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for mod_name, mod in model.named_modules():
-            if isinstance(mod, LoraLinear) and ADAPTER_NAME in mod.lora_A:
-                deltas[f"{mod_name}.weight"] = mod.get_delta_weight(ADAPTER_NAME)
+            if isinstance(mod, LoraLinear | ParamWrapper) and ADAPTER_NAME in mod.lora_A:
+                param = mod.parameter_name if isinstance(mod, ParamWrapper) else "weight"
+                deltas[hf_name(f"{mod_name}.{param}")] = mod.get_delta_weight(ADAPTER_NAME)
         out: dict[str, torch.Tensor] = {}
         for name, t in model.state_dict().items():
             if ".lora_" in name:
                 continue
-            hf = name.replace(".base_layer.", ".")
+            hf = hf_name(name)
             out[hf] = t.detach() + deltas[hf].to(t.dtype) if hf in deltas else t.detach()
     return out
+
+
+def hf_name(name: str) -> str:
+    """The HF name of a tensor inside PEFT's wrappers: every `.base_layer` segment dropped
+    (`q_proj.base_layer.weight`; nested ParamWrappers: `experts.base_layer.base_layer.gate_up_proj`)."""
+    return re.sub(r"\.base_layer(?=\.)", "", name)
 
 
 def adapter_name(step: int) -> str:
@@ -142,6 +158,7 @@ def save_adapter(
     PeftLoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",
         target_modules=sorted(cfg.target_modules), base_model_name_or_path=base_model,
+        target_parameters=sorted(cfg.target_parameters) or None,
     ).save_pretrained(str(tmp))  # fmt: skip
     if path.exists():
         shutil.rmtree(path)

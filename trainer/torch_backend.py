@@ -32,12 +32,12 @@ nccl/CUDA path is the same code but has never run on a GPU here. The KL referenc
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from miles_env.errors import ConfigError
 from miles_env.models import resolve_model
+from miles_env.trainer.batch import Batch, collate, masked_logprobs
 from miles_env.trainer.checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
 from miles_env.trainer.config import LoraConfig, TrainerConfig
 from miles_env.trainer.fsdp import (
@@ -60,6 +61,7 @@ from miles_env.trainer.fsdp import (
     shard,
 )
 from miles_env.trainer.losses import microbatch_loss, token_logprobs
+from miles_env.trainer.moe import MoeAux, moe_shape, routers
 from miles_env.trainer.samples import (
     Sample,
     StepMetrics,
@@ -68,6 +70,7 @@ from miles_env.trainer.samples import (
     pack_microbatches,
 )
 from miles_env.types import Episode, Trajectory
+from miles_env.weight_layout import to_checkpoint
 
 __all__ = [
     "TorchTrainer",
@@ -79,26 +82,6 @@ __all__ = [
 ]
 
 _Metrics = StepMetrics  # the megatron backend's name for it
-
-
-@dataclass(frozen=True, slots=True)
-class _Batch:
-    ids: torch.Tensor  # [B, L] right-padded: causal attention never lets a real token see padding
-    mask: torch.Tensor  # [B, L] float, 0 at padding and at position 0 (no prediction there)
-    rollout: torch.Tensor  # [B, L]
-    adv: torch.Tensor  # [B], or [B, L] when a sample has per-token advantages (OPD)
-    lengths: list[int]
-
-
-def masked_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The decoder, then the LM head at the positions that predict a mask-1 token only."""
-    hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
-    sel = mask[:, 1:] > 0  # the logprob of token t comes from position t - 1
-    logits = model.get_output_embeddings()(hidden[:, :-1][sel]).float() / temperature
-    picked = logits.gather(-1, ids[:, 1:][sel].unsqueeze(-1)).squeeze(-1)
-    out = torch.zeros(ids.shape, dtype=logits.dtype, device=logits.device)
-    out[:, 1:][sel] = picked - torch.logsumexp(logits, dim=-1)
-    return out
 
 
 class TorchTrainer:
@@ -120,6 +103,8 @@ class TorchTrainer:
 
             attach(model, self.config.lora)
         self.model = model.to(self.device)
+        shape = moe_shape(model.config)
+        self.moe = MoeAux(shape, self.config.moe_aux_loss_coef, len(routers(model))) if shape else None
         self.ref_model = self._frozen_copy() if self.config.kl_coef > 0 else None
         self.world = World(*init_world(self.device))
         self.sharded = self.world.sharded
@@ -150,26 +135,8 @@ class TorchTrainer:
 
     # -- batches -------------------------------------------------------------------------------
 
-    def _collate(self, samples: Sequence[Sample]) -> _Batch:
-        lengths = [len(s.token_ids) for s in samples]
-        b, width = len(samples), max(lengths)
-        ids = torch.zeros(b, width, dtype=torch.long)
-        mask = torch.zeros(b, width, dtype=torch.float32)
-        rollout = torch.zeros(b, width, dtype=torch.float32)
-        for r, s in enumerate(samples):
-            n = lengths[r]
-            ids[r, :n] = torch.as_tensor(s.token_ids, dtype=torch.long)
-            mask[r, :n] = torch.as_tensor(s.loss_mask, dtype=torch.float32)
-            rollout[r, :n] = torch.as_tensor(s.rollout_logprobs, dtype=torch.float32)
-        mask[:, 0] = 0.0
-        adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-        if any(s.token_advantages is not None for s in samples):
-            adv = adv.unsqueeze(-1).repeat(1, width)
-            for r, s in enumerate(samples):
-                if s.token_advantages is not None:
-                    adv[r, : lengths[r]] = torch.as_tensor(s.token_advantages, dtype=torch.float32)
-        dev = self.device
-        return _Batch(ids.to(dev), mask.to(dev), rollout.to(dev), adv.to(dev), lengths)
+    def _collate(self, samples: Sequence[Sample]) -> Batch:
+        return collate(samples, self.device)
 
     def _forward_logprobs(
         self, model: Any, ids: torch.Tensor, mask: torch.Tensor | None = None
@@ -202,6 +169,8 @@ class TorchTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         acc = StepMetrics()
         lengths = [len(s.token_ids) for s in samples]
+        if self.moe is not None:
+            self.moe.begin(sum(lengths))
         budget, rank, world = cfg.max_tokens_per_microbatch, self.world.rank, self.world.world
         for idx in deal(lengths, budget, pack_microbatches, rank, world):
             real = idx is not None  # None: this rank's zero-weight filler (FSDP2's passes are collective)
@@ -211,7 +180,8 @@ class TorchTrainer:
                 else [min(samples, key=lambda s: len(s.token_ids))]
             )
             batch = self._collate(rows)
-            logp = self._forward_logprobs(self.model, batch.ids, batch.mask)
+            with self._moe_tap(batch, real):
+                logp = self._forward_logprobs(self.model, batch.ids, batch.mask)
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
@@ -229,26 +199,50 @@ class TorchTrainer:
         self.step += 1
         dt = time.perf_counter() - t0
         denom = max(acc.mask_tokens, 1)
-        return {
-            "step": float(self.step),
-            "loss": acc.pg + cfg.kl_coef * acc.kl,
-            "pg_loss": acc.pg,
-            "kl": acc.kl,
-            "clip_frac": acc.clip / denom,
-            "tis_mean": acc.tis / denom,
-            "grad_norm": grad_norm,
-            # over every episode of the step, skipped ones included: it tracks the policy, not the batch
-            "reward_mean": sum(ep.score for g in groups for ep in g) / max(sum(len(g) for g in groups), 1),
-            "samples": float(len(samples)),
-            "tokens": float(n_tokens),
-            "loss_tokens": float(acc.mask_tokens),
-            "tokens_per_s": n_tokens / dt if dt > 0 else 0.0,
-            "step_time_s": dt,
-            # NaN when every group had a single reward (nothing trained, nothing to compare)
-            "logprob_diff_mean": acc.diff_sum / denom if acc.mask_tokens else float("nan"),
-            "logprob_diff_max": acc.diff_max if acc.mask_tokens else float("nan"),
-            "skipped_samples": float(sum(len(ep.samples) for g in groups for ep in g) - len(samples)),
-        } | self._lora_metrics()
+        return self._with_moe(
+            {
+                "step": float(self.step),
+                "loss": acc.pg + cfg.kl_coef * acc.kl,
+                "pg_loss": acc.pg,
+                "kl": acc.kl,
+                "clip_frac": acc.clip / denom,
+                "tis_mean": acc.tis / denom,
+                "grad_norm": grad_norm,
+                # over every episode of the step, skipped ones included: it tracks the policy, not the batch
+                "reward_mean": sum(ep.score for g in groups for ep in g)
+                / max(sum(len(g) for g in groups), 1),
+                "samples": float(len(samples)),
+                "tokens": float(n_tokens),
+                "loss_tokens": float(acc.mask_tokens),
+                "tokens_per_s": n_tokens / dt if dt > 0 else 0.0,
+                "step_time_s": dt,
+                # NaN when every group had a single reward (nothing trained, nothing to compare)
+                "logprob_diff_mean": acc.diff_sum / denom if acc.mask_tokens else float("nan"),
+                "logprob_diff_max": acc.diff_max if acc.mask_tokens else float("nan"),
+                "skipped_samples": float(sum(len(ep.samples) for g in groups for ep in g) - len(samples)),
+            }
+            | self._lora_metrics()
+        )
+
+    def _moe_tap(self, batch: Any, real: bool = True) -> contextlib.AbstractContextManager[Any]:
+        """The MoE router tap around a microbatch's forward (trainer/moe.py); nothing for dense models."""
+        if self.moe is None:
+            return contextlib.nullcontext()
+        return self.moe.tap(self.model, batch.lengths, batch.ids.shape[1], real, self.device)
+
+    def _with_moe(self, metrics: dict[str, float]) -> dict[str, float]:
+        """A MoE step's metrics get moe_* (trainer/moe.py) and `loss` its coef x aux term."""
+        if self.moe is None:
+            return metrics
+        moe = self.moe.metrics(self._sum_over_ranks)
+        return metrics | moe | {"loss": metrics["loss"] + moe["moe_aux_coef"] * moe["moe_aux_loss"]}
+
+    def _sum_over_ranks(self, vec: torch.Tensor) -> torch.Tensor:
+        if not self.sharded:
+            return vec
+        t = vec.to(self.device)  # nccl reduces CUDA tensors only
+        torch.distributed.all_reduce(t)
+        return t.cpu()
 
     def _lora_metrics(self) -> dict[str, float]:
         if self.config.lora is None:
@@ -348,7 +342,7 @@ class TorchTrainer:
         from safetensors.torch import save_file
 
         target = Path(path)
-        state = self.state_dict()
+        state = to_checkpoint(self.state_dict())  # MoE: one tensor per expert, as HF checkpoints are
         if self.world.rank != 0:
             return target
         tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")

@@ -392,9 +392,12 @@ class WeightSyncer:
             return
         from safetensors.torch import save_file
 
+        from miles_env.weight_layout import to_checkpoint
+
         path = self.workdir / "full.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(new, str(path))
+        # the checkpoint files' layout (MoE: one tensor per expert), what any engine loads from disk
+        save_file({k: v.contiguous() for k, v in to_checkpoint(new).items()}, str(path))
         await engine.update_weights_from_disk(path, weight_version=version)
 
     async def _send_delta(self, engine: DeltaReceiver, delta: WeightDelta) -> None:

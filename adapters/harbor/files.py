@@ -25,7 +25,16 @@ from pathlib import Path
 from miles_env.errors import TaskError
 from miles_env.sandbox import Sandbox
 
-__all__ = ["TaskFile", "HARBOR_ROOT", "EMBED_LIMIT", "rebase_paths", "read_tree", "upload", "embed_script"]
+__all__ = [
+    "TaskFile",
+    "HARBOR_ROOT",
+    "EMBED_LIMIT",
+    "rebase_paths",
+    "read_tree",
+    "upload",
+    "embed_script",
+    "solution_script",
+]
 
 HARBOR_ROOT = "/tmp/harbor"
 EMBED_LIMIT = 96 * 1024  # base64 bytes a script may carry: one exec argument is capped at 128 KiB
@@ -78,6 +87,13 @@ async def upload(sandbox: Sandbox, base: str, files: list[TaskFile]) -> None:
     if files:
         modes = " && ".join(f"chmod {f.mode:o} {shlex.quote(f'{base}/{f.rel}')}" for f in files)
         res = await sandbox.exec(modes, timeout=60)
+        if not res.ok:  # a non-root USER cannot chmod what write_file made: own a copy, then chmod
+            own = " && ".join(
+                f"cp -f {q} {q}.miles && mv -f {q}.miles {q} && chmod {f.mode:o} {q}"
+                for f in files
+                for q in [shlex.quote(f"{base}/{f.rel}")]
+            )
+            res = await sandbox.exec(own, timeout=120)
         if not res.ok:
             raise TaskError(f"{base}: cannot set file modes: {res.stderr.strip()[-300:]}")
 
@@ -93,3 +109,21 @@ def embed_script(base: str, files: list[TaskFile]) -> str | None:
         lines.append(f"printf '%s' {base64.b64encode(f.data).decode()} | base64 -d > {target}")
         lines.append(f"chmod {f.mode:o} {target}")
     return "\n".join(lines)
+
+
+def solution_script(sol_root: Path, workdir: str, env: dict[str, str]) -> str | None:
+    """`bash solve.sh` in the workdir with [solution.env], its files embedded (or staged by the
+    oracle when too large)."""
+    files = read_tree(sol_root)
+    if not any(f.rel == "solve.sh" for f in files):
+        return None
+    sol_dir = f"{HARBOR_ROOT}/solution"
+    embedded = embed_script(sol_dir, files)
+    if embedded is None:
+        size = sum(len(f.data) for f in files)
+        embedded = (
+            f"test -f {sol_dir}/solve.sh || {{ echo 'harbor: the solution files ({size} bytes) are too "
+            "large for a script; the oracle runner uploads them (stage_solution)' >&2; exit 1; }"
+        )
+    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
+    return f"{embedded}\n{exports}cd {shlex.quote(workdir)} && DEBIAN_FRONTEND=noninteractive bash {sol_dir}/solve.sh"

@@ -219,7 +219,7 @@ async def run_episode(
         agent_kwargs=agent_kwargs,
         trials_dir=trials_dir,
         agent_timeout_s=agent_s,
-        timeout=agent_s + float(task.verifier.get("timeout_s", 120.0)) + 300,
+        timeout=agent_s + float(task.verifier.get("timeout_s", 600.0)) + 300,
     )
     rewards = r.get("rewards")
     details = {

@@ -234,12 +234,16 @@ def validate_command(
         Path | None, typer.Option("--report", help="Also write the report as JSON here.")
     ] = None,
     concurrency: Annotated[int, typer.Option(min=1, help="Sandboxes at once.")] = 4,
+    network: Annotated[
+        str | None,
+        typer.Option(help="'none' forbids the network to every task (as rollout.limits.network does)."),
+    ] = None,
 ) -> None:
     """The registration gate: schema, oracle = 1, do-nothing = 0, verifier determinism, 2-step GRPO."""
     from miles_env.jsonio import write_json
     from miles_env.validate import validate_env
 
-    result = validate_env(name, provider=provider, quick=quick, concurrency=concurrency)
+    result = validate_env(name, provider=provider, quick=quick, concurrency=concurrency, network=network)
     print(result.render())
     if report is not None:
         write_json(report, result.to_dict())

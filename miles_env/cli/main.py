@@ -1,7 +1,7 @@
 """The `miles-env` command line: a thin sync edge over the async core.
 
 Each command group lives in its own module (env, sandbox, eval, proxy, train,
-queue, tito). Modules keep heavy imports (torch, transformers) inside their
+queue, tito, images). Modules keep heavy imports (torch, transformers) inside their
 commands so that `miles-env --help` stays fast. Commands raise; edge.py turns a
 known error into one line on stderr and exit code 2, once, for all of them.
 """
@@ -26,6 +26,7 @@ _GROUPS = [
     ("miles_env.cli.queue", "app", "queue"),
     ("miles_env.cli.tito", "app", "tito"),
     ("miles_env.cli.adapters", "app", "adapters"),
+    ("miles_env.cli.images", "app", "images"),
 ]
 _COMMANDS = [
     ("miles_env.cli.eval", "eval_command", "eval"),

@@ -6,6 +6,12 @@ chunk samples its first token and the row joins the left-padded batch.
 `step()` feeds every row its last token, samples the next one and returns
 the rows that finished, already removed from the batch. Row order never affects a row's numbers beyond float rounding: each
 row has its own position ids, attention mask and generator.
+
+Mixture-of-experts models: each forward also reads every router's logits (a forward hook on
+transformers' `*TopKRouter` modules; `output_router_logits` would also compute the training aux
+loss, which fails on a decode step's attention mask), and a row records, for every token it samples, the top-k experts each
+layer routed the position that produced it to (`Row.routed`, [tokens][layers][k], sorted): the
+engine's side of the rollout-vs-training routing check (trainer/moe.py's `router_agreement`).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class Row:
     finish: str | None = None
     matched: int | str | None = None
     kv: KV | None = None  # only while the row is outside the batch (prefilling or finished)
+    routed: list[list[list[int]]] = field(default_factory=list)  # MoE: per sampled token, per layer
 
     @property
     def n_real(self) -> int:
@@ -82,6 +89,11 @@ class Batch:
         self.eos = frozenset(eos)
         self.default_gen = torch.Generator(device=device)
         self.default_gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
+        cfg = model.config
+        self.top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0) if getattr(cfg, "num_experts", 0) else 0
+        self.routers = (
+            [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")] if self.top_k else []
+        )
         self.rows: list[Row] = []
         self.kv: KV = []
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=device)
@@ -92,16 +104,33 @@ class Batch:
 
     def _forward(
         self, ids: torch.Tensor, kv: KV, mask: torch.Tensor | None, pos: torch.Tensor
-    ) -> tuple[torch.Tensor, KV]:
+    ) -> tuple[torch.Tensor, KV, list[list[list[int]]] | None]:
+        """Last-position logits [B, V], the new KV, and (MoE) each row's last position's experts."""
         from transformers import DynamicCache
 
         cache = DynamicCache(ddp_cache_data=kv) if kv else DynamicCache(config=self.model.config)
-        kwargs = {self.cache_kw: cache}
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kwargs
-        )
+        kwargs: dict[str, Any] = {self.cache_kw: cache}
+        seen: list[torch.Tensor] = []  # each router's logits [B * L, E], in layer order
+        hooks = [r.register_forward_hook(lambda _m, _a, o: seen.append(o[0])) for r in self.routers]
+        try:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                use_cache=True,
+                logits_to_keep=1,
+                **kwargs,
+            )
+        finally:
+            for h in hooks:
+                h.remove()
         layers: list[Any] = list(cache.layers)
-        return out.logits[:, -1, :].float(), [(layer.keys, layer.values) for layer in layers]
+        routed = None
+        if seen:  # the last position of each row, per layer
+            b, n = ids.shape
+            last = torch.stack([lg.view(b, n, -1)[:, -1] for lg in seen], dim=1)  # [B, layers, E]
+            routed = last.topk(self.top_k, dim=-1).indices.sort(-1).values.tolist()
+        return out.logits[:, -1, :].float(), [(layer.keys, layer.values) for layer in layers], routed
 
     def _generator(self, params: SamplingParams) -> torch.Generator | None:
         if params.temperature == 0.0:
@@ -145,9 +174,11 @@ class Batch:
         end = min(len(ids), row.fed + budget)
         chunk = torch.tensor([ids[row.fed : end]], dtype=torch.long, device=self.device)
         pos = torch.arange(row.fed, end, device=self.device).unsqueeze(0)
-        logits, row.kv = self._forward(chunk, row.kv or [], None, pos)
+        logits, row.kv, routed = self._forward(chunk, row.kv or [], None, pos)
         fed, row.fed = end - row.fed, end
         if end == len(ids):
+            if routed is not None:
+                row.routed.append(routed[0])
             row.accept(*sample_token(logits[0], row.params, row.generator))
         return fed
 
@@ -176,10 +207,12 @@ class Batch:
         pos = torch.tensor([[r.n_real] for r in rows], dtype=torch.long, device=self.device)
         mask = torch.cat([self.mask, self.mask.new_ones(len(rows), 1)], dim=1)
         padded = bool((mask == 0).any())
-        logits, self.kv = self._forward(ids, self.kv, mask if padded else None, pos)
+        logits, self.kv, routed = self._forward(ids, self.kv, mask if padded else None, pos)
         self.mask = mask
         done: list[int] = []
         for i, row in enumerate(rows):
+            if routed is not None:
+                row.routed.append(routed[i])
             row.accept(*sample_token(logits[i], row.params, row.generator))
             if row.finish is not None:
                 done.append(i)

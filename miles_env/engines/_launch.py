@@ -2,9 +2,10 @@
 
 Concept: `ManagedServer(spec)` owns one server process started in its own
 process group (vLLM and SGLang fork engine-core/scheduler children; stopping
-the group stops them all). Its stdout and stderr go to `spec.log_path`,
-appended across restarts, so a crash leaves its traceback on disk; errors quote
-the log's tail.
+the group stops them all), on a leash (`_leash.py`): the group dies with the
+process that launched it, even when that process is SIGKILLed. Its stdout and
+stderr go to `spec.log_path`, appended across restarts, so a crash leaves its
+traceback on disk; errors quote the log's tail.
 
 Invariant: after `start()` returns the server answered `GET {health_path}` with
 200; a process that exits during the wait fails fast with its exit code and log
@@ -20,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +32,8 @@ import httpx
 from miles_env.errors import EngineError
 
 __all__ = ["ServerSpec", "ManagedServer", "log_tail", "servable_model_dir"]
+
+_LEASH = Path(__file__).with_name("_leash.py")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,7 @@ class ManagedServer:
     def __init__(self, spec: ServerSpec) -> None:
         self.spec = spec
         self._proc: subprocess.Popen[bytes] | None = None
+        self._leash_fd: int | None = None  # the pipe's write end: closed (by us or by death) = stop
         self.starts = 0
 
     @property
@@ -78,18 +83,27 @@ class ManagedServer:
         self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.spec.env}
         nice = self.spec.nice
-        with self.spec.log_path.open("ab") as log:
-            log.write(f"\n=== miles-env: starting {self.spec.name}: {' '.join(self.spec.argv)}\n".encode())
-            log.flush()
-            self._proc = subprocess.Popen(  # noqa: S603 - argv built from typed config
-                list(self.spec.argv),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,  # own process group: stop() reaches the forked children
-                preexec_fn=(lambda: os.nice(nice)) if nice else None,  # noqa: PLW1509
-            )
+        self._unleash()  # a server that died by itself left its leash
+        leash_r, self._leash_fd = os.pipe()  # both ends non-inheritable: only the leash gets one
+        argv = [sys.executable, str(_LEASH), str(leash_r), str(self.spec.stop_grace_s), "--", *self.spec.argv]
+        try:
+            with self.spec.log_path.open("ab") as log:
+                log.write(
+                    f"\n=== miles-env: starting {self.spec.name}: {' '.join(self.spec.argv)}\n".encode()
+                )
+                log.flush()
+                self._proc = subprocess.Popen(  # noqa: S603 - argv built from typed config
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    pass_fds=(leash_r,),
+                    start_new_session=True,  # own process group: stop() reaches the forked children
+                    preexec_fn=(lambda: os.nice(nice)) if nice else None,  # noqa: PLW1509
+                )
+        finally:
+            os.close(leash_r)
         self.starts += 1
 
     async def healthy(self, timeout_s: float = 5.0) -> bool:
@@ -121,9 +135,15 @@ class ManagedServer:
             f"(log {self.spec.log_path}):\n{log_tail(self.spec.log_path)}"
         )
 
+    def _unleash(self) -> None:
+        fd, self._leash_fd = self._leash_fd, None
+        if fd is not None:
+            os.close(fd)
+
     async def stop(self) -> None:
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
+            self._unleash()
             return
         self._signal(proc, signal.SIGTERM)
         self._signal(proc, signal.SIGCONT)  # a stalled (stopped) server handles the TERM now
@@ -134,6 +154,7 @@ class ManagedServer:
             self._signal(proc, signal.SIGKILL)
             await anyio.to_thread.run_sync(proc.wait)
         self._signal(proc, signal.SIGKILL)  # children that outlived the leader
+        self._unleash()
 
     @staticmethod
     def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:

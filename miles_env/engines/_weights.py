@@ -50,21 +50,25 @@ def read_lora_adapter(name: str, path: str | Path) -> LoraAdapter:
     return LoraAdapter(name, config, tensors)
 
 
+def _lora_shape(c: Any) -> tuple[Any, ...]:
+    return c.r, c.lora_alpha, frozenset(c.target_modules or ()), frozenset(c.target_parameters or ())
+
+
 def _inject_lora(model: Any, adapter: LoraAdapter) -> None:
-    """Inject the adapter's LoRA layers once; a later adapter must have the same shape (r, targets)."""
+    """Inject the adapter's LoRA layers once; a later adapter must have the same shape (r, targets).
+    The shape is kept as the first adapter's file says it: PEFT rewrites the config it injects in
+    place (target_modules cut to those found, target_parameters widened), so it is not comparable."""
     import torch
     from peft import inject_adapter_in_model
 
-    current = getattr(model, "peft_config", {}).get(_ADAPTER)  # set by inject_adapter_in_model
-    if current is None:
+    if getattr(model, "peft_config", {}).get(_ADAPTER) is None:  # set by inject_adapter_in_model
+        model.miles_lora_shape = _lora_shape(adapter.config)  # before PEFT rewrites the config
         with torch.inference_mode(False):  # the new layers must be ordinary tensors, not inference ones
             inject_adapter_in_model(adapter.config, model, adapter_name=_ADAPTER)
         model.requires_grad_(False)
         return
-    same = (current.r, current.lora_alpha, set(current.target_modules or ())) == (
-        adapter.config.r, adapter.config.lora_alpha, set(adapter.config.target_modules or ()))  # fmt: skip
-    if not same:
-        raise EngineError(f"load_lora_adapter {adapter.name!r}: rank, alpha or target modules differ from "
+    if getattr(model, "miles_lora_shape", None) != _lora_shape(adapter.config):
+        raise EngineError(f"load_lora_adapter {adapter.name!r}: rank, alpha, target modules or parameters differ from "
                           "the adapter loaded first (restart the engine to change them)")  # fmt: skip
 
 

@@ -135,6 +135,7 @@ class HFEngine:
         model.to(self.device).eval()
         model.requires_grad_(False)
         self.model = model
+        self._param_names = frozenset(model.state_dict())
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         positions = int(getattr(model.config, "max_position_embeddings", _CONTEXT_CAP) or _CONTEXT_CAP)
         self.max_context = cfg.max_context or min(positions, _CONTEXT_CAP)
@@ -200,8 +201,15 @@ class HFEngine:
     async def update_weights_from_disk(
         self, path: str | Path, weight_version: int | None = None, *, abort_in_flight: bool = False
     ) -> int:
-        """Load a .safetensors file or a directory of them (an HF checkpoint dir) in place."""
+        """Load a .safetensors file or a directory of them (an HF checkpoint dir) in place; a MoE
+        checkpoint's per-expert tensors are stacked into the model's fused ones (weight_layout.py)."""
+        from miles_env.weight_layout import to_model
+
         state = await anyio.to_thread.run_sync(load_safetensors, path)
+        try:
+            state = to_model(state, self._param_names)
+        except ValueError as e:
+            raise EngineError(f"update_weights_from_disk {str(path)!r}: {e}") from e
         return await self.update_weights(state, weight_version, abort_in_flight=abort_in_flight)
 
     async def apply_weight_delta(self, delta: Any, *, abort_in_flight: bool = False) -> int:
@@ -416,7 +424,8 @@ class HFEngine:
                 cached_tokens=row.cached,
                 latency_s=time.perf_counter() - req.t0,
                 meta={"matched": row.matched, "ttft_s": req.ttft}
-                | ({"message": "aborted: weight update or cancel"} if row.finish == "abort" else {}),
+                | ({"message": "aborted: weight update or cancel"} if row.finish == "abort" else {})
+                | ({"routed_experts": row.routed} if row.routed else {}),  # MoE: _batch.py
             )
             _resolve(req.loop, req.future, gen, None)
 

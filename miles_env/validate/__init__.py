@@ -28,9 +28,10 @@ import anyio
 
 from miles_env.environment import Environment
 from miles_env.errors import MilesEnvError
+from miles_env.limits import LimitsOverride
 from miles_env.provenance import env_distribution
 from miles_env.sandbox import AsyncClosable
-from miles_env.types import Task
+from miles_env.types import NetworkPolicy, Task
 from miles_env.validate.probes import judge, run_probes, schema_stage
 from miles_env.validate.report import STAGES, StageResult, ValidationReport
 from miles_env.validate.train import train_stage
@@ -51,14 +52,14 @@ def _skipped(after: str, why: str) -> tuple[StageResult, ...]:
 
 
 async def _sandbox_stages(
-    env: Environment, tasks: list[Task], provider_name: str, concurrency: int
+    env: Environment, tasks: list[Task], provider_name: str, concurrency: int, limits: LimitsOverride | None
 ) -> list[StageResult]:
     from miles_env.sandboxes import get_provider
 
     provider = get_provider(provider_name)
     t0 = time.monotonic()
     try:
-        oracle, nop = await run_probes(env, tasks, provider, concurrency)
+        oracle, nop = await run_probes(env, tasks, provider, concurrency, limits)
     finally:
         if isinstance(provider, AsyncClosable):
             await provider.aclose()
@@ -73,8 +74,10 @@ def validate_env(
     concurrency: int = 4,
     model: str = "smollm2",
     work_dir: Path | None = None,
+    network: str | None = None,
 ) -> ValidationReport:
-    """Run the gate on `name`; `work_dir` keeps the train stage's run (default: a temporary dir)."""
+    """Run the gate on `name`; `work_dir` keeps the train stage's run (default: a temporary dir);
+    `network="none"` forbids the network to every task's sandbox (a task's own `host` included)."""
     from miles_env.registry import load_environment
 
     name = resolve_name(name)
@@ -91,8 +94,9 @@ def validate_env(
     if not tasks:
         return _with(base, schema, *_skipped("schema", "not run: no valid tasks"))
     try:
-        checked = anyio.run(_sandbox_stages, env, tasks, provider, concurrency)
-    except MilesEnvError as e:  # the provider itself could not be built
+        limits = LimitsOverride(network=NetworkPolicy(network)) if network else None
+        checked = anyio.run(_sandbox_stages, env, tasks, provider, concurrency, limits)
+    except (MilesEnvError, ValueError) as e:  # the provider itself could not be built, a bad --network
         failed = StageResult("oracle", False, "the sandbox provider failed", (str(e),))
         return _with(base, schema, failed, *_skipped("oracle", "not run"))
     if quick:

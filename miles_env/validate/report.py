@@ -74,7 +74,7 @@ class ValidationReport:
             mark = "SKIP" if s.skipped else ("PASS" if s.passed else "FAIL")
             lines.append(f"  {mark:4}  {s.name:<12} {s.summary}  [{s.duration_s:.1f}s]")
             for p in s.problems[:_MAX_PROBLEMS_SHOWN]:
-                lines.append(f"          - {p}")
+                lines.append("          - " + p.replace("\n", "\n            "))
             if len(s.problems) > _MAX_PROBLEMS_SHOWN:
                 lines.append(
                     f"          ... and {len(s.problems) - _MAX_PROBLEMS_SHOWN} more (--report PATH)"

@@ -7,7 +7,11 @@ scripts/start-dockerd.sh imports from the host's own binaries (no registry).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
+
+from miles_env.sandboxes.images.config import ImagesConfig
 
 __all__ = ["DEFAULT_IMAGE", "DockerSandboxConfig"]
 
@@ -29,6 +33,12 @@ class DockerSandboxConfig(BaseModel):
     api_timeout_s: float = Field(60.0, gt=0, description="per engine API call")
     expose_url: str | None = Field(
         None, description="public URL of the proxy to return from expose() (remote engines)"
+    )
+    images: ImagesConfig = Field(
+        default_factory=ImagesConfig, description="where task images' bases come from (mirrors, aliases)"
+    )
+    build_network: Literal["default", "host"] | None = Field(
+        None, description="network of RUN steps in builds; None = the engine's bridge, else the host's"
     )
     max_read_bytes: int = Field(
         64 << 20, gt=0, description="largest file read_file() returns; a larger one is a SandboxError"

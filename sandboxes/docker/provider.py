@@ -1,7 +1,8 @@
 """DockerSandboxProvider: one container per sandbox on any Docker-API engine.
 
 Concept: a sandbox is a container made from `spec.image` (or a local rootfs
-imported once as an image, or `spec.build` built offline once per content hash),
+imported once as an image, or `spec.build` built once per content hash by build.py: bases
+resolved through sandboxes/images, RUN steps with a build network),
 kept alive by `sleep infinity` under docker-init, with a read-only root, a named
 volume at spec.workdir, a tmpfs /tmp, no network (`network_mode=none`), and
 memory, CPU and pids limits.
@@ -47,7 +48,9 @@ from miles_env.limits import sandbox_lifetime_s
 from miles_env.types import NetworkPolicy, SandboxSpec
 
 from ..expose import FORWARDER, INNER_RUN
+from ..images.resolve import ResolvedImage
 from ..ownership import Ownership, is_stale, owner_labels
+from .build import DockerBuilder
 from .config import DockerSandboxConfig
 from .engine import call
 from .files import workdir_seed
@@ -75,6 +78,8 @@ class DockerSandboxProvider:
         self.owner = Ownership.here(self.config.run_id, self.config.ttl_s)
         self._seeds: dict[tuple[str, str], bytes] = {}  # (image id, workdir) -> workdir_seed()
         self.run_root = Path(self.config.run_root or Path(tempfile.gettempdir()) / "miles-env-docker")
+        self.builder = DockerBuilder(self.client, self.config.images, self.config.build_network)
+        self.built_bases: dict[str, tuple[ResolvedImage, ...]] = {}  # build tag -> its resolved bases
 
     async def ping(self) -> None:
         try:
@@ -100,7 +105,13 @@ class DockerSandboxProvider:
         if spec.rootfs is None:
             if spec.image is None and spec.build is not None:
                 return self._build_sync(Path(spec.build))
-            return spec.image or self.config.image
+            image = spec.image or self.config.image
+            if spec.image is not None and not self.builder.has(image):
+                # Not in the engine: resolved as a build's base is (mirror, registry, bootstrap, alias).
+                with tempfile.TemporaryDirectory(prefix="miles-env-image-") as ctx:
+                    (Path(ctx) / "Dockerfile").write_text(f"FROM {image}\n")
+                    return self._build_sync(Path(ctx))
+            return image
         # A local rootfs becomes an image once (tag = hash of its real path).
         real = os.path.realpath(spec.rootfs)
         tag = "miles-env/rootfs:" + hashlib.sha1(real.encode()).hexdigest()[:12]
@@ -116,26 +127,9 @@ class DockerSandboxProvider:
         return tag
 
     def _build_sync(self, context: Path) -> str:
-        """`docker build` of `context`, offline (no pull, no network), once per content hash."""
-        h = hashlib.sha256()
-        for p in sorted(context.rglob("*")):
-            if p.is_file():
-                h.update(str(p.relative_to(context)).encode() + b"\0" + p.read_bytes() + b"\0")
-        tag = f"miles-env/build:{h.hexdigest()[:16]}"
-        try:
-            self.client.images.get(tag)
-            return tag
-        except docker.errors.ImageNotFound:
-            pass
-        try:
-            self.client.images.build(
-                path=str(context), tag=tag, pull=False, network_mode="none", rm=True, forcerm=True
-            )
-        except docker.errors.BuildError as e:
-            log = "".join(str(x.get("stream", x.get("error", ""))) for x in e.build_log)[-1500:]
-            raise SandboxError(f"docker build of {context / 'Dockerfile'} failed: {e}\n{log}") from e
-        except docker.errors.APIError as e:
-            raise SandboxError(f"docker build of {context / 'Dockerfile'} failed: {e}") from e
+        """dockerd's build of `context` (bases resolved, build network), once per content hash."""
+        tag, bases = self.builder.build(context)
+        self.built_bases[tag] = bases
         return tag
 
     def _create_sync(self, spec: SandboxSpec, name: str, run_dir: Path, labels: dict[str, str]) -> Any:
@@ -209,6 +203,7 @@ class DockerSandboxProvider:
             shutil.copyfile(FORWARDER, run_dir / "forwarder.py")
             container = await call(f"docker create {name}", self._create_sync, spec, name, run_dir, labels)
             sandbox = DockerSandbox(self, container.id, name, spec, run_dir)
+            sandbox.image_bases = self.built_bases.get(container.attrs["Config"]["Image"], ())
             for path, text in spec.files.items():
                 await sandbox.write_file(path, text)
             # A cancellation that arrived while a worker thread ran is delivered at the

@@ -33,12 +33,14 @@ from miles_env.types import ExecResult, SandboxSpec
 
 from ..execargs import command_argv, exec_args
 from ..expose import INNER_RUN, ExposeTarget, HostListener
+from ..images.resolve import ResolvedImage
 from ..results import classify
 from .engine import ENGINE_ERRORS, map_error
 from .exec import ExecOutcome, kill_token_argv, run_exec, start_detached
 from .files import ContainerFiles
 
 if TYPE_CHECKING:
+    from .build import DockerBuilder
     from .config import DockerSandboxConfig
 
 __all__ = ["ContainerOwner", "DockerSandbox"]
@@ -49,12 +51,15 @@ class ContainerOwner(Protocol):
 
     client: docker.DockerClient
     config: DockerSandboxConfig
+    builder: DockerBuilder
 
     def remove_sync(self, name: str) -> None: ...
 
 
 class DockerSandbox:
     """A Sandbox backed by one container; built by DockerSandboxProvider."""
+
+    image_bases: tuple[ResolvedImage, ...] = ()  # set by the provider for a built image (build.py)
 
     def __init__(
         self, provider: ContainerOwner, cid: str, name: str, spec: SandboxSpec, run_dir: Path
@@ -69,6 +74,7 @@ class DockerSandbox:
         self._provider = provider
         self._api = provider.client.api
         self._closed = False
+        self._sidecars: list[str] = []  # container ids (sidecars.py), removed before ours
         self._listeners: list[HostListener] = []
         self._forwarders: list[socket.socket] = []
         self._expose_lock = anyio.Lock()
@@ -219,6 +225,30 @@ class DockerSandbox:
         if self._closed:
             raise SandboxError(f"sandbox {self.id} is closed")
 
+    async def start_sidecar(
+        self,
+        name: str,
+        *,
+        image: str | None = None,
+        build: str | None = None,
+        dockerfile: str | None = None,
+        env: Mapping[str, str] | None = None,
+        command: list[str] | str | None = None,
+        healthcheck: list[str] | str | None = None,
+        timeout: float = 120.0,
+    ) -> None:
+        """RunsSidecars: a container in this one's network namespace, `name` resolving to it here."""
+        from .sidecars import run_sidecar
+
+        def start() -> str:
+            return run_sidecar(
+                self._provider.client, self._provider.builder, self.container_id, name, image=image,
+                build=build, dockerfile=dockerfile, env=env or {}, command=command,
+                healthcheck=healthcheck, timeout=timeout,
+            )  # fmt: skip
+
+        self._sidecars.append(await anyio.to_thread.run_sync(start))
+
     async def close(self) -> None:
         if self._closed:
             return
@@ -228,6 +258,11 @@ class DockerSandbox:
                 s.close()
             for listener in self._listeners:
                 listener.close()
+            for cid in self._sidecars:
+                try:
+                    await anyio.to_thread.run_sync(self._provider.remove_sync, cid)
+                except Exception:  # noqa: BLE001 - the reaper removes it by its labels
+                    pass
             try:
                 await anyio.to_thread.run_sync(self._provider.remove_sync, self.id)
             except Exception as e:  # noqa: BLE001

@@ -16,6 +16,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles_env.errors import SandboxUnavailable
+from miles_env.sandboxes.images.config import ImagesConfig
 
 __all__ = ["LocalSandboxConfig", "find_bwrap", "host_root_binds"]
 
@@ -50,6 +51,10 @@ class LocalSandboxConfig(BaseModel):
     )
     max_read_bytes: int = Field(
         default=64 << 20, gt=0, description="largest file read_file() returns; a larger one is a SandboxError"
+    )
+    images: ImagesConfig = Field(
+        default_factory=ImagesConfig,
+        description="task images (SandboxSpec.build/image): mirrors, aliases, cache",
     )
     # Used only when this process runs as root (storage.py says why both are needed then).
     uid_base: int = Field(

@@ -36,6 +36,7 @@ import anyio
 from miles_env.errors import ConfigError, SandboxError, SandboxUnavailable
 from miles_env.types import NetworkPolicy, Resources, SandboxSpec
 
+from ..images.local import LocalImages
 from .cgroup import PidsCgroup, remove_orphan_zygote_cgroups
 from .config import LocalSandboxConfig, find_bwrap, host_root_binds
 from .forkserver import Zygote, start_zygote
@@ -115,6 +116,7 @@ class LocalSandboxProvider:
             self.bwrap = bwrap_for_others(self.bwrap, self.mount_dir)
             remove_orphan_mounts(self.mount_dir)  # what a crashed run left, once the reaper removed its dir
         self._idle: list[tuple[Zygote, PidsCgroup]] = []
+        self._images: LocalImages | None = None  # made on the first spec with a build or an image
         self._warned_no_mount = False
         self._warned_no_cpu = False
         if self.config.use_cgroup:
@@ -192,6 +194,12 @@ class LocalSandboxProvider:
     async def create(self, spec: SandboxSpec) -> LocalSandbox:
         if not isinstance(spec, SandboxSpec):
             raise ConfigError(f"create(spec): expected a SandboxSpec, got {type(spec).__name__}")
+        image = None
+        if spec.rootfs is None and (spec.build is not None or spec.image is not None):
+            # The task's image, built and unpacked once per content hash (sandboxes/images/local.py).
+            self._images = self._images or LocalImages(self.config.images)
+            image = await anyio.to_thread.run_sync(self._images.get, spec)
+            spec = spec.model_copy(update={"rootfs": str(image.rootfs)})
         self._validate(spec)
         sandbox_id = secrets.token_hex(6)
         host_dir = self.root / sandbox_id
@@ -230,6 +238,8 @@ class LocalSandboxProvider:
             zygote=zygote,
             on_close=self._give_back,
         )
+        if image is not None:  # what the image says execs get (ENV, USER, WORKDIR), and its bases
+            sandbox.image_config, sandbox.image_bases = image.config, image.bases
         try:
             for path, text in spec.files.items():
                 await sandbox.write_file(path, text)

@@ -32,6 +32,8 @@ from miles_env.sandbox import Command
 from miles_env.types import ExecResult, Resources, SandboxSpec
 
 from ..execargs import command_argv, exec_args, exec_cwd, exec_env
+from ..images.oci import ImageConfig
+from ..images.resolve import ResolvedImage
 from ..results import RawResult, classify
 from .cgroup import PidsCgroup
 from .forkserver import RequestTooLarge, Zygote
@@ -47,6 +49,10 @@ __all__ = ["LocalSandbox"]
 
 class LocalSandbox:
     """A Sandbox (miles_env.sandbox.Sandbox) backed by bubblewrap; built by LocalSandboxProvider."""
+
+    # Set by the provider when the sandbox's root is a task image (sandboxes/images/local.py).
+    image_config: ImageConfig | None = None
+    image_bases: tuple[ResolvedImage, ...] = ()
 
     def __init__(
         self,

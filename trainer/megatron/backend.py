@@ -1,7 +1,8 @@
 """The megatron trainer backend: the torch backend's step on a megatron-core GPTModel.
 
 Concept: `MegatronTrainer` builds a megatron-core GPTModel (local layer spec, no
-TransformerEngine) from an HF Llama/Qwen config, loads the HF weights through
+TransformerEngine; the TE spec only for context parallelism) from an HF Llama / Qwen / Qwen2-MoE /
+Qwen3-MoE config, loads the HF weights through
 `megatron.convert`, and reuses TorchTrainer's step verbatim (flatten groups, pack
 microbatches, the same pure losses from `losses.py`, one AdamW step). Only the
 forward, the gradient clipping (norm reduced over tensor-parallel ranks) and the
@@ -12,14 +13,20 @@ tensor-parallel ranks), so the engine never sees megatron names; HF -> megatron 
 bit-exact; logits are gathered over the vocabulary (parallel_output=False) so logprobs
 use the same code as the torch backend.
 
-Parallelism: world = tp * pp * dp (megatron's parallel_state layout). tp = tensor parallel; pp =
+Parallelism: world = tp * pp * cp * dp (megatron's parallel_state layout; `megatron.layout` refuses
+what cannot run, at load). tp = tensor parallel; pp =
 pipeline stages run by megatron-core's 1F1B schedule; dp = data parallel, microbatches split over
 dp ranks, grads summed (see `megatron.parallel`): by a plain all-reduce and a full torch AdamW per
 replica, or with `distributed_optimizer: true` by megatron's DDP + DistributedOptimizer (grads
 reduce-scattered, Adam state sharded over dp, gathered to dp rank 0 in checkpoints). On CPU a gloo process group and
 the shims of `megatron.cpu_shims`; TP=2, PP=2, DP=2 and PP=2 x DP=2 (both optimizers) are tested
 against 1 under torchrun on CPU. On GPUs, nccl: TP=1 checked once on an H200, the rest untested.
-With pp = dp = 1 and no distributed optimizer the step is TorchTrainer's own.
+ep = expert parallel (MoE): the experts of every layer sharded over ep of the data x context
+parallel ranks, tokens moved by megatron's all-gather dispatcher on CPU (all-to-all on GPUs);
+tested on CPU against one process (tests/test_megatron_ep.py). cp = context parallel: GPUs with
+TransformerEngine only (`megatron.context`), refused on CPU. The MoE load-balancing loss is
+trainer/moe.py's, the torch backend's (megatron's own is off).
+With pp = dp = cp = 1 and no distributed optimizer the step is TorchTrainer's own.
 
 Lifecycle: as TorchTrainer: build -> (load_checkpoint) -> train_step* -> state_dict /
 export_weights for weight sync -> save_checkpoint.
@@ -37,22 +44,26 @@ import torch
 from pydantic import Field, model_validator
 
 from miles_env.models import resolve_model
-from miles_env.trainer.checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
 from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.losses import token_logprobs
+from miles_env.trainer.megatron.batches import all_gather_dispatch
+from miles_env.trainer.megatron.checkpoint import load_rank_checkpoint, save_rank_checkpoint
+from miles_env.trainer.megatron.context import cp_full, cp_logprobs
 from miles_env.trainer.megatron.convert import model_shape, transformer_config
 from miles_env.trainer.megatron.cpu_shims import apply_cpu_shims, init_distributed
+from miles_env.trainer.megatron.grads import grad_norm, reduce_grads
+from miles_env.trainer.megatron.layout import check_layout, world_size
 from miles_env.trainer.megatron.parallel import (
     build_stage_model,
     distributed_optimizer,
     gather_hf_state,
-    grad_norm,
     pipeline_logprobs,
     pipeline_train_step,
-    reduce_grads,
 )
+from miles_env.trainer.moe import MoeAux
 from miles_env.trainer.torch_backend import Sample, TorchTrainer
 from miles_env.types import Episode, Trajectory
+from miles_env.weight_layout import to_checkpoint, to_model
 
 __all__ = ["MegatronTrainer", "MegatronTrainerConfig"]
 
@@ -61,7 +72,14 @@ class MegatronTrainerConfig(TrainerConfig):
     """TrainerConfig plus megatron's parallel layout."""
 
     tp: int = Field(1, ge=1, description="tensor-parallel size")
-    pp: int = Field(1, ge=1, description="pipeline-parallel size; data parallel = world / (tp * pp)")
+    pp: int = Field(1, ge=1, description="pipeline-parallel size; data parallel = world / (tp * pp * cp)")
+    cp: int = Field(1, ge=1, description="context-parallel size (GPUs with TransformerEngine only)")
+    ep: int = Field(
+        1,
+        ge=1,
+        description="expert-parallel size: a MoE model's experts sharded over ep "
+        "of the data x context parallel ranks",
+    )
     distributed_optimizer: bool = Field(
         False,
         description="megatron DDP + DistributedOptimizer (grads reduce-scattered, AdamW state sharded "
@@ -93,11 +111,9 @@ class MegatronTrainer(TorchTrainer):
         self.hf_config = AutoConfig.from_pretrained(str(self.model_path))
         self.shape = model_shape(self.hf_config)
         self.device = self._pick_device()
+        check_layout(cfg, world_size(), self.shape)  # one line per impossible layout, before any group
         apply_cpu_shims()
-        init_distributed(cfg.tp, cfg.pp)
-        world = torch.distributed.get_world_size()
-        if world % (cfg.tp * cfg.pp):
-            raise ValueError(f"world size {world} is not a multiple of tp * pp = {cfg.tp * cfg.pp}")
+        init_distributed(cfg.tp, cfg.pp, cfg.cp, cfg.ep)
         if torch.cuda.is_available():  # megatron's model-parallel CUDA RNG streams (the CPU shim skips them)
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -110,6 +126,10 @@ class MegatronTrainer(TorchTrainer):
         )
         self.pp_rank, self.pp_size = ps.get_pipeline_model_parallel_rank(), cfg.pp
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.ep_rank, self.ep_size = ps.get_expert_model_parallel_rank(), cfg.ep
+        self.cp_rank, self.cp_size = ps.get_context_parallel_rank(), cfg.cp
+        moe = self.shape.moe
+        self.moe = MoeAux(moe, cfg.moe_aux_loss_coef, self.shape.layers) if moe is not None else None
         self.layer_offset = 0
         self.step = 0
         self.model = self._build_model()
@@ -136,13 +156,20 @@ class MegatronTrainer(TorchTrainer):
             dtype,
             tensor_model_parallel_size=self.tp_size,
             pipeline_model_parallel_size=self.pp_size,
+            context_parallel_size=self.cp_size,
+            expert_model_parallel_size=self.ep_size,
             pipeline_dtype=dtype,
-            variable_seq_lengths=True,  # microbatches differ in shape: stages exchange shapes first
-            moe_token_dispatcher_type="alltoall",  # no MoE; the default one refuses variable lengths
+            # microbatches differ in shape: stages exchange shapes first; the all-gather token
+            # dispatcher (MoE on CPU) refuses that, and its microbatches are padded to one shape
+            variable_seq_lengths=not all_gather_dispatch(self.shape),
             batch_p2p_comm=False,  # plain isend/irecv (batched p2p syncs CUDA)
             calculate_per_token_loss=True,  # the losses carry global denominators: no 1/num_microbatches
+            **(
+                {} if self.shape.moe else {"moe_token_dispatcher_type": "alltoall"}
+            ),  # the default refuses variable lengths
         )
-        return build_stage_model(self, tcfg, _read_hf_weights(self.model_path))
+        hf = to_model(_read_hf_weights(self.model_path))  # the checkpoint files' layout -> the model's
+        return build_stage_model(self, tcfg, hf)
 
     def _frozen_copy(self) -> torch.nn.Module:
         """The reference model: a second build from the HF weights (a deepcopy would have to copy the
@@ -159,6 +186,9 @@ class MegatronTrainer(TorchTrainer):
         """[B, L] logprobs of each next token (column 0 is 0). With `mask`, as the torch backend, the
         LM head runs only where mask == 1 (a pre-hook on megatron's output layer keeps just those
         hidden states); positions outside the mask are 0."""
+        if self.cp_size > 1:  # this rank's part of each sequence (context.py); the whole for eval
+            partial = cp_logprobs(self, model, ids)
+            return partial if mask is not None else cp_full(self, partial)
         if mask is None:
             return token_logprobs(self.logits(ids, model), ids, self.config.temperature)
         sel = mask[:, 1:] > 0  # the logprob of token t comes from position t - 1
@@ -187,9 +217,22 @@ class MegatronTrainer(TorchTrainer):
         return out
 
     def train_step(self, groups: Sequence[Sequence[Episode]]) -> dict[str, float]:
-        if self.pp_size == 1 and self.dp_size == 1 and self.ddp is None:
+        if self.pp_size == 1 and self.dp_size == 1 and self.cp_size == 1 and self.ddp is None:
             return super().train_step(groups)  # exactly the torch backend's step
-        return pipeline_train_step(self, groups)
+        return self._with_moe(pipeline_train_step(self, groups))
+
+    def _sum_over_ranks(self, vec: torch.Tensor) -> torch.Tensor:
+        """Summed over the data-parallel ranks (other microbatches) and pipeline stages (other layers)."""
+        from megatron.core import parallel_state as ps
+
+        t = vec.to(self.device)
+        for size, group in (
+            (self.dp_size, ps.get_data_parallel_group()),
+            (self.pp_size, ps.get_pipeline_model_parallel_group()),
+        ):
+            if size > 1:
+                torch.distributed.all_reduce(t, group=group)
+        return t.cpu()
 
     def logprobs(self, samples: Sequence[Trajectory | Sample]) -> list[torch.Tensor]:
         if self.pp_size == 1:
@@ -231,7 +274,7 @@ class MegatronTrainer(TorchTrainer):
         atomically (tmp dir, then rename) by global rank 0; every rank takes part in the gather."""
         from safetensors.torch import save_file
 
-        state = self.state_dict()
+        state = to_checkpoint(self.state_dict())  # MoE: one tensor per expert, as HF checkpoints are
         target = Path(path)
         if torch.distributed.get_rank() == 0:
             tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
@@ -253,81 +296,13 @@ class MegatronTrainer(TorchTrainer):
             torch.distributed.barrier()
         return target
 
-    # -- checkpoints ---------------------------------------------------------------------------
-
-    def _rank_dir(self, ckpt_dir: str | os.PathLike[str]) -> Path:
-        root = Path(ckpt_dir)
-        if self.pp_size > 1:
-            return root / f"tp{self.tp_rank}_pp{self.pp_rank}"
-        return root if self.tp_size == 1 else root / f"tp{self.tp_rank}"
-
-    def _sharded_optimizers(self) -> list[Any]:
-        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+    # -- checkpoints (megatron.checkpoint) -----------------------------------------------------
 
     def save_checkpoint(self, ckpt_dir: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> Path:
-        """This rank's megatron tensors and optimizer state (one dir per TP rank / pipeline stage),
-        written by data-parallel rank 0 (the replicas are identical). With the distributed optimizer,
-        its Adam shards are first gathered to dp rank 0 (a collective: every rank calls this)."""
-        param_states = None
-        if self.ddp is not None:
-            param_states = [o.get_parameter_state_dp_zero() for o in self._sharded_optimizers()]
-        if self.dp_rank != 0:
-            torch.distributed.barrier()
-            return self._rank_dir(ckpt_dir)
-        local = {k: v.detach() for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
-        state = {
-            "model": local,
-            "optimizer": self.optimizer.state_dict(),
-            "optimizer_shards": param_states,
-            "rng": {"torch": torch.get_rng_state()},
-        }
-        meta = {
-            "extra": extra or {},
-            "model_path": str(self.model_path),
-            "tp": self.tp_size,
-            "pp": self.pp_size,
-            "distributed_optimizer": self.ddp is not None,
-            "backend": "megatron",
-        }
-        path = write_checkpoint(
-            self._rank_dir(ckpt_dir), self.step, state, meta, self.config.keep_checkpoints
-        )
-        if self.dp_size > 1:
-            torch.distributed.barrier()
-        return path
+        return save_rank_checkpoint(self, Path(ckpt_dir), extra)
 
     def load_checkpoint(self, ckpt_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-        """Every rank reads its (tp, pp) dir; with the distributed optimizer dp rank 0 scatters the
-        Adam shards (a collective). The optimizer kind must match the one that saved."""
-        root = self._rank_dir(ckpt_dir)
-        path = root if (root / "trainer.json").is_file() else latest_checkpoint(root)
-        if path is None:
-            return None
-        state, meta = read_checkpoint(path)
-        if bool(meta.get("distributed_optimizer", False)) != (self.ddp is not None):
-            raise ValueError(
-                f"checkpoint {str(path)!r}: distributed_optimizer={meta.get('distributed_optimizer', False)}, "
-                f"this trainer has {self.ddp is not None}"
-            )
-        self.model.load_state_dict(state["model"], strict=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.ddp is not None:
-            for opt, shard in zip(self._sharded_optimizers(), state["optimizer_shards"], strict=True):
-                # torch AdamW's per-param "step" (restored by load_state_dict above) is not in the saved
-                # shards and megatron's loader copies every state key: set it aside meanwhile; megatron
-                # restores it as ONE tensor shared by every param, which AdamW would then bump once per
-                # param: give each its own copy. fp32 main params are views of the model's leaf params:
-                # copy without autograd.
-                inner = opt.optimizer.state
-                steps = {p: st.pop("step") for p, st in inner.items() if "step" in st}
-                with torch.no_grad():
-                    opt.load_parameter_state_from_dp_zero(shard if self.dp_rank == 0 else None)
-                for p, step in steps.items():
-                    inner[p]["step"] = step.clone()
-        torch.set_rng_state(state["rng"]["torch"])
-        self.step = int(meta["step"])
-        extra: dict[str, Any] = meta["extra"]
-        return extra
+        return load_rank_checkpoint(self, Path(ckpt_dir))
 
 
 def _read_hf_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""HF Llama/Qwen <-> megatron-core GPTModel: config and weights, both ways.
+"""HF Llama/Qwen (dense, Qwen2-MoE, Qwen3-MoE) <-> megatron-core GPTModel: config and weights, both ways.
 
 Concept: one naming/layout map between an HF causal LM (`model.layers.N.self_attn.q_proj`, ...)
 and megatron-core's local-spec GPTModel (`decoder.layers.N.self_attention.linear_qkv`, ...).
@@ -9,7 +9,9 @@ HF -> megatron -> HF is bit-exact.
 Tensor parallel: `shard(name, full, rank, size)` cuts a full megatron tensor into this rank's
 piece and `unshard` glues the pieces back (column-parallel on dim 0, row-parallel on dim 1,
 fc1 per half so each rank keeps [gate_r; up_r]). Pipeline parallel: `layer_offset` maps a
-stage's local layer numbers to global ones (parallel.py builds each stage with it).
+stage's local layer numbers to global ones (parallel.py builds each stage with it). MoE layers
+(router, experts, shared expert) are mapped by `megatron.experts`, in the HF model layout
+(fused experts; `miles_env.weight_layout` converts from and to the checkpoint files' layout).
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from miles_env.trainer.megatron.experts import moe_layer_to_hf, moe_layer_to_megatron
+from miles_env.trainer.moe import MoeShape, moe_shape
 
 __all__ = [
     "ModelShape",
@@ -69,13 +74,23 @@ class ModelShape:
     tied: bool
     qkv_bias: bool
     qk_norm: bool
+    moe: MoeShape | None = None  # every decoder layer's MLP is a MoE layer; None: dense
+
+
+_KINDS = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe")
 
 
 def model_shape(hf_config: Any) -> ModelShape:
-    """Read the shape of a Llama / Qwen2 / Qwen3 HF config."""
+    """Read the shape of a Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE HF config."""
     kind = getattr(hf_config, "model_type", "")
-    if kind not in ("llama", "qwen2", "qwen3", "mistral"):
-        raise ValueError(f"model_type={kind!r}: the megatron backend converts llama, qwen2, qwen3, mistral")
+    if kind not in _KINDS:
+        raise ValueError(f"model_type={kind!r}: the megatron backend converts {', '.join(_KINDS)}")
+    moe = moe_shape(hf_config) if kind.endswith("_moe") else None
+    if moe is not None and (
+        getattr(hf_config, "mlp_only_layers", None) or int(getattr(hf_config, "decoder_sparse_step", 1)) != 1
+    ):
+        raise ValueError(f"model_type={kind!r}: dense layers among MoE ones (mlp_only_layers, "
+                         "decoder_sparse_step) are not converted yet: every layer must be a MoE layer")  # fmt: skip
     heads = int(hf_config.num_attention_heads)
     rope = getattr(hf_config, "rope_parameters", None) or {}
     theta = float(rope.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
@@ -91,8 +106,9 @@ def model_shape(hf_config: Any) -> ModelShape:
         rope_theta=theta,
         max_positions=int(hf_config.max_position_embeddings),
         tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        qkv_bias=kind == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
-        qk_norm=kind == "qwen3",
+        qkv_bias=kind in ("qwen2", "qwen2_moe") or bool(getattr(hf_config, "attention_bias", False)),
+        qk_norm=kind in ("qwen3", "qwen3_moe"),
+        moe=moe,
     )
 
 
@@ -127,8 +143,24 @@ def transformer_config(shape: ModelShape, dtype: torch.dtype, **overrides: Any) 
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
     )
+    if shape.moe is not None:
+        kwargs.update(moe_config(shape.moe))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def moe_config(m: MoeShape) -> dict[str, Any]:
+    """megatron's MoE fields for an HF MoE: SequentialMLP experts (no grouped GEMM), the HF top-k
+    (Qwen3-MoE's renormalised top-k = top-k of the logits then softmax; Qwen2-MoE's = softmax, then
+    top-k), megatron's own aux loss off (trainer/moe.py computes the same one for both backends),
+    the all-to-all token dispatcher on GPUs and the all-gather one on CPU (gloo; no CUDA streams)."""
+    return dict(
+        num_moe_experts=m.experts, moe_ffn_hidden_size=m.ffn, moe_router_topk=m.top_k,
+        moe_router_pre_softmax=not m.norm_topk, moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+        moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+        moe_shared_expert_intermediate_size=m.shared_ffn or None, moe_shared_expert_gate=m.shared_ffn > 0,
+    )  # fmt: skip
 
 
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: ModelShape) -> torch.Tensor:
@@ -170,6 +202,9 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], s: ModelShape, layer_offset: 
             out[mc + "self_attention.linear_qkv.bias"] = _fuse_qkv(
                 hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], s
             )
+        if s.moe is not None:
+            out.update(moe_layer_to_megatron(hf, h, mc, s.moe.experts))
+            continue
         out[mc + "mlp.linear_fc1.weight"] = torch.cat(
             [hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]]
         )
@@ -185,6 +220,7 @@ def megatron_to_hf(
     """HF-named tensors from full megatron tensors. Tied models get `lm_head.weight` as the very
     same tensor as the embedding (as an HF model's state_dict has it)."""
     out: dict[str, torch.Tensor] = {}
+    moe_parts: dict[str, dict[str, torch.Tensor]] = {}  # HF layer prefix -> its MoE tensors
     for name, t in mc.items():
         if name == "embedding.word_embeddings.weight":
             out["model.embed_tokens.weight"] = t
@@ -205,10 +241,15 @@ def megatron_to_hf(
             elif rest == "mlp.linear_fc1.weight":
                 gate, up = torch.chunk(t, 2, dim=0)
                 out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+            elif rest.startswith("mlp.") and s.moe is not None:
+                moe_parts.setdefault(h, {})[rest.removeprefix("mlp.")] = t
             else:
                 raise KeyError(f"megatron_to_hf: no HF name for {name!r}")
         else:
             raise KeyError(f"megatron_to_hf: no HF name for {name!r}")
+    for h, parts in moe_parts.items():
+        assert s.moe is not None
+        out.update(moe_layer_to_hf(parts, h, s.moe.experts))
     if s.tied and "model.embed_tokens.weight" in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out

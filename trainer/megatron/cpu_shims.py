@@ -22,8 +22,13 @@ on `Tensor.type()` strings ('torch.cuda.FloatTensor', else TypeError) see CPU te
 CUDA ones while they run. gloo itself has every collective needed (reduce_scatter_tensor and
 all_gather_into_tensor work on torch 2.13).
 
-Invariant: the shims apply only when CUDA is unavailable, are idempotent, and are
-installed before any megatron model is built. On GPUs nothing is patched.
+MoE without TransformerEngine (CPU or GPU): the router's gating tests a name, `te_general_gemm`,
+that megatron defines only when TE imports; it is set to None, the torch.mm fallback it means.
+The MoE layers run SequentialMLP experts and the all-gather token dispatcher (the all-to-all one
+creates CUDA streams), which need nothing more on CPU.
+
+Invariant: the shims apply only when CUDA is unavailable (but for that missing name), are
+idempotent, and are installed before any megatron model is built. On GPUs nothing else is patched.
 
 Lifecycle: `apply_cpu_shims()` once per process, then `init_distributed()`;
 `apply_optimizer_shims()` before building a DistributedOptimizer.
@@ -52,6 +57,7 @@ def shims_active() -> bool:
 def apply_cpu_shims() -> bool:
     """Patch the two CUDA assumptions on a CPU-only process; return True if patched (now or before)."""
     global _APPLIED
+    _no_te_router_gemm()  # CPU or GPU: megatron without TransformerEngine, not a CUDA assumption
     if _APPLIED:
         return True
     if torch.cuda.is_available():
@@ -84,6 +90,16 @@ def apply_cpu_shims() -> bool:
     LanguageModule.setup_embeddings_and_output_layer = _setup_on_cpu  # type: ignore[method-assign]
     _APPLIED = True
     return True
+
+
+def _no_te_router_gemm() -> None:
+    """megatron-core 0.16's MoE router gating names `te_general_gemm` only when TransformerEngine
+    imports, then tests it for None: without TE the name is missing (a NameError at the first MoE
+    forward). Define it as None, the fallback it means (torch.mm)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
 
 
 class _NoSyncCuda:
@@ -173,7 +189,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_distributed(tp: int = 1, pp: int = 1) -> None:
+def init_distributed(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> None:
     """A process group (gloo on CPU, nccl on GPUs) and megatron's model-parallel groups.
     Outside torchrun this is a world of one on a free loopback port."""
     import torch.distributed as dist
@@ -190,10 +206,14 @@ def init_distributed(tp: int = 1, pp: int = 1) -> None:
                 backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
             )
     if ps.model_parallel_is_initialized():
-        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-        if have != (tp, pp):
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size())  # fmt: skip
+        if have != (tp, pp, cp, ep):
             raise RuntimeError(
-                f"megatron parallel state already initialised with tp,pp={have}, asked {tp},{pp}"
+                f"megatron parallel state already initialised with tp,pp,cp,ep={have}, asked {tp},{pp},{cp},{ep}"
             )
         return
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+    )  # fmt: skip

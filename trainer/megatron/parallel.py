@@ -10,72 +10,40 @@ data-parallel ranks and runs them through megatron-core's `get_forward_backward_
 step's global token/sequence denominators, so summing gradients over data-parallel ranks gives the
 gradient of the whole batch.
 
-Invariants: after `reduce_grads` every data-parallel replica holds the same gradients and the tied
-embedding / output-layer copies on the first and last stage hold the same (summed) gradient, so the
-replicas and the two copies stay bit-identical under the same AdamW step. The grad norm counts each
-parameter once (TP shards summed, replicated tensors and the tied copy once). Metrics are reduced
-over data-parallel ranks and broadcast from the last stage, so every rank returns the same dict.
+Invariants: the gradient reductions (`megatron.grads`) keep the replicas bit-identical. Metrics are
+reduced over data-parallel ranks and broadcast from the last stage, so every rank returns the same
+dict. Expert parallelism (`megatron.experts`, `megatron.batches`): each rank builds only its experts,
+runs as many microbatches as the busiest ep rank, and `gather_hf_state` collects every expert.
 
-Lifecycle: `build_stage_model` at construction; `pipeline_train_step` per step (only when pp > 1 or
-dp > 1: pp = dp = 1 keeps TorchTrainer's step); `gather_hf_state` for weight sync and export.
+Lifecycle: `build_stage_model` at construction; `pipeline_train_step` per step (only when pp, dp or
+cp > 1: otherwise TorchTrainer's step); `gather_hf_state` for weight sync and export.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.losses import microbatch_loss
-from miles_env.trainer.megatron.convert import ModelShape, hf_to_megatron, megatron_to_hf, shard, unshard
+from miles_env.trainer.megatron.batches import one_shape, step_batches
+from miles_env.trainer.megatron.context import cp_full, te_layer_spec, te_names
+from miles_env.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, shard, unshard
+from miles_env.trainer.megatron.experts import ep_global, ep_slice, is_expert_name
+from miles_env.trainer.megatron.stage import StageTrainer
 from miles_env.trainer.torch_backend import Sample, _Metrics, flatten_groups, pack_microbatches
 from miles_env.types import Episode
 
 __all__ = [
-    "StageTrainer",
     "build_stage_model",
     "pipeline_train_step",
     "pipeline_logprobs",
-    "reduce_grads",
-    "grad_norm",
     "gather_hf_state",
     "distributed_optimizer",
 ]
-
-
-class StageTrainer(Protocol):
-    """What these functions need of the trainer that calls them (backend.py's MegatronTrainer passes
-    itself): a Protocol, so that this module does not import the backend that imports it."""
-
-    shape: ModelShape
-    device: torch.device
-    model: Any
-    ref_model: Any
-    ddp: Any
-    optimizer: Any
-    step: int
-    tp_rank: int
-    tp_size: int
-    pp_size: int
-    dp_rank: int
-    dp_size: int
-    layer_offset: int
-
-    @property
-    def config(self) -> TrainerConfig: ...
-
-    def logits(self, ids: torch.Tensor, model: torch.nn.Module | None = None) -> torch.Tensor: ...
-
-    def _forward_logprobs(
-        self, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None
-    ) -> torch.Tensor: ...
-
-    def _collate(self, samples: Sequence[Sample]) -> Any: ...
-
-    def _clip_and_step(self) -> float: ...
 
 
 def _ps() -> Any:
@@ -93,9 +61,15 @@ def build_stage_model(tr: StageTrainer, tcfg: Any, full_hf: dict[str, torch.Tens
 
     ps, s = _ps(), tr.shape
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    experts = s.moe.experts if s.moe is not None else None
+    spec = (
+        te_layer_spec(s)  # context parallelism runs only in TransformerEngine's attention
+        if tr.cp_size > 1
+        else get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=s.qk_norm)
+    )
     model = GPTModel(
         tcfg,
-        get_gpt_layer_local_spec(qk_layernorm=s.qk_norm),
+        spec,
         vocab_size=s.vocab,
         max_sequence_length=s.max_positions,
         pre_process=first,
@@ -115,7 +89,11 @@ def build_stage_model(tr: StageTrainer, tcfg: Any, full_hf: dict[str, torch.Tens
     elif s.tied and not first:  # the last stage's own copy of the tied embedding
         full["output_layer.weight"] = full_hf["model.embed_tokens.weight"]
     dtype = tcfg.params_dtype
+    if experts is not None:  # this expert-parallel rank's experts, numbered from 0
+        full = ep_slice(full, tr.ep_rank, tr.ep_size, experts)
     local = {k: shard(k, v, tr.tp_rank, tr.tp_size).to(dtype) for k, v in full.items()}
+    if tr.cp_size > 1:
+        local = te_names(local, experts is not None, to_te=True)
     missing, unexpected = model.load_state_dict(local, strict=False)
     real_missing = [k for k in missing if not k.endswith("_extra_state")]
     if real_missing or unexpected:
@@ -157,9 +135,11 @@ def _run_schedule(
     forward_only: bool,
     masked: bool = True,
     wrapper: Any = None,
+    real: Sequence[bool] | None = None,
 ) -> None:
     """Every batch through megatron's schedule; on the last stage `loss_fn(i, batch, logp)` gives the
-    loss to backpropagate (not divided by the number of microbatches: calculate_per_token_loss)."""
+    loss to backpropagate (not divided by the number of microbatches: calculate_per_token_loss).
+    Training forwards run under the MoE router tap (trainer/moe.py); `real[i]` False: a filler."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not batches:
@@ -169,9 +149,11 @@ def _run_schedule(
 
     def forward_step(data_iterator: Any, _wrapped: torch.nn.Module) -> tuple[torch.Tensor, Any]:
         i, b = next(data_iterator)  # the bare model runs: DDP's grad hooks sit on its parameters
-        if not last:
-            return tr.logits(b.ids, model), None  # hidden states [s, b, h], sent to the next stage
-        logp = tr._forward_logprobs(model, b.ids, b.mask if masked else None)
+        tap = tr._moe_tap(b, real[i] if real else True) if not forward_only else contextlib.nullcontext()
+        with tap:
+            if not last:
+                return tr.logits(b.ids, model), None  # hidden states [s, b, h], sent to the next stage
+            logp = tr._forward_logprobs(model, b.ids, b.mask if masked else None)
 
         def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
             return loss_fn(i, b, output), torch.tensor(0, dtype=torch.int), {}
@@ -200,7 +182,9 @@ def pipeline_train_step(tr: StageTrainer, groups: Sequence[Sequence[Episode]]) -
         "norm_tokens": cfg.loss_norm_tokens,
     }
     mbs = pack_microbatches([len(s.token_ids) for s in samples], cfg.max_tokens_per_microbatch)
-    batches = [tr._collate([samples[i] for i in idx]) for idx in mbs[tr.dp_rank :: tr.dp_size]]
+    batches, real = step_batches(tr, samples, mbs)
+    if tr.moe is not None:
+        tr.moe.begin(sum(len(s.token_ids) for s in samples))
     tr.model.train()
     if tr.ddp is not None:
         tr.ddp.zero_grad_buffer()
@@ -221,10 +205,16 @@ def pipeline_train_step(tr: StageTrainer, groups: Sequence[Sequence[Episode]]) -
 
     def loss_fn(i: int, b: Any, logp: torch.Tensor) -> torch.Tensor:
         m = microbatch_loss(logp, b.rollout, b.adv, b.mask, refs.get(i), cfg, totals)
-        acc.add(m.pg, m.kl, m.clipped, m.weights, m.old - b.rollout, b.mask)
-        return m.loss
+        loss = m.loss
+        if real[i]:
+            if tr.cp_size > 1:  # the metrics of every column, not only this cp rank's (context.py)
+                ref = refs.get(i)
+                full_ref = cp_full(tr, ref) if ref is not None else None
+                m = microbatch_loss(cp_full(tr, logp), b.rollout, b.adv, b.mask, full_ref, cfg, totals)
+            acc.add(m.pg, m.kl, m.clipped, m.weights, m.old - b.rollout, b.mask)
+        return loss
 
-    _run_schedule(tr, tr.model, batches, loss_fn, forward_only=False, wrapper=tr.ddp)
+    _run_schedule(tr, tr.model, batches, loss_fn, forward_only=False, wrapper=tr.ddp, real=real)
     norm = tr._clip_and_step()
     tr.step += 1
     n_tokens = sum(sum(b.lengths) for b in batches)
@@ -258,7 +248,7 @@ def pipeline_logprobs(tr: StageTrainer, samples: Sequence[Sample]) -> list[torch
     ps = _ps()
     tr.model.eval()
     mbs = pack_microbatches([len(s.token_ids) for s in samples], tr.config.max_tokens_per_microbatch)
-    batches = [tr._collate([samples[i] for i in idx]) for idx in mbs]
+    batches = one_shape(tr, [tr._collate([samples[i] for i in idx]) for idx in mbs])
     got: dict[int, torch.Tensor] = {}
 
     def keep(i: int, _b: Any, logp: torch.Tensor) -> torch.Tensor:
@@ -296,66 +286,17 @@ def _reduce_metrics(acc: _Metrics, n_tokens: int, device: torch.device) -> list[
     return [float(v) for v in vec]
 
 
-# -- gradients -------------------------------------------------------------------------------------
-
-
-def _tied_copy(tr: StageTrainer) -> torch.nn.Parameter | None:
-    """The embedding (first stage) or output-layer (last stage) weight of a tied model split over
-    pipeline stages; None when the tied weight lives on one stage only."""
-    ps = _ps()
-    if not tr.shape.tied or ps.get_pipeline_model_parallel_world_size() == 1:
-        return None
-    if ps.is_pipeline_first_stage():
-        return tr.model.embedding.word_embeddings.weight  # type: ignore[no-any-return]
-    if ps.is_pipeline_last_stage():
-        return tr.model.output_layer.weight  # type: ignore[no-any-return]
-    return None
-
-
-def reduce_grads(tr: StageTrainer) -> None:
-    """Sum the tied copies' grads over the embedding group and every grad over data-parallel ranks."""
-    dist, ps = torch.distributed, _ps()
-    params = [p for p in tr.model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:  # a data-parallel rank without microbatches still takes part
-            p.grad = torch.zeros_like(p)
-    tied = _tied_copy(tr)
-    if tied is not None and tied.grad is not None:
-        dist.all_reduce(tied.grad, group=ps.get_embedding_group())
-    if ps.get_data_parallel_world_size() > 1:
-        flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
-        dist.all_reduce(flat, group=ps.get_data_parallel_group())
-        pos = 0
-        for p in params:
-            assert p.grad is not None
-            p.grad.copy_(flat[pos : pos + p.numel()].view_as(p.grad))
-            pos += p.numel()
-
-
-def grad_norm(tr: StageTrainer) -> float:
-    """Global L2 norm: TP shards summed, replicated tensors on TP rank 0 only, the tied copy on the
-    last stage skipped, all summed over the model-parallel (tp x pp) group."""
-    ps = _ps()
-    tied = _tied_copy(tr)
-    skip = tied if tied is not None and not ps.is_pipeline_first_stage() else None
-    sq = 0.0
-    for p in tr.model.parameters():
-        if p.grad is None or p is skip:
-            continue
-        if getattr(p, "tensor_model_parallel", False) or tr.tp_rank == 0:
-            sq += float(p.grad.float().pow(2).sum())
-    if tr.tp_size * tr.pp_size > 1:
-        t = torch.tensor([sq], dtype=torch.float64, device=tr.device)  # nccl: CUDA tensors only
-        torch.distributed.all_reduce(t, group=ps.get_model_parallel_group())
-        sq = float(t)
-    return float(sq**0.5)
-
-
 # -- weights ---------------------------------------------------------------------------------------
 
 
 def _tp_gathered(tr: StageTrainer) -> dict[str, torch.Tensor]:
-    local = {k: v.detach() for k, v in tr.model.state_dict().items() if isinstance(v, torch.Tensor)}
+    local = {
+        k: v.detach()
+        for k, v in tr.model.state_dict().items()
+        if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
+    }
+    if tr.cp_size > 1:
+        local = te_names(local, tr.shape.moe is not None, to_te=False)
     if tr.tp_size == 1:
         return local
     group = _ps().get_tensor_model_parallel_group()
@@ -367,10 +308,28 @@ def _tp_gathered(tr: StageTrainer) -> dict[str, torch.Tensor]:
     return full
 
 
+def _ep_gathered(tr: StageTrainer, mc: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`mc` with every expert of every ep rank under its global index (a collective over ep)."""
+    if tr.ep_size == 1:
+        return mc
+    group = _ps().get_expert_model_parallel_group()
+    names = sorted(k for k in mc if is_expert_name(k))
+    per = len(names)
+    out = {k: v for k, v in mc.items() if not is_expert_name(k)}
+    local_experts = tr.shape.moe.experts // tr.ep_size if tr.shape.moe is not None else 0
+    for name in names:
+        pieces = [torch.empty_like(mc[name]) for _ in range(tr.ep_size)]
+        torch.distributed.all_gather(pieces, mc[name].contiguous(), group=group)
+        for rank, t in enumerate(pieces):
+            out.update(ep_global({name: t}, rank, local_experts))
+    assert len(out) == len(mc) - per + per * tr.ep_size
+    return out
+
+
 def gather_hf_state(tr: StageTrainer) -> dict[str, torch.Tensor]:
     """Full HF-named tensors of every layer, identical on every rank of this pipeline."""
     ps, s = _ps(), tr.shape
-    mc = _tp_gathered(tr)
+    mc = _ep_gathered(tr, _tp_gathered(tr))
     pp = ps.get_pipeline_model_parallel_world_size()
     if s.tied and pp > 1 and not ps.is_pipeline_first_stage():
         mc.pop("output_layer.weight", None)  # the first stage's embedding is the one exported
