@@ -27,7 +27,7 @@ from miles_env.environment import Transcript
 from miles_env.errors import MilesEnvError
 from miles_env.harness import Endpoint, HarnessResult
 from miles_env.sandbox import Sandbox
-from miles_env.types import Reward, Status, Task
+from miles_env.types import EpisodeEnd, Reward, Status, Task
 
 __all__ = ["FrameworkHarness", "framework_reward", "FRAMEWORK_ROLE"]
 
@@ -63,11 +63,12 @@ class FrameworkHarness:
         try:
             run_episode = ADAPTERS.load(adapter).run_episode
             return await run_episode(task, sandbox, endpoint, **self.config)  # type: ignore[no-any-return]
-        except (WorkerError, MilesEnvError) as e:
-            return HarnessResult(Status.FAILED, [], f"{type(e).__name__}: {e}")
+        except (WorkerError, MilesEnvError) as e:  # its class where it has one (a worker's: adapter_worker)
+            return HarnessResult(Status.FAILED, [], f"{type(e).__name__}: {e}", end=e.end)
         except (anyio.get_cancelled_exc_class(), KeyboardInterrupt):
             raise
         except Exception as e:  # a malformed answer (missing key, wrong type) is a failed episode too
             return HarnessResult(
-                Status.FAILED, [], f"adapter {adapter!r}: unexpected {type(e).__name__}: {e}"
-            )
+                Status.FAILED, [], f"adapter {adapter!r}: unexpected {type(e).__name__}: {e}",
+                end=EpisodeEnd.ADAPTER_WORKER,
+            )  # fmt: skip

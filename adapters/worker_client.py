@@ -39,6 +39,7 @@ import anyio.abc
 from anyio.streams.text import TextReceiveStream
 
 from miles_env.errors import MilesEnvError
+from miles_env.types import EpisodeEnd
 
 __all__ = ["WorkerError", "WorkerClient", "worker_script", "call_once", "Callback"]
 
@@ -50,6 +51,8 @@ _CANCELLED_KEPT = 4096  # cancelled ids remembered for their late replies
 
 class WorkerError(MilesEnvError):
     """The framework worker crashed, hung, or spoke something other than the protocol."""
+
+    end = EpisodeEnd.ADAPTER_WORKER
 
 
 def worker_script(name: str) -> Path:

@@ -1,110 +1,116 @@
-"""Benchmark of the local sandbox: create/exec/close latency against bare bwrap, then 32 at once.
+"""Benchmark of the local sandbox against the previous design, both measured in the same run.
 
-Run: python bench/bench_sandbox.py [--iterations 40] [--gap-ms 20] [--concurrency 32] [--repeat 1]
-(as root the sandbox runs as its own uid; the baselines below tell that apart from bwrap as root).
-`--repeat R` runs the latency part R times and reports the median of the runs' medians.
-Baselines, measured in the same run, interleaved with the sandbox series:
-  same        : one `bwrap` call with exactly the sandbox's flags, namespaces and mounts, running
-                `true` as the sandbox's own unprivileged host uid (as root: `setpriv --reuid=<uid>
-                --regid=<uid> --clear-groups`, as the provider's no-zygote path does), so the ratio
-                isolates our wrapper; the ratios are against this one
-  same-root   : the same call left as root (bwrap keeps its capabilities), for reference: what
-                the "bare" baseline was before the sandbox dropped to its own uid (1d046ce)
-  minimal     : `bwrap --unshare-all --ro-bind /usr /usr (+ /lib symlinks) --proc --dev -- true`
-  setpriv     : `setpriv <same flags> -- true` against `true` alone: the uid drop's own exec, which
-                `same` pays and the zygote path does not (it calls setresuid before exec'ing bwrap);
-                "net" = same - (setpriv - true) estimates a bare call without it. (Dropping the uid
-                in our own forked child instead costs more: CPython then forks this whole process
-                rather than vfork.)
-Series (each: create, exec `true`, close):
-  reuse   : the default provider: create takes the zygote + pids cgroup a closed sandbox gave back
-  fresh   : warm=0: every create starts a zygote, which joins a new cgroup (the one join)
-  no-cg   : use_cgroup=False: no zygote, no pids cgroup (RLIMIT_NPROC only; does not bind root)
-  re-exec : a second exec on an open sandbox
-Before the zygote (commit b89921f and earlier) each exec joined the cgroup itself.
-`--gap-ms` sleeps before every measured call, as an agent's think time would: joining a cgroup
-waits for an RCU grace period, which is short only while other joins keep it warm.
-Target: the whole create+exec+close cycle within 1.5x of a bare bwrap call.
+Run: python bench/bench_sandbox.py [--baseline a0c6b9f] [--iterations 40] [--gap-ms 20] [--repeat 1]
+(as root, as CI runs it; needs the repository's git history for the baseline).
+
+Baseline ("before"): the local provider as of `--baseline` (default a0c6b9f, the last commit with a
+fresh `bwrap --unshare-all` per exec, read-only host root, processes dying with each exec), loaded
+from git into a private package beside the current one, so both run in this process, interleaved.
+Now ("after"): one long-lived bwrap per sandbox, each exec a zygote fork that enters it.
+Series, each a median of interleaved rounds (`--gap-ms` of idle before each, as an agent's think
+time would; cgroup joins are slower after idle):
+  cycle host   : create + exec `true` + close, the host's view, zygote reused (the default), before / after
+  cycle image  : the same with an image root filesystem (tests/rootfs_support's: dash, coreutils, a
+                 non-root USER), after only: the target is <= 1.5x the host-root cycle before
+  cycle fresh  : warm=0: every create starts a zygote (a python start and the one cgroup join)
+  exec         : one more `true` on an open sandbox, before / after
+  exec, busy   : after, with a background process left running by an earlier exec (a server)
+Then 32 sandboxes at once (create, `echo hi $(cat n.txt)`, close), before and after.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
+import importlib.util
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+import types
 from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
 
 import anyio
 
 from miles_env.sandboxes.local import LocalSandboxConfig, LocalSandboxProvider
-from miles_env.sandboxes.local.config import host_root_binds
-from miles_env.sandboxes.local.process import run_capped
 from miles_env.types import SandboxSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from rootfs_support import IMAGE, ImageProvider, build_rootfs  # noqa: E402
+
+
+def load_baseline(rev: str, into: Path) -> Any:
+    """The local provider package at git `rev`, as miles_env.sandboxes._baseline_local."""
+    names = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-tree", "--name-only", rev, "sandboxes/local/"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    pkg = into / "_baseline_local"
+    pkg.mkdir()
+    for name in names:
+        text = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{rev}:{name}"], capture_output=True, check=True
+        )
+        (pkg / Path(name).name).write_bytes(text.stdout)
+    spec = importlib.util.spec_from_file_location(
+        "miles_env.sandboxes._baseline_local", pkg / "__init__.py", submodule_search_locations=[str(pkg)]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def ms(values: list[float]) -> float:
     return statistics.median(values) * 1000
 
 
-def _bare_run(argv: list[str]) -> Callable[[], Awaitable[None]]:
-    async def run() -> None:  # spawned and collected exactly as the sandbox's own execs are
-        raw = await run_capped(argv, stdin=None, timeout=60, output_cap=1 << 20)
-        assert raw.returncode == 0, raw
+def cycle(provider: Any, spec: SandboxSpec) -> Callable[[], Awaitable[None]]:
+    async def run() -> None:
+        sb = await provider.create(spec)
+        try:
+            assert (await sb.exec(["true"])).exit_code == 0
+        finally:
+            await sb.close()
 
     return run
 
 
-async def latency(iterations: int, gap_s: float) -> dict[str, float]:
-    reuse = LocalSandboxProvider(LocalSandboxConfig())
-    fresh = LocalSandboxProvider(LocalSandboxConfig(warm=0))
-    no_cg = LocalSandboxProvider(LocalSandboxConfig(use_cgroup=False))
-    probe = await reuse.create(SandboxSpec())  # stays open: its dirs are bound by the bare calls
-    bare_root = probe._bwrap_argv(["true"], None, None)
-    drop = probe._drop_prefix  # as root: setpriv to the probe's uid; else empty (bwrap runs as us)
-    true = shutil.which("true") or "/bin/true"
-    system = host_root_binds()
-    links = [a for i in range(0, len(system), 3) if system[i] == "--symlink" for a in system[i : i + 3]]
-    bare_min = [reuse.bwrap, "--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr", *links]
-    bare_min += ["--proc", "/proc", "--dev", "/dev", "--", "true"]
+def exec_on(sb: Any) -> Callable[[], Awaitable[None]]:
+    async def run() -> None:
+        assert (await sb.exec(["true"])).exit_code == 0
 
-    parts: dict[str, list[float]] = {"create": [], "exec": [], "close": []}
+    return run
 
-    def cycle(provider: LocalSandboxProvider, record: bool = False) -> Callable[[], Awaitable[None]]:
-        async def run() -> None:
-            t0 = time.perf_counter()
-            sb = await provider.create(SandboxSpec())
-            t1 = time.perf_counter()
-            result = await sb.exec(["true"])
-            t2 = time.perf_counter()
-            await sb.close()
-            t3 = time.perf_counter()
-            assert result.exit_code == 0, result
-            if record:
-                for key, dt in (("create", t1 - t0), ("exec", t2 - t1), ("close", t3 - t2)):
-                    parts[key].append(dt)
 
-        return run
-
-    async def re_exec() -> None:
-        assert (await probe.exec(["true"])).exit_code == 0
-
+async def latency(old: types.ModuleType, rootfs: str, iterations: int, gap_s: float) -> dict[str, float]:
+    old_reuse = old.LocalSandboxProvider(old.LocalSandboxConfig())
+    old_fresh = old.LocalSandboxProvider(old.LocalSandboxConfig(warm=0))
+    new_reuse = ImageProvider(LocalSandboxConfig(), {rootfs: IMAGE})
+    new_fresh = LocalSandboxProvider(LocalSandboxConfig(warm=0))
+    host, image = SandboxSpec(), SandboxSpec(rootfs=rootfs)
+    old_open, new_open, busy = (
+        await old_reuse.create(host),
+        await new_reuse.create(host),
+        await new_reuse.create(host),
+    )
+    assert (await busy.exec("sleep 3600 > /dev/null 2>&1 &")).ok  # a server left running
     series: dict[str, Callable[[], Awaitable[None]]] = {
-        "reuse": cycle(reuse, record=True),
-        "fresh": cycle(fresh),
-        "no-cg": cycle(no_cg),
-        "re-exec": re_exec,
-        "same": _bare_run([*drop, *bare_root]),
-        "minimal": _bare_run(bare_min),
+        "cycle host before": cycle(old_reuse, host),
+        "cycle host after": cycle(new_reuse, host),
+        "cycle image after": cycle(new_reuse, image),
+        "cycle fresh before": cycle(old_fresh, host),
+        "cycle fresh after": cycle(new_fresh, host),
+        "exec before": exec_on(old_open),
+        "exec after": exec_on(new_open),
+        "exec busy after": exec_on(busy),
     }
-    if drop:
-        series |= {
-            "same-root": _bare_run(bare_root),
-            "setpriv": _bare_run([*drop, true]),
-            "true": _bare_run([true]),
-        }
-    await cycle(reuse)()  # leaves an idle zygote, as any earlier sandbox of a run does
-    await re_exec()
+    for run in series.values():  # leaves idle zygotes, as any earlier sandbox of a run does
+        await run()
     samples: dict[str, list[float]] = {k: [] for k in series}
     for _ in range(iterations):  # interleaved, so load from elsewhere hits every series alike
         for key, run in series.items():
@@ -112,14 +118,14 @@ async def latency(iterations: int, gap_s: float) -> dict[str, float]:
             t = time.perf_counter()
             await run()
             samples[key].append(time.perf_counter() - t)
-    await probe.close()
-    for provider in (reuse, fresh, no_cg):
+    for sb in (old_open, new_open, busy):
+        await sb.close()
+    for provider in (old_reuse, old_fresh, new_reuse, new_fresh):
         await provider.aclose()
-    return {k: ms(v) for k, v in (samples | parts).items()}
+    return {k: ms(v) for k, v in samples.items()}
 
 
-async def concurrent(n: int) -> tuple[int, int, float]:
-    provider = LocalSandboxProvider(LocalSandboxConfig())
+async def concurrent(provider: Any, n: int) -> tuple[int, int, float]:
     ok = failed = 0
 
     async def one(i: int) -> None:
@@ -127,11 +133,8 @@ async def concurrent(n: int) -> tuple[int, int, float]:
         try:
             async with await provider.create(SandboxSpec(files={"n.txt": str(i)})) as sb:
                 r = await sb.exec("echo hi $(cat n.txt)", timeout=60)
-            if r.exit_code == 0 and r.stdout == f"hi {i}\n":
-                ok += 1
-            else:
-                failed += 1
-        except Exception:
+            ok, failed = (ok + 1, failed) if r.stdout == f"hi {i}\n" else (ok, failed + 1)
+        except Exception:  # noqa: BLE001 - counted
             failed += 1
 
     t = time.perf_counter()
@@ -143,58 +146,48 @@ async def concurrent(n: int) -> tuple[int, int, float]:
     return ok, failed, wall
 
 
-_ROWS = [
-    ("cycle, zygote reused (default)", "reuse"),
-    ("cycle, new zygote (warm=0)", "fresh"),
-    ("cycle, no pids cgroup", "no-cg"),
-    ("second exec on an open sandbox", "re-exec"),
-    ("bare bwrap, same flags and uid", "same"),
-    ("bare bwrap, same flags, as root", "same-root"),
-    ("bare bwrap, minimal (as us)", "minimal"),
-    ("setpriv <drop> -- true", "setpriv"),
-    ("true", "true"),
+_RATIOS = [
+    ("cycle, host's view: after / before", "cycle host after", "cycle host before"),
+    (
+        "cycle, image rootfs after / host's view before (target <= 1.5x)",
+        "cycle image after",
+        "cycle host before",
+    ),
+    ("cycle, new zygote (warm=0): after / before", "cycle fresh after", "cycle fresh before"),
+    ("exec: after / before", "exec after", "exec before"),
+    ("exec with a server running: after / exec before", "exec busy after", "exec before"),
 ]
 
 
-def _with_net(lat: dict[str, float]) -> dict[str, float]:
-    """Adds "net": the bare call less setpriv's own exec (same - (setpriv - true)), where measured."""
-    if "setpriv" not in lat:
-        return lat
-    return lat | {"net": lat["same"] - (lat["setpriv"] - lat["true"])}
-
-
-async def main(iterations: int, gap_ms: float, n: int, repeat: int) -> None:
-    runs = [_with_net(await latency(iterations, gap_ms / 1000)) for _ in range(repeat)]
-
-    def med(key: str, over: str | None = None) -> tuple[float, float, float]:
-        """Median, min and max across runs of `key` (ms), or of its per-run ratio to `over`."""
-        values = [r[key] / r[over] if over else r[key] for r in runs]
-        return statistics.median(values), min(values), max(values)
-
-    print(
-        f"local sandbox latency, median of {iterations} interleaved rounds, {gap_ms:g} ms gap (ms); "
-        f"{repeat} run(s): median of the runs' medians, ratio range across runs"
-    )
-    print(f"{'series':<34}{'ms':>8}{'/ bare':>9}  {'range':>13}")
-    for label, key in _ROWS:
-        if key in runs[0]:
-            (ms_, _, _), (ratio, lo, hi) = med(key), med(key, "same")
-            print(f"{label:<34}{ms_:>8.2f}{ratio:>8.2f}x  {lo:>5.2f}-{hi:.2f}x")
-    print("target: cycle / bare (same flags and uid) <= 1.5x")
-    if "net" in runs[0]:
-        (net, _, _), (ratio, lo, hi) = med("net"), med("reuse", "net")
-        print(f"bare net of setpriv's exec: {net:.2f} ms; cycle / that: {ratio:.2f}x ({lo:.2f}-{hi:.2f}x)")
-    parts = ", ".join(f"{k} {med(k)[0]:.2f} ms" for k in ("create", "exec", "close"))
-    print(f"default cycle in parts: {parts}")
-    ok, failed, wall = await concurrent(n)
-    print(f"\n{n} concurrent sandboxes (create, echo, close): ok={ok} failed={failed} wall={wall:.2f}s")
+async def main(rev: str, iterations: int, gap_ms: float, n: int, repeat: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        old = load_baseline(rev, Path(tmp))
+        rootfs = str(build_rootfs(Path(tmp)))
+        runs = [await latency(old, rootfs, iterations, gap_ms / 1000) for _ in range(repeat)]
+        print(
+            f"local sandbox, before = {rev}, after = this tree; median of {iterations} interleaved rounds, "
+        )
+        print(f"{gap_ms:g} ms gap; {repeat} run(s): median of the runs' medians (range)")
+        for key in runs[0]:
+            values = [r[key] for r in runs]
+            print(f"  {key:<22}{statistics.median(values):>9.2f} ms  ({min(values):.2f}-{max(values):.2f})")
+        for label, top, bottom in _RATIOS:
+            ratios = [r[top] / r[bottom] for r in runs]
+            print(f"  {label:<66}{statistics.median(ratios):>6.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+        for name, provider in (
+            ("before", old.LocalSandboxProvider(old.LocalSandboxConfig())),
+            ("after", LocalSandboxProvider(LocalSandboxConfig())),
+        ):
+            good, bad, wall = await concurrent(provider, n)
+            print(f"{n} concurrent sandboxes {name}: ok={good} failed={bad} wall={wall:.2f}s")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", default="a0c6b9f", help="git revision of the previous local provider")
     parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--gap-ms", type=float, default=20.0, help="idle time before each measured call")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=1, help="whole latency runs (noisy machine)")
     args = parser.parse_args()
-    anyio.run(main, args.iterations, args.gap_ms, args.concurrency, args.repeat)
+    anyio.run(main, args.baseline, args.iterations, args.gap_ms, args.concurrency, args.repeat)

@@ -30,6 +30,7 @@ from miles_env.cost import CostConfig
 from miles_env.engines.configs import EngineConfig, HFEngineConfig
 from miles_env.errors import ConfigError
 from miles_env.evals.config import EvalMode, ExternalEvalConfig
+from miles_env.faults import FaultsConfig
 from miles_env.guards.config import GuardsConfig
 from miles_env.harnesses.configs import BuiltinConfig, HarnessConfig
 from miles_env.limits import LimitsOverride
@@ -86,6 +87,25 @@ class RolloutConfig(_Strict):
         description="ceilings over every task's own limits: a stricter value applies, a looser one is ignored",
     )
     tiers: list[int] | None = Field(None, description="only train on tasks whose metadata tier is listed")
+    # What trains is what the policy did (trainer/groups.py, rollout.run_valid_group):
+    min_valid: int | None = Field(
+        None, ge=1, description="members that ended by the policy (trainer.policy_ends) a group needs to "
+        "be queued: fewer, its failed members are rolled out again; None: the whole group",
+    )  # fmt: skip
+    reroll_attempts: int = Field(
+        2, ge=0, description="rounds of rolling a group's failed members out again before it is dropped"
+    )
+    stale_in_baseline: bool = Field(
+        False, description="a stale episode (past max_staleness) never trains; true: its reward still "
+        "counts in its fresh siblings' baseline",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _min_valid(self) -> Self:
+        if self.min_valid is not None and self.min_valid > self.group_size:
+            msg = f"min_valid={self.min_valid} is more than group_size={self.group_size}"
+            raise _invalid("RolloutConfig", [(("min_valid",), "min_valid_too_large", msg, None)])
+        return self
 
 
 class EvalConfig(_Strict):
@@ -191,6 +211,7 @@ class RunConfig(_Strict):
     guards: GuardsConfig = Field(default_factory=GuardsConfig)  # reward-hacking detectors (miles_env/guards)
     algorithm: Algorithm = "grpo"  # opd: on-policy distillation from `opd.teacher` (miles_env/opd.py)
     opd: OPDConfig | None = None
+    faults: FaultsConfig | None = None  # injected infrastructure faults (miles_env/faults.py): tests, bench
     # Written by the job into run_dir/config.yaml: the env's distribution {name, version}; not an input.
     env_dist: dict[str, str] = Field(default_factory=dict)
 

@@ -2,11 +2,16 @@
 
 A bad rollout is data, not a crash: the orchestrator turns these into an
 episode status. Configuration and user-input errors carry the field or path.
+An error that ends an episode for a known reason carries its class (`end`, an
+`EpisodeEnd`): the rollout records it as raised, never parsing a message; one
+without a class gets its phase's (rollout.py).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
+
+from miles_env.types import EpisodeEnd
 
 __all__ = [
     "MilesEnvError",
@@ -27,6 +32,8 @@ __all__ = [
 class MilesEnvError(Exception):
     """Base of every error miles-env raises on purpose."""
 
+    end: ClassVar[EpisodeEnd | None] = None  # the class of an episode it ends; None: its phase's
+
 
 class ConfigError(MilesEnvError, ValueError):
     """A configuration value is wrong; the message names the field or path."""
@@ -41,7 +48,10 @@ class TaskError(MilesEnvError, ValueError):
 
 
 class SandboxError(MilesEnvError):
-    """A sandbox could not be created, used or closed."""
+    """A sandbox could not be created, used or closed. Past its start (create and setup are the
+    sandbox_start phase), the sandbox broke under the episode."""
+
+    end = EpisodeEnd.SANDBOX_LOST
 
 
 class SandboxUnavailable(SandboxError):
@@ -50,6 +60,8 @@ class SandboxUnavailable(SandboxError):
 
 class EngineError(MilesEnvError):
     """The inference engine failed, died or refused a request."""
+
+    end = EpisodeEnd.ENGINE_ERROR
 
 
 class EngineRefused(EngineError):
@@ -82,6 +94,8 @@ class EngineRefused(EngineError):
 
 class HarnessError(MilesEnvError):
     """An agent harness failed in a way that ends the episode."""
+
+    end = EpisodeEnd.HARNESS_CRASH
 
 
 class SandboxThrottled(SandboxError):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from miles_env.sandbox import Sandbox
-from miles_env.types import Status, Task, Trajectory
+from miles_env.types import EpisodeEnd, Status, Task, Trajectory
 
 __all__ = [
     "Endpoint",
@@ -45,6 +45,10 @@ class HarnessResult:
     transcript: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    # How it ended, where the harness knows (an adapter's worker died: ADAPTER_WORKER); None: from
+    # `status` (completed, truncated; aborted or failed: HARNESS_CRASH) unless the proxy saw the
+    # session's last request fail (miles_env/ends.py)
+    end: EpisodeEnd | None = None
 
 
 class Harness(Protocol):
@@ -79,6 +83,9 @@ class SessionState(Protocol):
 
     @property
     def first_prompt(self) -> int | None: ...  # tokens of its first request, answered or refused
+
+    @property
+    def fault(self) -> EpisodeEnd | None: ...  # its last request failed, and why (no budget), if it did
 
 
 @runtime_checkable

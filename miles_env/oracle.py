@@ -6,7 +6,8 @@ grade with `env.verify`. An environment whose oracle does not pass 100% has a bu
 in a task, its solution or its verifier.
 
 Invariant: a failing task is data, never a crash: every task yields exactly one
-OracleResult (sandbox or verifier exceptions are recorded as `error`). Sandboxes
+OracleResult (sandbox or verifier exceptions are recorded as `error`, and classed as an
+episode's would be: `end`, by the phase that raised, miles_env/ends.py). Sandboxes
 are closed by `async with`, also on cancellation.
 """
 
@@ -19,10 +20,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import anyio
 
+from miles_env.ends import Phase, end_of_error
 from miles_env.environment import Environment, act_in_steps
 from miles_env.guards import Guard, GuardsConfig
 from miles_env.sandbox import Sandbox, SandboxProvider
-from miles_env.types import ExecResult, Task
+from miles_env.types import EpisodeEnd, ExecResult, Task
 
 __all__ = ["OracleResult", "OracleReport", "StagesSolution", "run_oracle", "run_solution"]
 
@@ -50,10 +52,12 @@ class OracleResult:
     duration_s: float = 0.0
     tier: Any = None
     flags: tuple[str, ...] = ()  # reward-hacking flags the guards raised (miles_env/guards)
+    end: EpisodeEnd = EpisodeEnd.COMPLETED  # the solution ran and was graded; else the failure's class
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "task_id": self.task_id,
+            "end": self.end.value,
             "flags": list(self.flags),
             "split": self.split,
             "tier": self.tier,
@@ -89,12 +93,20 @@ class OracleReport:
     def failures(self) -> list[OracleResult]:
         return [r for r in self.results if not r.passed]
 
+    def ends(self) -> dict[str, int]:
+        """How many tasks ended in each class (completed: the solution ran and was graded)."""
+        out: dict[str, int] = {}
+        for r in self.results:
+            out[r.end.value] = out.get(r.end.value, 0) + 1
+        return dict(sorted(out.items()))
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "env": self.env,
             "n_total": self.n_total,
             "n_passed": self.n_passed,
             "pass_rate": self.pass_rate,
+            "ends": self.ends(),
             "duration_s": round(self.duration_s, 3),
             "failures": [r.to_dict() for r in self.failures],
             "results": [r.to_dict() for r in self.results],
@@ -117,10 +129,12 @@ async def run_solution(
         return OracleResult(
             task.id, task.split, False, 0.0, error="task has no reference solution", tier=tier
         )
+    phase: Phase = "sandbox"
     try:
         async with await provider.create(env.sandbox_spec(task)) as sb:
             await env.setup(task, sb)
             guard = await Guard.start(guards or GuardsConfig(), env, task, sb, provider)
+            phase = "harness"  # the solution stands in for the agent
 
             async def act(t: Task) -> ExecResult:
                 if solution is None and isinstance(env, StagesSolution):
@@ -131,13 +145,14 @@ async def run_solution(
 
             runs = await act_in_steps(env, task, sb, act)
             res = runs[-1]
+            phase = "verify"
             execs = [{"command": script, "exit_code": r.exit_code} for r in runs]
             report = await guard.inspect(sb, {"execs": execs})
             reward = await guard.verify(sb, [])
     except Exception as e:  # a bad rollout is data: record it, keep going
         return OracleResult(
             task.id, task.split, False, 0.0, error=f"{type(e).__name__}: {e}",
-            duration_s=time.monotonic() - t0, tier=tier,
+            duration_s=time.monotonic() - t0, tier=tier, end=end_of_error(e, phase),
         )  # fmt: skip
     return OracleResult(
         task_id=task.id,

@@ -18,6 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "Status",
+    "EpisodeEnd",
+    "POLICY_ENDS",
+    "end_of_status",
     "NetworkPolicy",
     "Resources",
     "SandboxSpec",
@@ -40,6 +43,49 @@ class Status(enum.StrEnum):
     TRUNCATED = "truncated"  # a budget (turns, tokens, context, wall time) ended it
     ABORTED = "aborted"  # the engine or the harness process died or hung
     FAILED = "failed"  # infrastructure error (sandbox, verifier, adapter)
+
+
+class EpisodeEnd(enum.StrEnum):
+    """Why an episode ended, decided where the ending was raised, never read from a message: the
+    rollout's phase (sandbox start, harness, verify), a typed error's own class (`MilesEnvError.end`),
+    the harness's result (`HarnessResult.end`) or the proxy's record of the session's last request
+    (`SessionInfo.fault`). Policy ends (`POLICY_ENDS`) keep their score and train; every other class
+    is an infrastructure failure and never trains (trainer/samples.py)."""
+
+    # -- policy ends: what the agent did --
+    COMPLETED = "completed"  # the harness finished on its own
+    TRUNCATED = "truncated"  # the agent's own budget ended it: turns, tokens, context, wall time
+    POLICY_FORMAT = "policy_format"  # the harness exited on the model's output (issue 31 sets it)
+    # -- infrastructure: what the policy did not cause --
+    SANDBOX_START = "sandbox_start"  # create or the environment's setup failed: no agent ran
+    SANDBOX_LOST = "sandbox_lost"  # the sandbox broke under a running episode (SandboxError)
+    HARNESS_CRASH = "harness_crash"  # the harness (a CLI, an agent loop) crashed or exited abnormally
+    ADAPTER_WORKER = "adapter_worker"  # a framework adapter's worker process died or broke protocol
+    VERIFIER_ERROR = "verifier_error"  # verify() (or a framework's grader) raised
+    VERIFIER_TIMEOUT = "verifier_timeout"  # verify() ran past the verifier timeout
+    ENGINE_ERROR = "engine_error"  # the engine failed a turn (died, restarted, unreachable)
+    PROXY_REFUSAL = "proxy_refusal"  # the proxy refused a request for a reason that is no budget
+    # The honest default: the episode failed and no layer said why (an unexpected exception in the
+    # rollout's own code, or an episode stored before these classes existed). Never trains: nothing
+    # shows the policy caused it.
+    UNCLASSIFIED = "unclassified"
+
+    @property
+    def policy(self) -> bool:
+        """Whether this is one of the default policy ends (a run may count others: trainer config)."""
+        return self in POLICY_ENDS
+
+
+POLICY_ENDS: frozenset[EpisodeEnd] = frozenset(
+    {EpisodeEnd.COMPLETED, EpisodeEnd.TRUNCATED, EpisodeEnd.POLICY_FORMAT}
+)
+_END_OF_STATUS = {"completed": EpisodeEnd.COMPLETED, "truncated": EpisodeEnd.TRUNCATED}
+
+
+def end_of_status(status: str) -> EpisodeEnd:
+    """The class of an Episode stored without `end` (before the classes existed): completed and
+    truncated say it; aborted and failed said nothing of why (UNCLASSIFIED: never trained)."""
+    return _END_OF_STATUS.get(status, EpisodeEnd.UNCLASSIFIED)
 
 
 class NetworkPolicy(enum.StrEnum):
@@ -128,6 +174,9 @@ class Turn(_Model):
     weight_version: int = 0
     latency_s: float = 0.0
     engine: str = ""
+    # False: the agent never received this turn's reply, or asked for it again (tito/session.py);
+    # its tokens have mask 0 and it never trains, nor counts in the sample's weight versions
+    delivered: bool = True
 
 
 class Trajectory(_Model):
@@ -165,7 +214,8 @@ class Trajectory(_Model):
 
     @property
     def weight_versions(self) -> list[int]:
-        return [t.weight_version for t in self.turns]
+        """The versions of the turns the agent received (the ones that can train)."""
+        return [t.weight_version for t in self.turns if t.delivered]
 
     @property
     def n_sampled(self) -> int:
@@ -192,6 +242,7 @@ class Episode(_Model):
     split: str = "train"
     harness: str = "builtin"
     status: Status
+    end: EpisodeEnd = EpisodeEnd.UNCLASSIFIED  # why it ended; unset: derived from status (below)
     reward: Reward | None = None
     samples: list[Trajectory] = Field(default_factory=list)
     error: str | None = None
@@ -201,6 +252,15 @@ class Episode(_Model):
     # their evidence is metadata["guards"]
     flags: list[str] = Field(default_factory=list)
     usage: Usage | None = None  # sandbox-seconds, price and tokens (miles_env/cost.py)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _end_from_status(cls, data: Any) -> Any:
+        """An Episode built (or stored) without `end`: completed and truncated say it; aborted and
+        failed said nothing of why, so they are UNCLASSIFIED (infrastructure: never trained)."""
+        if isinstance(data, dict) and data.get("end") is None and "status" in data:
+            return {**data, "end": end_of_status(str(data["status"]))}
+        return data
 
     @property
     def score(self) -> float:
@@ -213,5 +273,6 @@ class Episode(_Model):
 
     @property
     def sampled(self) -> bool:
-        """Whether the policy sampled any turn (an episode aborted before its first turn did not)."""
-        return any(s.turns for s in self.samples)
+        """Whether the policy sampled any turn the agent received (an episode aborted before its
+        first turn did not; one whose only turn never reached the agent did not either)."""
+        return any(s.weight_versions for s in self.samples)

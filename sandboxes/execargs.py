@@ -1,14 +1,21 @@
 """What every provider does with exec()'s arguments before running anything.
 
 One place for the contract's defaults: the timeout falls back to the spec's
-`resources.timeout_s` and must be positive; the environment is PATH/HOME/LANG and
-PYTHONDONTWRITEBYTECODE=1, then the spec's env, then the call's; a relative cwd is under the workdir;
-stdin text is UTF-8; a shell string runs as `/bin/sh -c` and an argv list as is.
+`resources.timeout_s` and must be positive; stdin text is UTF-8; a shell string runs as
+`/bin/sh -c` and an argv list as is; a relative cwd is under the default cwd.
+
+Environment, lowest first: our defaults (Docker's default PATH, LANG=C.UTF-8,
+PYTHONDONTWRITEBYTECODE=1), the image's ENV (its PATH too: golang and JDK images put their
+toolchains there), then the spec's env, then the call's. HOME: a sandbox with an image gets its
+user's passwd home (`home`, which the local provider reads from the image's /etc/passwd; the
+docker engine sets it itself when none is passed), as a container does; one without an image
+(the local provider's view of the host) keeps HOME = its workdir. The default cwd is the image's
+WORKDIR, else the spec's workdir.
 
 No bytecode cache by default: a .pyc is trusted on the source's mtime (whole seconds) and size,
 so an agent's same-size fix made in the second after a test imported the module (`a - b` ->
 `a + b`) would keep running the old code, in the agent's later runs and in the verifier: a
-correct episode graded 0. A spec's env may turn it back on.
+correct episode graded 0. A spec's (or an image's) env may turn it back on.
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ from miles_env.errors import SandboxError
 from miles_env.sandbox import Command
 from miles_env.types import SandboxSpec
 
-__all__ = ["DEFAULT_PATH", "ExecArgs", "command_argv", "exec_args", "exec_env", "exec_cwd"]
+from .images.oci import ImageConfig
+
+__all__ = ["DEFAULT_PATH", "ExecArgs", "command_argv", "exec_args", "exec_env", "exec_cwd", "default_cwd"]
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -44,12 +53,29 @@ def command_argv(cmd: Command) -> list[str]:
     return argv
 
 
-def exec_env(spec: SandboxSpec, workdir: str, env: Mapping[str, str] | None) -> dict[str, str]:
-    base = {"PATH": DEFAULT_PATH, "HOME": workdir, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-    return {**base, **spec.env, **(env or {})}
+def exec_env(
+    spec: SandboxSpec,
+    workdir: str,
+    env: Mapping[str, str] | None,
+    *,
+    image: ImageConfig | None = None,
+    home: str | None = None,
+) -> dict[str, str]:
+    """`image` None: a sandbox without an image (HOME = workdir); else its ENV, and HOME = `home` if given."""
+    base = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+    if image is None:
+        base["HOME"] = workdir
+    elif home is not None:
+        base["HOME"] = home
+    return {**base, **(image.env if image is not None else {}), **spec.env, **(env or {})}
+
+
+def default_cwd(workdir: str, image: ImageConfig | None = None) -> str:
+    return image.workdir if image is not None and image.workdir else workdir
 
 
 def exec_cwd(workdir: str, cwd: str | None) -> str:
+    """`cwd` (relative: under `workdir`, the default cwd), or `workdir` itself."""
     return workdir if cwd is None else posixpath.join(workdir, cwd)
 
 
@@ -61,9 +87,12 @@ def exec_args(
     cwd: str | None,
     env: Mapping[str, str] | None,
     stdin: bytes | str | None,
+    image: ImageConfig | None = None,
+    home: str | None = None,
 ) -> ExecArgs:
     limit = spec.resources.timeout_s if timeout is None else timeout
     if limit <= 0:
         raise SandboxError(f"exec: timeout={timeout!r} must be > 0")
     data = stdin.encode() if isinstance(stdin, str) else stdin
-    return ExecArgs(limit, exec_env(spec, workdir, env), exec_cwd(workdir, cwd), data)
+    environment = exec_env(spec, workdir, env, image=image, home=home)
+    return ExecArgs(limit, environment, exec_cwd(default_cwd(workdir, image), cwd), data)

@@ -1,11 +1,12 @@
 """expose() plumbing shared by the providers that run on this host (local, docker).
 
-Concept: a sandbox without a network reaches a host HTTP endpoint through a Unix
-socket in a host directory that the sandbox sees at `INNER_RUN`. Host side, a
-`HostListener` accepts on that socket and copies bytes to the TCP endpoint (one
-pair of pump threads per connection, so it is independent of any event loop).
-Sandbox side, `FORWARDER` (forwarder.py, stdlib only, run by the sandbox's own
-python3) listens on 127.0.0.1:PORT and copies each connection to the socket.
+Concept: a sandbox without a network reaches a host HTTP endpoint through a socket that
+a `HostListener` accepts on, in our process, copying each connection's bytes to the TCP
+endpoint (one pair of pump threads per connection, so it is independent of any event loop).
+Docker: a Unix socket in a host directory the container sees at `INNER_RUN`, and inside,
+`FORWARDER` (forwarder.py, stdlib only, run by the container's python3) listening on
+127.0.0.1:PORT and copying each connection to it. Local: the listening socket itself lives in
+the sandbox's network namespace (the zygote made it), so nothing runs inside (`HostListener.on`).
 Bytes are forwarded as they arrive, so SSE streams pass unbuffered.
 
 Lifecycle: the provider makes one listener per expose() and closes it with the
@@ -61,16 +62,24 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
 
 
 class HostListener:
-    """Unix socket `path` -> TCP `target`, one pair of pump threads per connection."""
+    """Unix socket `path` (or any listening socket: `on()`) -> TCP `target`, two pump threads a connection."""
 
-    def __init__(self, path: str, target: tuple[str, int]) -> None:
+    def __init__(self, path: str, target: tuple[str, int], sock: socket.socket | None = None) -> None:
         self.target = target
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(path)
-        self.sock.listen(128)
+        if sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(path)
+            sock.listen(128)
+        self.sock = sock
         self.conns: set[socket.socket] = set()
         self.lock = threading.Lock()
         threading.Thread(target=self._accept, name=f"expose:{path}", daemon=True).start()
+
+    @classmethod
+    def on(cls, sock: socket.socket, target: tuple[str, int]) -> HostListener:
+        """Serve a socket that is already listening (the local provider's, inside a sandbox's network)."""
+        sock.setblocking(True)
+        return cls(f"fd {sock.fileno()}", target, sock)
 
     def _accept(self) -> None:
         while True:

@@ -34,6 +34,7 @@ side typecheck "$PY" scripts/typecheck.py  # one mypy run over miles_env as inst
 
 bash scripts/start-dockerd.sh
 bash scripts/install-images.sh  # buildah, skopeo, mmdebstrap, docker-registry: task images (tests/images_support.py)
+side images "$PY" -m miles_env.cli.main images bootstrap  # the Debian bases task images build FROM (archive-bound)
 bash scripts/install-chromium.sh >/dev/null  # Debian's chromium for the viewer's browser tests
 bash scripts/install-redis.sh  # Debian's redis-server: the Redis replay queue's tests start their own
 command -v tmux >/dev/null || { echo "[test] tmux is missing (install-system.sh needs root)" >&2; exit 2; }

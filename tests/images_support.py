@@ -140,6 +140,11 @@ def prewarm() -> None:
 
 
 def prewarmed(name: str) -> Any:
-    """`bases`, `images` (the LocalImages builder), `bookworm` or `aliases`: waited for (started if not yet)."""
+    """`bases`, `images` (the LocalImages builder), `bookworm` or `aliases`: waited for (started if not yet).
+    The bases alone, where no image test started the prewarm: a lookup once scripts/test.sh bootstrapped."""
+    if name == "bases" and "futures" not in _STATE:
+        from miles_env.sandboxes.images.bootstrap import bootstrap
+
+        return bootstrap(images_config())
     prewarm()
     return _STATE["futures"][name].result()

@@ -214,16 +214,20 @@ class QueueContract:
         q = backend.open(group_size=2)
         fill(q, "old", 2, version=1)
         q.put(make_episode("mix-0", "mix", version=5), block=False)
-        q.put(make_episode("mix-1", "mix", version=2), block=False)  # group min version = 2
+        q.put(make_episode("mix-1", "mix", version=2), block=False)  # one fresh, one stale episode
         fill(q, "new", 2, version=5)
         fill(q, "edge", 2, version=3)  # exactly current - max_staleness: kept
         leases = q.take(10, current_version=5, max_staleness=2)
-        assert [lease.group_id for lease in leases] == ["new", "edge"]
+        assert [lease.group_id for lease in leases] == ["mix", "new", "edge"]
         s = q.stats()
-        assert s.stale_groups == 2 and s.stale_dropped_episodes == 4 and s.episodes["stale"] == 4
+        assert s.stale_groups == 1 and s.stale_dropped_episodes == 2 and s.episodes["stale"] == 2
+        mix = leases[0]  # per episode: only the stale one is left out, never trained
+        assert [e.id for e in mix.episodes] == ["mix-0"] and [e.id for e in mix.stale] == ["mix-1"]
+        assert mix.episode_ids == ["mix-0"] and all(not lease.stale for lease in leases[1:])
         q.release(leases)
         got = q.take(10, current_version=5, max_staleness=None)
-        assert {lease.group_id for lease in got} == {"new", "edge"}  # stale groups never return
+        assert {lease.group_id for lease in got} == {"mix", "new", "edge"}  # stale groups never return
+        assert all(len(lease.episodes) == 2 and not lease.stale for lease in got)  # no filter, no split
 
     def test_an_episode_with_no_sampled_turn_does_not_age_its_group(self, backend: QueueBackend) -> None:
         """An episode aborted before its first turn (a dead engine, a sandbox that never started) has
@@ -236,9 +240,12 @@ class QueueContract:
         q.put(aborted.model_copy(update={"id": "none-0", "group_id": "none"}), block=False)
         q.put(aborted.model_copy(update={"id": "none-1", "group_id": "none"}), block=False)
         fill(q, "old", 2, version=1)
+        q.put(make_episode("gone-0", "gone", version=1), block=False)  # its only sampled one is stale
+        q.put(aborted.model_copy(update={"id": "gone-1", "group_id": "gone"}), block=False)
         leases = q.take(10, current_version=5, max_staleness=1)
         assert sorted(lease.group_id for lease in leases) == ["mix", "none"]
-        assert q.stats().stale_groups == 1  # "old" only
+        assert all(not lease.stale for lease in leases)
+        assert q.stats().stale_groups == 2  # "old", and "gone": nothing of it can train
 
     def test_back_pressure_blocks_until_taken(self, backend: QueueBackend) -> None:
         q = backend.open(group_size=1, max_pending_groups=2)

@@ -9,7 +9,12 @@ fixture returning the provider under test (and an `anyio_backend` fixture):
 
 Behaviours: exit codes, stdout/stderr, stdin, env (spec and per exec), cwd,
 timeout, files placed from the spec, write/read round trips, expose() reaching
-a real host HTTP server, close idempotent and final.
+a real host HTTP server, close idempotent and final; and a container's semantics: one process
+space for the sandbox's life (a background process outlives its exec and dies at close, a port
+bound in one exec answers the next), a writable root of its own within the disk quota, and the
+image's environment (ENV and PATH, USER, the user's HOME, WORKDIR) in every exec unless the call
+sets it. For the last, a subclass also defines an `image_spec` fixture: a spec of the image
+rootfs_support.IMAGE describes (its ENV, USER app, WORKDIR).
 
 `HostileContract` (subclassed the same way, plus a `host_path` method) is the
 escape and exhaustion suite: sysctl writes, root-only host files, setuid-root
@@ -19,6 +24,7 @@ files and device nodes, disk filling with many files, a huge host-side read.
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 import threading
 from collections.abc import Iterator
@@ -26,12 +32,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from rootfs_support import IMAGE, IMAGE_PATH
 
 from miles_env.errors import SandboxError
 from miles_env.sandbox import Sandbox
 from miles_env.types import Resources, SandboxSpec
 
-__all__ = ["HostileContract", "SandboxContract", "host_http_server"]
+__all__ = ["HostileContract", "SandboxContract", "host_http_server", "host_pids_with"]
 
 
 class _Hello(BaseHTTPRequestHandler):
@@ -58,10 +65,50 @@ def host_http_server() -> Iterator[int]:
 
 
 FETCH = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
+# A server on 127.0.0.1:PORT that answers each connection with "pong", and a client that retries
+# for up to 20 s (the server may take a moment to start on a loaded machine).
+SERVE = (
+    "import socket, sys\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen()\n"
+    "while True:\n    c, _ = s.accept(); c.sendall(b'pong'); c.close()\n"
+)
+CONNECT = (
+    "import socket, sys, time\nend = time.time() + 20\n"
+    "while True:\n    try:\n        print(socket.create_connection(('127.0.0.1', int(sys.argv[1])), 2).recv(9).decode()); break\n"
+    "    except OSError:\n        if time.time() > end: raise\n        time.sleep(0.1)\n"
+)
+
+
+def host_pids_with(marker: str) -> list[int]:
+    """Live host processes whose command line holds `marker` (a sandbox's, seen from the host)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(entry))
+        except (OSError, IndexError):
+            pass
+    return found
 
 
 @pytest.mark.anyio
 class SandboxContract:
+    def writable_root(self, provider) -> bool:
+        """Whether writes outside the workspace land in the sandbox's own layer here; a provider
+        that keeps a read-only root where it cannot cap that layer says so (docker)."""
+        return True
+
+    async def _read_only_root(self, sb: Sandbox) -> None:
+        """The documented hardening instead of a writable root: such writes fail, nothing lands."""
+        r = await sb.exec("echo x > /etc/miles-env-probe")
+        assert r.exit_code != 0 and "Read-only" in r.stderr, r
+
     async def test_is_a_sandbox(self, provider):
         async with await provider.create(SandboxSpec()) as sb:
             assert isinstance(sb, Sandbox)
@@ -142,6 +189,74 @@ class SandboxContract:
             r = await sb.exec(["python3", "-c", FETCH, inner + "/models"])
             assert r.exit_code == 0, r.stderr
             assert r.stdout == "hello /s/abc/v1/models\n"
+
+    # -- a container's semantics -----------------------------------------------------------------
+    async def test_a_background_process_outlives_its_exec_and_dies_at_close(self, provider):
+        marker = f"{300 + secrets.randbelow(10**6) / 10**7:.7f}"  # a sleep only this test runs
+        sb = await provider.create(SandboxSpec())
+        try:
+            started = await sb.exec(f"sleep {marker} > /dev/null 2>&1 & echo $!")
+            assert started.ok, started
+            pid = started.stdout.strip()
+            again = await sb.exec(f"kill -0 {pid} && echo alive; ps -o args= -p {pid} 2>/dev/null || true")
+            assert again.stdout.startswith("alive\n"), again
+            assert host_pids_with(marker) != []
+        finally:
+            await sb.close()
+        assert host_pids_with(marker) == []
+
+    async def test_a_port_bound_in_one_exec_answers_the_next(self, provider):
+        async with await provider.create(SandboxSpec(files={"serve.py": SERVE, "connect.py": CONNECT})) as sb:
+            started = await sb.exec("nohup python3 serve.py 8123 > /dev/null 2>&1 & echo started")
+            assert started.stdout == "started\n", started
+            for _ in range(2):  # the agent's next command, then the verifier's
+                r = await sb.exec(["python3", "connect.py", "8123"], timeout=30)
+                assert r.stdout == "pong\n", r
+
+    async def test_writes_outside_the_workspace_stay_in_the_sandbox(self, provider):
+        token = secrets.token_hex(4)
+        async with await provider.create(SandboxSpec()) as sb:
+            if not self.writable_root(provider):
+                return await self._read_only_root(sb)
+            made = await sb.exec(
+                f"mkdir -p /opt/app-{token} /var/log/app-{token} && echo opt > /opt/app-{token}/f && "
+                f"echo etc > /etc/app-{token}.conf && echo log > /var/log/app-{token}/log"
+            )
+            assert made.ok, made
+            r = await sb.exec(f"cat /opt/app-{token}/f /etc/app-{token}.conf /var/log/app-{token}/log")
+            assert r.stdout == "opt\netc\nlog\n", r
+            async with await provider.create(SandboxSpec()) as other:
+                assert (await other.exec(f"test -e /etc/app-{token}.conf")).exit_code != 0
+        assert not os.path.exists(f"/opt/app-{token}") and not os.path.exists(f"/etc/app-{token}.conf")
+
+    async def test_the_writable_root_is_within_the_disk_quota(self, provider):
+        async with await provider.create(SandboxSpec(resources=Resources(disk_mb=8, timeout_s=60))) as sb:
+            if not self.writable_root(provider):
+                return await self._read_only_root(sb)
+            fill = "mkdir -p /opt/fill && for i in $(seq 8); do head -c 2097152 /dev/zero > /opt/fill/f$i || exit 3; done"
+            r = await sb.exec(fill)  # 16 MiB into a layer of 8
+            used = await sb.exec("du -sk /opt/fill")
+            assert r.exit_code == 3 and int(used.stdout.split()[0]) <= 8 * 1024, (r, used)
+            freed = await sb.exec("rm -rf /opt/fill && echo x > /opt/small && cat /opt/small")
+            assert freed.stdout == "x\n", freed
+
+    async def test_the_image_environment_applies_to_every_exec(self, provider, image_spec):
+        async with await provider.create(image_spec) as sb:
+            r = await sb.exec('echo "$PATH|$HOME|$GREETING|$(pwd)|$(id -un)|$(id -u)|$(id -G)"; tool')
+            want = f"{IMAGE_PATH}|/home/app|from the image|{IMAGE.workdir}|app|1000|1000 50\n"
+            assert r.stdout == want + "tool from the image PATH\n", r
+            mine = await sb.exec(
+                "echo $HOME $GREETING; pwd", env={"HOME": "/tmp", "GREETING": "mine"}, cwd="/tmp"
+            )
+            assert mine.stdout == "/tmp mine\n/tmp\n", mine  # the caller's keys win
+            # The user's own files and HOME are theirs (ssh-keygen writes ~/.ssh); root's are not.
+            if not self.writable_root(provider):
+                return await self._read_only_root(sb)
+            own = await sb.exec(
+                "mkdir -p ~/.ssh && echo key > ~/.ssh/id && cat ~/.ssh/id && echo more >> owned.txt"
+            )
+            assert own.ok and own.stdout == "key\n", own
+            assert (await sb.exec("echo x >> /etc/passwd")).exit_code != 0
 
     async def test_close_idempotent_and_final(self, provider):
         sb = await provider.create(SandboxSpec())

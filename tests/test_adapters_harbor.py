@@ -14,6 +14,9 @@ from miles_env.registry import load_environment, validate_environment
 from miles_env.types import Status
 from tests.harbor_support import make_task
 
+# The tasks build FROM ubuntu:24.04 / python:3.x-slim: the Debian bases they alias to (a lookup in CI).
+pytestmark = pytest.mark.usefixtures("image_bases")
+
 
 def test_rebase_and_reward_files() -> None:
     assert (

@@ -21,6 +21,7 @@ from tests.harbor_support import make_task
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.usefixtures("image_bases"),  # the tasks build FROM ubuntu:24.04
     pytest.mark.skipif(shutil.which("tmux") is None, reason="terminus-2 drives a tmux terminal"),
 ]
 

@@ -16,6 +16,9 @@ from miles_env.types import NetworkPolicy
 from miles_env.validate import validate_env
 from tests.harbor_support import _write, make_env_task, make_steps_task, make_task
 
+# The tasks build FROM ubuntu:24.04 / python:3.x-slim: the Debian bases they alias to (a lookup in CI).
+pytestmark = pytest.mark.usefixtures("image_bases")
+
 
 def _oracle(env: HarborTasksEnvironment, solution: str | None = None):  # type: ignore[no-untyped-def]
     from miles_env.sandboxes import get_provider

@@ -79,8 +79,12 @@ def test_spawn_streams_and_dies_with_the_sandbox() -> None:
         with anyio.fail_after(10):
             await proc.wait()
         assert proc.returncode is not None and proc.returncode != 0
-        release(sb, proc)
-        assert proc.pid not in sb._live
+        release(sb, proc)  # closes our ends of its pipes
+        try:
+            await proc.stdout.receive()
+            raise AssertionError("stdout still open after release()")
+        except anyio.EndOfStream:
+            pass
         await proc.aclose()
         assert not sb.host_dir.exists()
 

@@ -107,7 +107,9 @@ def test_eval_with_your_model(
     for ep in episodes:
         meta = ep["metadata"]
         if harness == "mini-swe-agent":
-            assert ep["status"] == "aborted" and meta["harness"]["end"] == "policy_format", ep["error"]
+            assert ep["status"] == "aborted" and ep["end"] == meta["harness"]["end"] == "policy_format", ep[
+                "error"
+            ]
             assert meta["harness"]["output"]["exit_status"] == "RepeatedFormatError"
         else:
             assert ep["status"] == "completed", (ep["error"], meta["harness"])

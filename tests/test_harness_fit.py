@@ -28,7 +28,7 @@ from miles_env.models import load_tokenizer
 from miles_env.tito import TitoProxy
 from miles_env.tito.errors import ProxyError
 from miles_env.tito.messages import ChatRequest, Message
-from miles_env.types import Status
+from miles_env.types import EpisodeEnd, Status
 from tests.cli_harness_support import run_one, two_step_task
 
 pytestmark = pytest.mark.anyio
@@ -160,6 +160,7 @@ async def test_a_first_prompt_the_context_cannot_hold_fails_the_episode_saying_s
     ep = await run_one("builtin", ScriptedEngine(tok, max_context=64), tmp_path / "store")
     first = ep.metadata["first_prompt_tokens"]
     assert ep.status is Status.FAILED and first > 64 and not ep.samples, (ep.status, ep.error)
+    assert ep.end is EpisodeEnd.PROXY_REFUSAL and not ep.end.policy  # never trained
     assert ep.error == (
         f"builtin's first prompt is {first} tokens, more than the model's context (64 tokens): nothing "
         "was sampled; trim what it sends (--harness-opt lean=true, docs/harnesses.md 'Small models') "

@@ -124,6 +124,20 @@ def test_database_without_checksums_is_migrated(qpath: Path) -> None:
     assert list(lease.episodes) == eps and q.stats().quarantined_episodes == 1
 
 
+def test_database_without_max_version_is_judged_by_min_version(qpath: Path) -> None:
+    """A group stored before per-episode staleness keeps the whole-group rule it was put under."""
+    q = SqliteReplayQueue(qpath, group_size=2)
+    q.put(make_episode("mix-0", "mix", version=5), block=False)
+    q.put(make_episode("mix-1", "mix", version=1), block=False)
+    q.close()
+    raw = sqlite3.connect(qpath)
+    raw.execute("ALTER TABLE groups DROP COLUMN max_version")
+    raw.commit()
+    raw.close()
+    q = SqliteReplayQueue(qpath)
+    assert q.take(10, current_version=5, max_staleness=2) == [] and q.stats().stale_groups == 1
+
+
 def test_not_a_database_is_a_queue_error(tmp_path: Path) -> None:
     path = tmp_path / "queue.db"
     path.write_text("not sqlite at all, just text long enough to have a header" * 10)

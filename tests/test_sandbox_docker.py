@@ -17,6 +17,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from rootfs_support import build_rootfs, docker_image
 from sandbox_contract import FETCH, HostileContract, SandboxContract, host_http_server  # noqa: F401
 
 from miles_env.errors import ConfigError, SandboxError
@@ -64,8 +65,23 @@ def provider(docker_engine, tmp_path):
     assert left == [], "containers leaked"
 
 
+@pytest.fixture(scope="session")
+def contract_image(docker_engine, tmp_path_factory) -> str:
+    import docker
+
+    rootfs = build_rootfs(tmp_path_factory.mktemp("contract-image"))
+    return docker_image(docker.DockerClient(base_url=docker_engine), rootfs)
+
+
+@pytest.fixture
+def image_spec(contract_image) -> SandboxSpec:
+    return SandboxSpec(image=contract_image)
+
+
 class TestDockerContract(SandboxContract):
-    pass
+    def writable_root(self, provider) -> bool:
+        # A writable root only where the engine caps the container's layer (provider.py).
+        return bool(provider.layer_quota)
 
 
 class TestDockerHostile(HostileContract):

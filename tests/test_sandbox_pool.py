@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import time
 
 import anyio
 import pytest
+from rootfs_support import IMAGE, ImageProvider, build_rootfs
 from sandbox_contract import SandboxContract, host_http_server  # noqa: F401
 
 from miles_env.errors import SandboxError, SandboxThrottled
@@ -38,6 +40,16 @@ def local(root) -> LocalSandboxProvider:
     return LocalSandboxProvider(LocalSandboxConfig(root_dir=str(root)))
 
 
+@pytest.fixture(scope="session")
+def contract_rootfs(tmp_path_factory) -> str:
+    return str(build_rootfs(tmp_path_factory.mktemp("contract-image")))
+
+
+@pytest.fixture
+def image_spec(contract_rootfs) -> SandboxSpec:
+    return SandboxSpec(rootfs=contract_rootfs)
+
+
 def _left(root) -> list[str]:
     return sorted(p.name for p in root.iterdir()) if root.exists() else []
 
@@ -46,8 +58,9 @@ class TestPoolContract(SandboxContract):
     """The pool is a provider: the whole contract holds through it."""
 
     @pytest.fixture
-    def provider(self, local):
-        return SandboxPool(local, max_concurrency=4)
+    def provider(self, root, contract_rootfs):
+        images = ImageProvider(LocalSandboxConfig(root_dir=str(root)), {contract_rootfs: IMAGE})
+        return SandboxPool(images, max_concurrency=4)
 
 
 async def test_concurrency_limit(local, root):
@@ -168,23 +181,57 @@ async def test_provider_errors_pass_through_and_free_the_slot(local):
 
 _CRASHER = textwrap.dedent(
     """
-    import anyio, sys
+    import anyio, json, os, sys
     from miles_env.sandboxes.local import LocalSandboxConfig, LocalSandboxProvider
     from miles_env.sandboxes.pool import SandboxPool
     from miles_env.types import SandboxSpec
     async def main():
         pool = SandboxPool(LocalSandboxProvider(LocalSandboxConfig(root_dir=sys.argv[1])))
         kept = [await pool.create(SandboxSpec()) for _ in range(2)]
-        print("CREATED", flush=True)
-        await kept[0].exec("sleep 600")
+        # A process one exec leaves running (the sandbox keeps it, as a container would).
+        await kept[1].exec(f"sleep 601.{sys.argv[2]} > /dev/null 2>&1 &")
+        run = {"zygotes": [sb._zygote.pid for sb in kept], "inits": [sb.init_pid for sb in kept],
+               "bases": [str(sb.storage.base) for sb in kept]}
+        print(json.dumps(run), flush=True)
+        await kept[0].exec(f"sleep 600.{sys.argv[2]}")
     anyio.run(main)
     """
 )
 
 
-def test_reaper_removes_what_a_killed_run_left(root, local):
-    proc = subprocess.Popen([sys.executable, "-c", _CRASHER, str(root)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "CREATED"
+def _survivors(tag: str, run: dict) -> list[str]:
+    """Live processes of the killed run: its commands, zygotes, bwraps and sandboxes' inits."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError):
+            continue
+        ours = int(entry) in run["zygotes"] or int(entry) in run.get("inits", ())
+        if ours or tag in cmd or any(base in cmd for base in run["bases"]):
+            found.append(f"{entry}: {cmd[:120]}")
+    return found
+
+
+def test_nothing_of_a_killed_run_survives_and_the_reaper_removes_what_it_left(root, local):
+    """The owner is SIGKILLed, and one of its zygotes first: every process of its sandboxes dies
+    without anyone's help (a zygote that sees its owner go stops its sandbox; the keeper of a
+    sandbox whose zygote is killed exits, and the kernel kills its pid namespace), and `sandbox gc` removes the files."""
+    tag = str(os.getpid())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CRASHER, str(root), tag], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    run = json.loads(proc.stdout.readline())
+    deadline = time.time() + 30
+    while len(_survivors(tag, {"zygotes": [], "bases": []})) < 2 and time.time() < deadline:
+        time.sleep(0.05)  # both sleeps are running
 
     async def live_one():
         # A sandbox of this (live) process, made through a pool: never reaped.
@@ -195,8 +242,14 @@ def test_reaper_removes_what_a_killed_run_left(root, local):
 
     mine = anyio.run(live_one)
     assert len(_left(root)) == 3
+    assert len(_survivors(tag, run)) >= 6  # the two sleeps, the two zygotes, the two sandboxes' inits
+    os.kill(run["zygotes"][1], signal.SIGKILL)  # the one holding the background sleep
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    deadline = time.time() + 15
+    while _survivors(tag, run) and time.time() < deadline:  # without any gc
+        time.sleep(0.05)
+    assert _survivors(tag, run) == []
     r = subprocess.run(
         [sys.executable, "-m", "miles_env.cli.main", "sandbox", "gc", "--provider", "local"],
         capture_output=True,
@@ -206,7 +259,7 @@ def test_reaper_removes_what_a_killed_run_left(root, local):
     )
     assert r.returncode == 0, r.stderr
     assert "removed 2" in r.stdout, r.stdout
-    assert _left(root) == [mine.id]
+    assert _left(root) == [mine.id] and _survivors(tag, run) == []
     anyio.run(mine.close)
     assert _left(root) == []
 

@@ -1,4 +1,14 @@
-"""Ctrl-C (SIGINT) on a process that holds a local sandbox: its processes and files are gone."""
+"""Ctrl-C (SIGINT) on a process that holds a local sandbox: one Ctrl-C ends it, and its processes and
+files are gone.
+
+Why the child resets SIGINT first: a user's Ctrl-C reaches a foreground job, whose SIGINT is Python's
+KeyboardInterrupt handler. A process started from a background job of a non-interactive shell (how
+CI runners and `cmd &` start pytest) inherits SIGINT *ignored*; Python then installs no handler, and
+asyncio's runner installs its Ctrl-C handling only over Python's own. The child of such a pytest
+ignored every Ctrl-C: the test failed with "no exit after two Ctrl-C" and an empty stderr in some
+fresh-machine runs and never in an agent's shell. That was the test's environment, not the sandbox;
+the child now starts as a terminal's foreground job would.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +25,8 @@ import pytest
 
 SCRIPT = textwrap.dedent(
     """
+    import signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as a foreground job has it (see above)
     import anyio, sys
     from miles_env.sandboxes import get_provider
     from miles_env.types import SandboxSpec
@@ -23,6 +35,7 @@ SCRIPT = textwrap.dedent(
         provider = get_provider("local", root_dir=sys.argv[1])
         async with await provider.create(SandboxSpec()) as sb:
             await sb.write_file("marker.txt", "x")
+            await sb.exec(f"sleep 4243.{sys.argv[2]} > /dev/null 2>&1 &")  # a process left running
             print(sb.host_dir, flush=True)
             await sb.exec(f"sleep 4242.{sys.argv[2]}", timeout=600)
 
@@ -32,13 +45,13 @@ SCRIPT = textwrap.dedent(
 
 
 def _sleepers(tag: str) -> list[int]:
-    """This run's sleeper (its own tag: a stray from another run must not count)."""
-    out = subprocess.run(["pgrep", "-f", f"sleep 4242.{tag}"], capture_output=True, text=True).stdout
+    """This run's sleepers (its own tag: a stray from another run must not count)."""
+    out = subprocess.run(["pgrep", "-f", f"sleep 424[23].{tag}"], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
 
 
 @pytest.mark.slow
-def test_ctrl_c_kills_the_sandbox_processes_and_removes_its_files(tmp_path: Path) -> None:
+def test_one_ctrl_c_kills_the_sandbox_processes_and_removes_its_files(tmp_path: Path) -> None:
     root, tag = tmp_path / "root", str(uuid.uuid4().int % 10**9)  # digits: a fraction of a second
     stderr = (tmp_path / "stderr.txt").open("w")  # never an unread pipe
     proc = subprocess.Popen(
@@ -48,23 +61,17 @@ def test_ctrl_c_kills_the_sandbox_processes_and_removes_its_files(tmp_path: Path
     host_dir = Path(proc.stdout.readline().strip())
     assert (host_dir / "work" / "marker.txt").is_file()
     deadline = time.time() + 30
-    while not _sleepers(tag) and time.time() < deadline:
+    while len(_sleepers(tag)) < 2 and time.time() < deadline:
         time.sleep(0.05)
-    assert _sleepers(tag), "the command never started in the sandbox"
+    assert len(_sleepers(tag)) >= 2, "the commands never started in the sandbox"
     os.kill(proc.pid, signal.SIGINT)
     try:
-        proc.wait(timeout=20)
+        proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
-        # Known, rare (2 of ~6 full fresh-machine runs, 0 of 58 runs alone): the first Ctrl-C does
-        # not end the process; a second one, as a user would press, must, and clean up all the same.
-        os.kill(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise AssertionError(
-                f"no exit after two Ctrl-C: {(tmp_path / 'stderr.txt').read_text()[-2000:]}"
-            ) from None
+        proc.kill()
+        raise AssertionError(
+            f"no exit 30 s after one Ctrl-C: {(tmp_path / 'stderr.txt').read_text()[-2000:]}"
+        ) from None
     assert proc.returncode != 0  # KeyboardInterrupt, after cleanup
     deadline = time.time() + 10
     while _sleepers(tag) and time.time() < deadline:

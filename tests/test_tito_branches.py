@@ -60,6 +60,11 @@ async def test_a_retried_turn_forks_and_shares_the_parent_ids_verbatim(tok) -> N
     assert [len(t.turns) for t in trajs] == [2, 1]
     # the shared a1 has mask 1 only in the earlier sample (the parent); the child masks it 0
     assert sum(trajs[1].loss_mask) == len(engine.generations[2].output_ids)
+    # the agent asked for turn 2 again: the first a2 was dropped, it stays listed and never trains
+    dropped = trajs[0].turns[1]
+    assert dropped.delivered is False and sum(trajs[0].loss_mask) == len(a1)
+    assert trajs[0].token_ids[dropped.start :] == engine.generations[1].output_ids
+    assert s.info().n_undelivered == 1 and s.undelivered == {(0, dropped.start): "retried"}
     check_fidelity(trajs, engine, sid)
 
 

@@ -205,7 +205,15 @@ async def test_api_serves_pages_groups_and_errors(run_dir: Path) -> None:
         ]  # fmt: skip
         assert ep["samples"] == [{"branch": 0, "tokens": 64, "masked": 32, "turns": 2, "versions": [0]}]
         group = (await client.get(f"/api/groups/{ep['row']['group']}")).json()
-        assert len(group["episodes"]) == 8 and abs(sum(e["advantage"] for e in group["episodes"])) < 1e-6
+        advs = [e["advantage"] for e in group["episodes"] if e["end"] != "verifier_error"]
+        assert len(group["episodes"]) == 8 and len(advs) < 8 and abs(sum(advs)) < 1e-6
+        # an infrastructure failure has no advantage: it never trains nor moves its group's baseline
+        assert all(e["advantage"] is None for e in group["episodes"] if e["end"] == "verifier_error")
+        by_end = {
+            want: (await client.get("/api/episodes", params={"end": want, "limit": 1})).json()["total"]
+            for want in ("policy", "infra", "verifier_error", "truncated")
+        }
+        assert by_end == {"policy": 160, "infra": 40, "verifier_error": 40, "truncated": 40}
         assert (await client.get("/api/episodes/nope")).status_code == 404
         assert (await client.get("/api/episodes/ep000003/tokens/9")).status_code == 404
 

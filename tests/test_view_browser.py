@@ -131,7 +131,7 @@ def test_run_episodes_episode_and_group_pages(train_run: Path, page: Any) -> Non
     with viewer(train_run) as url:
         page.goto(f"{url}/#/run")
         page.wait_for_selector("[data-testid=chart] svg")
-        assert page.locator("[data-testid=chart]").count() == 9
+        assert page.locator("[data-testid=chart]").count() == 10
         assert page.locator("[data-testid=step]").text_content() == "2"
         shot(page, "run")
 
@@ -143,8 +143,13 @@ def test_run_episodes_episode_and_group_pages(train_run: Path, page: Any) -> Non
         shot(page, "episodes")
         page.select_option("[data-testid=f-split]", "test")
         page.wait_for_function(f"document.querySelector('#count').dataset.total == '{len(evals)}'")
-        assert set(page.locator("#rows tr td:nth-child(6)").all_text_contents()) == {"test"}
+        assert set(page.locator("#rows tr td:nth-child(7)").all_text_contents()) == {"test"}
         page.select_option("[data-testid=f-split]", "")
+        policy = {"completed", "truncated", "policy_format"}  # the end filter: policy ends, infrastructure
+        infra = sum(e.end.value not in policy for e in episodes) + sum(e["end"] not in policy for e in evals)
+        page.select_option("[data-testid=f-end]", "infra")
+        page.wait_for_function(f"document.querySelector('#count').dataset.total == '{infra}'")
+        page.select_option("[data-testid=f-end]", "")
         task = episodes[0].task_id
         page.fill("[data-testid=f-q]", task)
         want = sum(e.task_id == task for e in episodes) + sum(e["task_id"] == task for e in evals)

@@ -94,17 +94,26 @@ async def served(
 def check_fidelity(
     trajs: list[Trajectory], engine: ScriptedEngine | RecordingEngine, session_id: str
 ) -> None:
-    """Every mask-1 run equals one recorded engine generation (ids and logprobs), and nothing else has mask 1."""
+    """Every mask-1 run equals one recorded engine generation (ids and logprobs), a turn the agent
+    never received (`delivered=False`) has mask 0 and logprob 0.0 over its ids, each generation is
+    one listed turn, and nothing else has mask 1."""
     gens = [c.generation for c in engine.calls if c.session_id == session_id]
     runs: list[tuple[list[int], list[float]]] = []
+    ids_seen: list[list[int]] = []
     for t in trajs:
         for turn in t.turns:
             s, e = turn.start, turn.start + turn.completion_len
-            runs.append((t.token_ids[s:e], t.logprobs[s:e]))
-            assert t.loss_mask[s:e] == [1] * turn.completion_len
-        assert sum(t.loss_mask) == sum(turn.completion_len for turn in t.turns)
+            ids_seen.append(t.token_ids[s:e])
+            if turn.delivered:
+                runs.append((t.token_ids[s:e], t.logprobs[s:e]))
+                assert t.loss_mask[s:e] == [1] * turn.completion_len
+            else:
+                assert t.loss_mask[s:e] == [0] * turn.completion_len and not any(t.logprobs[s:e])
+        assert sum(t.loss_mask) == sum(turn.completion_len for turn in t.turns if turn.delivered)
         assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m == 0)
-    assert sorted(map(repr, runs)) == sorted(repr((g.output_ids, g.logprobs)) for g in gens)
+    assert sorted(map(repr, ids_seen)) == sorted(repr(g.output_ids) for g in gens)
+    recorded = {repr((g.output_ids, g.logprobs)) for g in gens}
+    assert all(repr(r) in recorded for r in runs)
 
 
 T = TypeVar("T")

@@ -20,13 +20,20 @@ import yaml
 
 from miles_env.jsonio import dumps
 from miles_env.queue.sqlite import SqliteReplayQueue
-from miles_env.types import Episode, Reward, Status, Trajectory, Turn
+from miles_env.types import Episode, EpisodeEnd, Reward, Status, Trajectory, Turn
 
 __all__ = ["make_run", "make_episode", "chromium_path", "STATUSES"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
 STATUSES = (Status.COMPLETED, Status.COMPLETED, Status.COMPLETED, Status.TRUNCATED, Status.FAILED)
+ENDS = (
+    EpisodeEnd.COMPLETED,
+    EpisodeEnd.COMPLETED,
+    EpisodeEnd.COMPLETED,
+    EpisodeEnd.TRUNCATED,
+    EpisodeEnd.VERIFIER_ERROR,
+)
 
 
 def make_episode(i: int, tokens: int, group_size: int, rng: random.Random, version: int) -> Episode:
@@ -50,7 +57,7 @@ def make_episode(i: int, tokens: int, group_size: int, rng: random.Random, versi
     ]
     return Episode.model_construct(
         id=f"ep{i:06d}", task_id=f"task-{g % 97}", env="synthetic", group_id=f"task-{g % 97}:g{g:05d}",
-        split="train", harness="builtin", status=STATUSES[i % len(STATUSES)],
+        split="train", harness="builtin", status=STATUSES[i % len(STATUSES)], end=ENDS[i % len(ENDS)],
         reward=Reward(score=float(rng.random() < 0.4), details={"checks": [{"kind": "file_equals", "target": "answer.txt", "passed": True}]}),
         samples=[sample], error=None, timings={"total_s": rng.random() * 30},
         metadata={"session_id": f"s{i:06d}", "harness": {"commands": 1}, "transcript": transcript},

@@ -13,7 +13,10 @@ limits (body.py: 413, 408), then parsed, validated and converted off the event
 loop when large; the core renders and tokenizes off the loop too. The response is
 built (serialized) before the turn is stored. A streamed completion is generated
 and recorded before its first byte goes out, so a client that hangs up
-mid-stream loses nothing and leaves the session usable.
+mid-stream loses nothing and leaves the session usable. A turn's reply that does not
+reach the client whole (replies.Reply) marks the turn undelivered: it stays stored and
+never trains. A request of a session that fails (a bad body, an engine failure) leaves
+its class on the session (`TitoProxy.note_fault`) for the rollout to classify the episode.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from miles_env.tito.errors import ProxyError, bad_request, unauthorized
 from miles_env.tito.messages import ChatRequest, ChatResult
 from miles_env.tito.openai_chat import ChatCompletionRequest, completion_body, stream_events, to_core
 from miles_env.tito.proxy import TitoProxy
-from miles_env.tito.replies import Dialect, dialect_of, error_response, event_stream, guard
+from miles_env.tito.replies import Dialect, Reply, dialect_of, error_response, event_stream, guard, json_reply
 from miles_env.tito.store import export_body
 
 __all__ = ["create_app"]
@@ -105,47 +108,66 @@ def create_app(proxy: TitoProxy) -> Starlette:
         proxy.authenticate(sid, _api_key(request))
         return sid
 
+    async def turn_body(request: Request, sid: str, route: Route, work: Callable[[Any], T]) -> T:
+        """`body` for a session's turn: a body refused (too large, too slow, invalid) is the
+        session's fault record too (its harness may end on it)."""
+        try:
+            return await body(request, route, work)
+        except ProxyError as e:
+            proxy.note_fault(sid, e)
+            raise
+
+    def tracked(sid: str, result: ChatResult, reply: Reply) -> Reply:
+        """`reply`, marking its turn undelivered when it does not reach the client (aux: not stored)."""
+        if result.start >= 0:
+            reply.undelivered = lambda reason: proxy.undelivered(sid, result.branch, result.start, reason)
+        return reply
+
     async def chat_completions(request: Request) -> Response:
         sid = session(request)
-        req, core = await body(
-            request, "chat_completions", lambda d: _with(_validate(ChatCompletionRequest, d), to_core)
+        req, core = await turn_body(
+            request, sid, "chat_completions", lambda d: _with(_validate(ChatCompletionRequest, d), to_core)
         )
         model = req.model or cfg.model_name
 
         def respond(result: ChatResult) -> Response:
             if not req.stream:
-                return JSONResponse(completion_body(result, model))
+                return tracked(sid, result, json_reply(completion_body(result, model)))
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return event_stream(stream_events(result, model, usage))
+            return tracked(sid, result, event_stream(stream_events(result, model, usage)))
 
         return await proxy.serve(sid, core, respond)
 
     async def responses(request: Request) -> Response:
         sid = session(request)
-        req, (core, custom) = await body(
-            request, "responses", lambda d: _with(_validate(oa.ResponsesRequest, d), oa.to_core)
+        req, (core, custom) = await turn_body(
+            request, sid, "responses", lambda d: _with(_validate(oa.ResponsesRequest, d), oa.to_core)
         )
         model, reply_id = req.model or cfg.model_name, core.reply_id or oa.new_reply_id()
 
         def respond(result: ChatResult) -> Response:
             if not req.stream:
-                return JSONResponse(oa.response_body(result, reply_id, custom, model))
-            return event_stream(oa.stream_events(result, reply_id, custom, model))
+                return tracked(sid, result, json_reply(oa.response_body(result, reply_id, custom, model)))
+            return tracked(sid, result, event_stream(oa.stream_events(result, reply_id, custom, model)))
 
         return await proxy.serve(sid, core, respond)
 
     async def messages(request: Request) -> Response:
         sid = session(request)
-        req, core = await body(
-            request, "messages", lambda d: _with(_validate(am.MessagesRequest, d), am.to_core)
+        req, core = await turn_body(
+            request, sid, "messages", lambda d: _with(_validate(am.MessagesRequest, d), am.to_core)
         )
         model = req.model or cfg.model_name
         headers = {"x-tito-aux": "1"} if core.aux else None
 
         def respond(result: ChatResult) -> Response:
             if not req.stream:
-                return JSONResponse(am.message_body(result, model, req.stop_sequences), headers=headers)
-            return event_stream(am.stream_events(result, model, req.stop_sequences), headers)
+                return tracked(
+                    sid, result, json_reply(am.message_body(result, model, req.stop_sequences), headers)
+                )
+            return tracked(
+                sid, result, event_stream(am.stream_events(result, model, req.stop_sequences), headers)
+            )
 
         return await proxy.serve(sid, core, respond)
 

@@ -12,10 +12,12 @@ out, if there is one.
 Drift kinds: `journal` (unreadable or inconsistent events), `record` (an engine
 record no longer matches its digest or its lengths differ), `sampled_ids` and
 `logprobs` (a mask-1 token or its logprob differs from the engine's record),
+`delivery` (a turn the agent never received, or asked for again, has mask 1 somewhere),
 `mask` (mask not 0/1, mask 1 off a sampled token, a sampled run half masked,
 logprob non-zero where mask is 0), `prefix` (a branch's ids differ from its
 events, or a fork's ids from its parent's prefix), `ownership` (a sampled token
-with mask 1 in none or in more than one exported sample).
+with mask 1 in none or in more than one exported sample; an undelivered one is expected in
+none). Undelivered turns (`UndeliveredEvent`) are counted in the report.
 Logprobs are compared in their strict-JSON form (strictjson.py), so a -inf or NaN
 the engine returned is equal to itself wherever it was stored.
 """
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_env.tito import strictjson
-from miles_env.tito.journal import JournalError, JournalEvent, TurnEvent
+from miles_env.tito.journal import JournalError, JournalEvent, TurnEvent, UndeliveredEvent
 from miles_env.tito.messages import digest
 from miles_env.tito.store import read_events, replay
 
@@ -53,6 +55,7 @@ class AuditReport:
     sampled_tokens: int = 0
     snapshots: int = 0
     drifts: tuple[Drift, ...] = ()
+    undelivered: int = 0  # turns the agent never received or asked for again (never trained)
 
     @property
     def ok(self) -> bool:
@@ -70,6 +73,7 @@ class _Expected:
     sampled: dict[int, list[bool]] = field(default_factory=dict)
     runs: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # (start, turn index)
     records: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    undelivered: set[int] = field(default_factory=set)  # turn indices
 
 
 def resolve_store(path: Path) -> Path:
@@ -79,7 +83,11 @@ def resolve_store(path: Path) -> Path:
 
 def _replay(sid: str, events: list[JournalEvent], out: list[Drift]) -> _Expected:
     exp = _Expected()
-    for e in (e for e in events if isinstance(e, TurnEvent)):
+    for e in events:
+        if isinstance(e, UndeliveredEvent):
+            exp.undelivered.update(k for start, k in exp.runs.get(e.branch, []) if start == e.start)
+        if not isinstance(e, TurnEvent):
+            continue
         b, k = e.branch, len(exp.records)
         outs, lps = e.output_ids, e.logprobs
         if len(outs) != len(lps) or (e.gen_digest is not None and e.gen_digest != digest(outs, lps)):
@@ -140,6 +148,9 @@ def _check(sid: str, source: str, trajs: list[dict[str, Any]], exp: _Expected, o
                 continue  # the sample was exported before this turn
             present.add(k)
             m = mask[start:end]
+            if k in exp.undelivered and any(m):
+                out.append(Drift("delivery", sid, b, f"{where}: turn {k} was not delivered, and has mask 1"))
+                continue
             if all(m) and m:
                 owned[k] += 1
                 if strictjson.numbers(lps[start:end]) != strictjson.numbers(rec_lps):
@@ -148,12 +159,12 @@ def _check(sid: str, source: str, trajs: list[dict[str, Any]], exp: _Expected, o
                     )
             elif any(m):
                 out.append(Drift("mask", sid, b, f"{where}: turn {k} is partly masked"))
-    for k in sorted(present):
+    for k in sorted(present - exp.undelivered):
         if owned[k] != 1 and exp.records[k][0]:
             out.append(Drift("ownership", sid, None, f"{source}: turn {k} has mask 1 in {owned[k]} samples"))
 
 
-def _audit_session(path: Path, out: list[Drift]) -> tuple[int, int, int, bool]:
+def _audit_session(path: Path, out: list[Drift]) -> tuple[int, int, int, bool, int]:
     sid = path.stem
     try:
         events = read_events(path)
@@ -163,7 +174,7 @@ def _audit_session(path: Path, out: list[Drift]) -> tuple[int, int, int, bool]:
     except (ValueError, IndexError) as e:
         detail = str(e).removeprefix(f"{path}: ")  # a JournalError names the file already
         out.append(Drift("journal", sid, None, f"{path.name}: {type(e).__name__}: {detail}"))
-        return 0, 0, 0, False
+        return 0, 0, 0, False, 0
     exp = _replay(sid, events, out)
     for b in session.branches:
         if b.token_ids != exp.ids.get(b.index):
@@ -181,15 +192,22 @@ def _audit_session(path: Path, out: list[Drift]) -> tuple[int, int, int, bool]:
     _check(sid, "journal", rebuilt, exp, out)
     if snap is not None:
         _check(sid, "export", list(snap.get("branches", [])), exp, out)
-    return len(session.branches), session.n_turns, session.sampled_tokens, snap is not None
+    return (
+        len(session.branches),
+        session.n_turns,
+        session.sampled_tokens,
+        snap is not None,
+        len(exp.undelivered),
+    )
 
 
 def audit(store_dir: Path | str) -> AuditReport:
     """Re-check every stored session under `store_dir` (or `store_dir/sessions`); never writes."""
     root = resolve_store(Path(store_dir))
     drifts: list[Drift] = []
-    n = branches = turns = tokens = snaps = 0
+    n = branches = turns = tokens = snaps = undelivered = 0
     for path in sorted(root.glob("*.jsonl")):
-        b, t, k, snap = _audit_session(path, drifts)
+        b, t, k, snap, u = _audit_session(path, drifts)
         n, branches, turns, tokens, snaps = n + 1, branches + b, turns + t, tokens + k, snaps + snap
-    return AuditReport(root, n, branches, turns, tokens, snaps, tuple(drifts))
+        undelivered += u
+    return AuditReport(root, n, branches, turns, tokens, snaps, tuple(drifts), undelivered)

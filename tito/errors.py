@@ -7,6 +7,10 @@ or `{"type": "error", "error": {"type", "message"}}` (Anthropic, which shows
 turns are committed only after a generation whose response could be serialized
 (a budget error may additionally mark the session truncated).
 
+`fault` is the episode class (miles_env.types.EpisodeEnd) a session's last request failing
+with this error stands for: ENGINE_ERROR for an engine failure, None for a budget or context
+refusal (the agent's own budget: a policy end), PROXY_REFUSAL for every other refusal.
+
 Context refusals (ours and the engine's) read exactly like the real APIs, so the
 CLIs' own recovery (Codex's `context_length_exceeded`, Claude Code's
 "prompt is too long" compaction) works behind the proxy.
@@ -18,6 +22,7 @@ from typing import Any
 
 from miles_env.errors import EngineRefused, MilesEnvError
 from miles_env.tito.strictjson import safe_text
+from miles_env.types import EpisodeEnd
 
 __all__ = [
     "ProxyError",
@@ -44,6 +49,7 @@ class ProxyError(MilesEnvError):
         param: str | None = None,
         anthropic_message: str | None = None,
         headers: dict[str, str] | None = None,
+        fault: EpisodeEnd | None = EpisodeEnd.PROXY_REFUSAL,
     ) -> None:
         message = safe_text(message)  # it may echo client input: always sendable as UTF-8
         super().__init__(message)
@@ -54,6 +60,7 @@ class ProxyError(MilesEnvError):
         self.param = param
         self.anthropic_message = anthropic_message  # the Messages API's own wording, when it differs
         self.headers = headers or {}  # extra response headers (Allow, Connection)
+        self.fault = fault  # the episode class it stands for (module docstring); None: a budget
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
@@ -73,7 +80,7 @@ def not_found(message: str) -> ProxyError:
 
 def budget_exceeded(budget: str, message: str) -> ProxyError:
     return ProxyError(
-        400, f"session budget {budget} exceeded: {message}", code="budget_exceeded", param=budget
+        400, f"session budget {budget} exceeded: {message}", code="budget_exceeded", param=budget, fault=None
     )
 
 
@@ -86,6 +93,7 @@ def context_exceeded(prompt_tokens: int, limit: int) -> ProxyError:
         code="context_length_exceeded",
         param="messages",
         anthropic_message=f"prompt is too long: {prompt_tokens} tokens > {limit} maximum",
+        fault=None,
     )
 
 
@@ -121,4 +129,6 @@ def engine_refused(e: EngineRefused, prompt_tokens: int, limit: int | None) -> P
 
 def engine_failed(e: Exception) -> ProxyError:
     """A transient engine failure: a 5xx, so clients retry."""
-    return ProxyError(502, f"engine failed: {e}", type="server_error", code="engine_error")
+    return ProxyError(
+        502, f"engine failed: {e}", type="server_error", code="engine_error", fault=EpisodeEnd.ENGINE_ERROR
+    )

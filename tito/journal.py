@@ -2,9 +2,10 @@
 
 Concept: a session journal (store.py) is a header line (`SessionHeader`), then one event
 per line: `TurnEvent` (one generation: the prompt tail, the sampled ids and their
-logprobs, the keys of the messages they encode), `TruncatedEvent` (a budget cut the
-session), `AuxEvent` (an auxiliary request was served; never trained on) and
-`ClosedEvent`. The JSON key `kind` is the tag. `Session.apply` consumes the events,
+logprobs, the keys of the messages they encode), `UndeliveredEvent` (a turn's response
+never reached the agent, or the agent asked for that turn again: the turn stays, and
+never trains), `TruncatedEvent` (a budget cut the session), `AuxEvent` (an auxiliary
+request was served; never trained on) and `ClosedEvent`. The JSON key `kind` is the tag. `Session.apply` consumes the events,
 `tito audit` replays them; both `match` on the model, never on a string.
 
 Wire form (unchanged since the first journal, so every journal on disk still loads and
@@ -40,6 +41,8 @@ __all__ = [
     "SessionHeader",
     "TruncatedEvent",
     "TurnEvent",
+    "UndeliveredEvent",
+    "UNDELIVERED_REASONS",
     "TurnRecord",
     "read_event",
 ]
@@ -128,6 +131,22 @@ class TurnEvent(_Event):
         return out
 
 
+UNDELIVERED_REASONS = ("client_gone", "stream_cut", "retried")
+
+
+class UndeliveredEvent(_Event):
+    """The turn of `branch` whose completion starts at `start` was not received by the agent:
+    `client_gone` (the client left before the response was sent), `stream_cut` (it left, or the
+    send failed, mid-response), `retried` (a later request asked for that same turn again, so the
+    agent dropped the reply). Written after the turn's own event; the turn's ids stay as sampled
+    and its tokens have mask 0 in every exported sample (session.py)."""
+
+    kind: Literal["undelivered"] = "undelivered"
+    branch: int
+    start: int  # offset of the turn's first completion token in its branch (Turn.start)
+    reason: Literal["client_gone", "stream_cut", "retried"]
+
+
 class TruncatedEvent(_Event):
     kind: Literal["truncated"] = "truncated"
     reason: str  # the budget: max_turns | max_tokens | wall_time_s | max_context
@@ -143,10 +162,10 @@ class ClosedEvent(_Event):
     kind: Literal["closed"] = "closed"
 
 
-SessionEvent = TurnEvent | TruncatedEvent | AuxEvent | ClosedEvent  # what follows the header
+SessionEvent = TurnEvent | UndeliveredEvent | TruncatedEvent | AuxEvent | ClosedEvent  # after the header
 JournalEvent = Annotated[SessionHeader | SessionEvent, Field(discriminator="kind")]
 _EVENTS: TypeAdapter[JournalEvent] = TypeAdapter(JournalEvent)
-_KINDS = "aux, closed, session, truncated, turn"
+_KINDS = "aux, closed, session, truncated, turn, undelivered"
 
 
 def read_event(line: bytes) -> JournalEvent:

@@ -100,6 +100,7 @@ class ChatResult:
     cached_tokens: int  # prompt tokens reused from the session's stored ids
     branch: int
     meta: dict[str, Any] = field(default_factory=dict)
+    start: int = -1  # offset of the completion in its branch (Turn.start); -1: not stored (aux)
 
 
 def digest(*parts: Any) -> str:

@@ -20,6 +20,10 @@ with the engine's logprob. Requests of one session run one at a time
 worker thread, so a huge prompt never stalls the event loop (other sessions),
 except a small request's, which is planned in-line (cheaper than the thread hop).
 Engine refusals (EngineRefused) are the client's 400, other engine failures a 502.
+Delivery: a request that asks for a tip turn again (its messages are exactly that turn's
+prompt: a retry) marks that turn undelivered before it is served; the HTTP layer marks a
+turn whose response did not reach the client (`undelivered`). Neither turn ever trains
+(session.py). Faults: a request that fails leaves its class on the session (`fault`).
 Lifecycle: create_session -> chat* -> export -> close_session; with a store_dir
 the event journal makes all of it survive a restart.
 """
@@ -41,6 +45,7 @@ from miles_env.errors import EngineRefused
 from miles_env.harness import Endpoint
 from miles_env.tito.config import Budget, TitoConfig
 from miles_env.tito.errors import (
+    ProxyError,
     bad_request,
     budget_exceeded,
     context_exceeded,
@@ -56,6 +61,7 @@ from miles_env.tito.journal import (
     TruncatedEvent,
     TurnEvent,
     TurnRecord,
+    UndeliveredEvent,
 )
 from miles_env.tito.messages import ChatRequest, ChatResult, Message, digest
 from miles_env.tito.parsers import build_parsers
@@ -154,6 +160,22 @@ class TitoProxy:
         if self._journal is not None:
             self._journal.write_export(session_id, self.config.branch_policy, trajs)
         return trajs
+
+    def undelivered(self, session_id: str, branch: int, start: int, reason: str) -> bool:
+        """Mark the turn at `start` of `branch` as not received by the agent (`reason`: client_gone |
+        stream_cut | retried); it stays stored and never trains. False when the session is gone
+        (closed: it was exported before; nothing can train from it any more) or it is marked already."""
+        s = self._sessions.get(session_id)
+        if s is None or s.closed or (s.origin(branch, start), start) in s.undelivered:
+            return False
+        self._record(s, UndeliveredEvent.model_validate({"branch": branch, "start": start, "reason": reason}))
+        return True
+
+    def note_fault(self, session_id: str, error: ProxyError) -> None:
+        """The session's last request failed with `error` (before or outside `serve`, e.g. its body)."""
+        s = self._sessions.get(session_id)
+        if s is not None:
+            s.fault = error.fault
 
     def close_session(self, session_id: str) -> None:
         """Forget the session in memory; its journal stays on disk, marked closed."""
@@ -345,21 +367,40 @@ class TitoProxy:
         serialized), nothing is stored and the error propagates."""
         s = self._session(session_id)
         async with s.lock:
-            if s.closed:
-                raise not_found(f"session {session_id!r} is closed")
-            if not req.aux:
-                self._check_budget(s)
-            info = await self._described()
-            limit = self._limit(s, info)
-            if req.aux:
-                return await self._aux(s, req, info, limit, respond)
-            plan = await self._plan(s, req, info, limit)
-            max_new, capped_by = self._max_new(s, req, len(plan.prompt), limit)
-            sampling = self._sampling(req, max_new, info)
-            # Shielded: a client that disconnects must not lose a turn the engine has sampled.
-            with anyio.CancelScope(shield=True):
-                reply = await self._generate(s, req, plan, sampling, limit, capped_by, info, respond)
-            return reply
+            try:
+                reply = await self._serve(s, req, respond)
+            except ProxyError as e:
+                s.fault = e.fault  # None for a budget: the agent's own end
+                raise
+        return reply
+
+    async def _serve(self, s: Session, req: ChatRequest, respond: Callable[[ChatResult], R]) -> R:
+        if s.closed:
+            raise not_found(f"session {s.id!r} is closed")
+        if not req.aux:
+            self._check_budget(s)
+        info = await self._described()
+        limit = self._limit(s, info)
+        if req.aux:
+            return await self._aux(s, req, info, limit, respond)
+        plan = await self._plan(s, req, info, limit)
+        self._mark_retried(s, plan)
+        max_new, capped_by = self._max_new(s, req, len(plan.prompt), limit)
+        sampling = self._sampling(req, max_new, info)
+        # Shielded: a client that disconnects must not lose a turn the engine has sampled.
+        with anyio.CancelScope(shield=True):
+            reply = await self._generate(s, req, plan, sampling, limit, capped_by, info, respond)
+        return reply
+
+    def _mark_retried(self, s: Session, plan: Plan) -> None:
+        """A request on a new branch whose messages are exactly a tip turn's prompt asks for that
+        turn again: the agent dropped its reply (a retry), which is marked undelivered. An extension
+        cannot be one (it carries the reply)."""
+        if not plan.new_branch:
+            return
+        parent = s.branches[plan.parent].keys[: plan.fork_keys] if plan.parent is not None else []
+        for branch, start in s.retried([*parent, *plan.keys], plan.tools_key):
+            self._record(s, UndeliveredEvent(branch=branch, start=start, reason="retried"))
 
     async def _aux(
         self,
@@ -425,6 +466,7 @@ class TitoProxy:
             prompt_tokens=len(plan.prompt),
             cached_tokens=len(plan.prompt) - len(plan.delta),
             branch=plan.branch,
+            start=len(plan.prompt),  # the completion follows the whole prompt on its branch
         )
         reply = respond(result)  # a response that cannot be built (serialized) stores nothing
         self._record(s, event)

@@ -10,23 +10,31 @@ the server keeps the connection alive. A client that hangs up is one log line.
 
 Streams are serialized in full before a turn is stored (`event_stream` takes the
 encoded chunks), so a response that cannot be built stores nothing.
+
+Delivery: a turn's reply (`json_reply`, `event_stream`) is sent chunk by chunk, and its
+first and last chunk only while the client is still there (a disconnect the server has
+seen, checked without waiting); with `undelivered` set, a reply not sent whole calls it with `client_gone`
+(nothing was sent) or `stream_cut` (the client left, or a send failed, part way). What
+counts as delivered is "every byte handed to the server while the connection was open":
+a client that dies after that is indistinguishable from one that read it.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Literal
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Literal
 
+import anyio
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import JSONResponse, Response
+from starlette.types import Message, Receive, Scope, Send
 
 from miles_env.tito import anthropic_messages as am
 from miles_env.tito.errors import ProxyError
 
-__all__ = ["Dialect", "dialect_of", "error_response", "guard", "event_stream", "log"]
+__all__ = ["Dialect", "Reply", "dialect_of", "error_response", "guard", "event_stream", "json_reply", "log"]
 
 log = logging.getLogger("miles_env.tito")
 
@@ -74,23 +82,65 @@ def guard(dialect: Dialect | None, handler: Handler) -> Handler:
     return wrapped
 
 
-class _Events(StreamingResponse):
-    """Pre-encoded SSE chunks; a client that hangs up mid-stream is one log line, not a traceback."""
+async def _gone(receive: Receive) -> bool:
+    """Whether the server has seen the client leave, without waiting (as Starlette's
+    `Request.is_disconnected`): a receive that would block is cancelled at once."""
+    message: Message = {}
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        message = await receive()
+    return message.get("type") == "http.disconnect"
 
-    def __init__(self, chunks: list[bytes], headers: dict[str, str] | None) -> None:
-        async def replay() -> AsyncIterator[bytes]:
-            for chunk in chunks:
-                yield chunk
 
-        super().__init__(replay(), media_type="text/event-stream", headers=headers)
+class Reply(Response):
+    """A reply encoded in full now, sent chunk by chunk while the client is there (module docstring)."""
+
+    def __init__(
+        self, chunks: list[bytes], media_type: str, headers: dict[str, str] | None, length: bool
+    ) -> None:
+        self.status_code, self.media_type, self.background = 200, media_type, None
+        if length:  # a JSON body: one chunk, with its content-length
+            self.body = b"".join(chunks)
+        self.init_headers(headers)
+        self.chunks = chunks
+        self.undelivered: Callable[[str], Any] | None = None  # set by the route: the turn's marker
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        reason = await self._send(receive, send)
+        if reason is not None:
+            log.info("tito: reply not delivered (%s): %s", reason, scope.get("path", ""))
+            if self.undelivered is not None:
+                self.undelivered(reason)
+
+    async def _send(self, receive: Receive, send: Send) -> str | None:
+        """None once every chunk went out; else why not."""
+        started, last = False, len(self.chunks) - 1
         try:
-            await super().__call__(scope, receive, send)
+            for i, chunk in enumerate(self.chunks):
+                # before the first and the last chunk (not each: a check costs a cancelled receive);
+                # a server drops what is sent to a closed connection without a word (uvicorn)
+                if (i == 0 or i == last) and await _gone(receive):
+                    return "stream_cut" if started else "client_gone"
+                if not started:
+                    await send(
+                        {
+                            "type": "http.response.start",
+                            "status": self.status_code,
+                            "headers": self.raw_headers,
+                        }
+                    )
+                    started = True
+                await send({"type": "http.response.body", "body": chunk, "more_body": i < last})
         except (ClientDisconnect, OSError):
-            log.info("tito: client hung up mid-stream: %s", scope.get("path", ""))
+            return "stream_cut" if started else "client_gone"
+        return None
 
 
-def event_stream(events: Iterable[str], headers: dict[str, str] | None = None) -> Response:
-    """An SSE response whose every byte is encoded now (raises here, before any turn is stored)."""
-    return _Events([e.encode("utf-8") for e in events], headers)
+def json_reply(body: Any, headers: dict[str, str] | None = None) -> Reply:
+    """A JSON reply, encoded now as JSONResponse encodes it."""
+    return Reply([bytes(JSONResponse(body).body)], "application/json", headers, length=True)
+
+
+def event_stream(events: Iterable[str], headers: dict[str, str] | None = None) -> Reply:
+    """An SSE reply whose every byte is encoded now (raises here, before any turn is stored)."""
+    return Reply([e.encode("utf-8") for e in events], "text/event-stream", headers, length=False)

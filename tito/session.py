@@ -19,6 +19,17 @@ ownership: a sampled token has mask 1 only in the *earliest exported* branch tha
 holds it (with keep-all: the branch where it was sampled) and mask 0, logprob 0.0
 in every later branch that shares it by prefix.
 
+Delivery: a turn whose response never reached the agent (the client left before or during
+it) or whose request the agent sent again (a retry: it dropped the reply) is marked by an
+`UndeliveredEvent`. Its ids stay where they were sampled (journal, audit, the branch's
+prefix); in every exported sample its tokens have mask 0 and logprob 0.0, and its Turn is
+listed once, in the sample that would have owned it, with `delivered=False`: it never trains.
+
+Faults: `fault` is the class (miles_env.types.EpisodeEnd) of the session's last request when
+the proxy failed or refused it for a reason that is no budget (engine_error, proxy_refusal);
+a later turn answered clears it. It lives in memory only (not journaled): the rollout reads it
+to classify the episode once its harness has ended.
+
 Truncation: `truncated` names the budget that cut the session's latest turn or
 refused a request after it; a later turn answered in full (the client compacted
 or retried shorter) clears it, so it reports the end state, not the history.
@@ -40,8 +51,9 @@ from miles_env.tito.journal import (
     SessionHeader,
     TruncatedEvent,
     TurnEvent,
+    UndeliveredEvent,
 )
-from miles_env.types import Trajectory, Turn
+from miles_env.types import EpisodeEnd, Trajectory, Turn
 
 __all__ = ["Branch", "Session", "SessionInfo"]
 
@@ -83,6 +95,8 @@ class SessionInfo:
     truncated: str | None  # the budget that cut the session's last turn or refused its last request
     closed: bool
     n_aux: int = 0  # auxiliary requests served (title generation, ...): never trained on
+    fault: EpisodeEnd | None = None  # the last request failed, and why (never a budget): see Faults
+    n_undelivered: int = 0  # turns the agent never received or asked for again: never trained on
     # tokens of the session's first request: its first turn's prompt, or what the proxy counted when
     # it refused that request for the context (a lower bound when its size alone proved it too long)
     first_prompt: int | None = None
@@ -103,6 +117,9 @@ class Session:
         self.n_turns = 0
         self.sampled_tokens = 0
         self.n_aux = 0
+        self.fault: EpisodeEnd | None = None
+        # (branch the turn was sampled on, its start) -> why it was not delivered (journal.py)
+        self.undelivered: dict[tuple[int, int], str] = {}
         self.first_prompt: int | None = None  # SessionInfo.first_prompt (a refusal's: memory only)
         self.aliases: dict[str, str] = {}  # client-visible item id -> stored message key
         self.lock = anyio.Lock()  # serialises the requests of one session
@@ -135,6 +152,8 @@ class Session:
             self.truncated,
             self.closed,
             self.n_aux,
+            self.fault,
+            len(self.undelivered),
             first_prompt=self.first_prompt,
         )
 
@@ -145,6 +164,9 @@ class Session:
                 # cut: the flag tells the end state. A turn the proxy cuts is followed by its own marker.
                 self._apply_turn(event)
                 self.truncated = None
+                self.fault = None
+            case UndeliveredEvent(branch=branch, start=start, reason=reason):
+                self._apply_undelivered(branch, start, reason)
             case TruncatedEvent(reason=reason):
                 self.truncated = self.truncated or reason
             case ClosedEvent():
@@ -190,6 +212,23 @@ class Session:
         self.n_turns += 1
         self.sampled_tokens += len(out)
 
+    def _apply_undelivered(self, branch: int, start: int, reason: str) -> None:
+        if branch >= len(self.branches) or not any(t.start == start for t in self.branches[branch].turns):
+            raise ValueError(f"session {self.id}: undelivered turn at {start} of branch {branch} is no turn")
+        self.undelivered.setdefault((self.origin(branch, start), start), reason)
+
+    def retried(self, keys: list[str], tools_key: str) -> list[tuple[int, int]]:
+        """(branch, start) of each delivered tip turn whose prompt was exactly `keys` (the messages
+        before its reply): a request asking for it again, so the agent dropped that reply."""
+        out = []
+        for b in self.branches:
+            if b.tools_key != tools_key or not b.turns or b.keys[:-1] != keys:
+                continue
+            start = b.turns[-1].start
+            if (self.origin(b.index, start), start) not in self.undelivered:
+                out.append((b.index, start))
+        return out
+
     def _new_branch(self, e: TurnEvent) -> Branch:
         b = Branch(index=e.branch, tools_key=e.tools_key)
         if e.parent is None:
@@ -225,26 +264,27 @@ class Session:
         raise ValueError(f"unknown branch policy {policy!r}")
 
     def trajectories(self, policy: str = "all") -> list[Trajectory]:
-        """One Trajectory per exported branch; each sampled token has mask 1 in exactly one of them."""
-        claimed: set[tuple[int, int]] = set()  # (origin branch, position) already owned by an export
+        """One Trajectory per exported branch: each delivered sampled token has mask 1 in exactly
+        one of them (the earliest exported that holds it); an undelivered one in none."""
+        claimed: set[tuple[int, int]] = set()  # (origin branch, start) of turns already listed
         out = []
         for i in self.selected(policy):
             b = self.branches[i]
             mask, lps = list(b.loss_mask), list(b.logprobs)
+            turns = []
             for t in b.turns:
-                if t.start >= b.fork_tokens:
-                    continue  # sampled on this branch: its own
                 key = (self.origin(i, t.start), t.start)
-                if key in claimed:
+                undelivered = key in self.undelivered
+                if key in claimed or undelivered:
                     end = t.start + t.completion_len
                     mask[t.start : end] = [0] * t.completion_len
                     lps[t.start : end] = [0.0] * t.completion_len
-                claimed.add(key)
-            for t in b.turns:
-                if t.start >= b.fork_tokens:
-                    claimed.add((i, t.start))
-            owned = [t for t in b.turns if t.completion_len == 0 or mask[t.start] == 1]
+                if key not in claimed:
+                    claimed.add(key)
+                    turns.append(t.model_copy(update={"delivered": False}) if undelivered else t)
+                elif t.completion_len == 0:
+                    turns.append(t)
             out.append(
-                Trajectory(token_ids=list(b.token_ids), loss_mask=mask, logprobs=lps, turns=owned, branch=i)
+                Trajectory(token_ids=list(b.token_ids), loss_mask=mask, logprobs=lps, turns=turns, branch=i)
             )
         return out

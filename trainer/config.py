@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from miles_env.types import POLICY_ENDS, EpisodeEnd
+
 __all__ = ["TrainerConfig", "LoraConfig", "LossAgg", "AdvantageKind"]
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "dr_grpo"]
@@ -67,6 +69,12 @@ class TrainerConfig(BaseModel):
         True, description="drop samples whose advantage is 0 (groups with one reward): no gradient, all cost"
     )
     lora: LoraConfig | None = Field(None, description="train LoRA adapters only; None = every weight")
+    policy_ends: tuple[EpisodeEnd, ...] = Field(
+        tuple(sorted(POLICY_ENDS)),
+        min_length=1,
+        description="end classes that train with their score; every other one (infrastructure) never "
+        "trains nor counts in a baseline (trainer/groups.py)",
+    )
     moe_aux_loss_coef: float | None = Field(
         None,
         ge=0,

@@ -21,6 +21,13 @@ may overshoot max_pending_groups by n - 1), and are cancelled when the loop ends
 producers finish the group in flight (the queue keeps it), a step waiting for groups trains what
 there is, and what was trained is checkpointed and acked.
 
+Staleness is per episode (queue/contract.py): a lease's stale episodes never train; with
+`stale_in_baseline` their rewards still count in their fresh siblings' baseline (a TrainGroup,
+trainer/groups.py). Off by default: the baseline estimates the current policy's reward on the
+task, and a stale sibling's is an older policy's (a bias that grows with the staleness); it also
+keeps a group's advantages exactly those of its trained members, the rule infrastructure
+failures follow. `stale_episodes` in the step's metrics counts them.
+
 Sync mode never waits for a group nobody is rolling out: when `hooks.produces`, the step's
 groups are all in the queue once `produce` returns, so a take that comes short (a group dropped as
 stale or quarantined, a cluster task given up after its attempts) rolls the missing groups out
@@ -43,6 +50,7 @@ import anyio.to_thread
 
 from miles_env.queue.aio import AsyncReplayQueue
 from miles_env.queue.contract import Lease
+from miles_env.trainer.groups import TrainGroup
 from miles_env.types import Episode
 
 if TYPE_CHECKING:
@@ -87,6 +95,7 @@ class LoopConfig:
     ckpt_dir: Path
     ckpt_every: int = 1
     max_staleness: int | None = None  # None: no staleness filter
+    stale_in_baseline: bool = False  # a stale episode's reward counts in its siblings' baseline
     producers: int = 0  # 0: hooks.produce(groups_per_step) before each step (sync); n: n concurrent producers
     eval_every: int = 0  # 0: never inside the loop
     lease_s: float = 3600.0  # renewed every step; a restart recovers leases, not this timer
@@ -226,7 +235,9 @@ class TrainLoop:
         metrics["rollout_wait_s"] = time.perf_counter() - t1
         if self._reproduced:
             metrics["groups_reproduced"], self._reproduced = float(self._reproduced), 0
-        groups = tuple(lease.episodes for lease in leases)
+        groups = tuple(self._group(lease) for lease in leases)
+        if stale := sum(len(lease.stale) for lease in leases):
+            metrics["stale_episodes"] = float(stale)
         t2 = time.perf_counter()
         metrics.update(await anyio.to_thread.run_sync(self.trainer.train_step, groups))
         metrics["train_s"] = time.perf_counter() - t2
@@ -237,6 +248,13 @@ class TrainLoop:
         n_episodes = sum(len(g) for g in groups)
         metrics["episodes_per_min"] = n_episodes / max(1e-9, (time.perf_counter() - t0) / 60)
         return StepResult(self.trainer.step, groups, metrics)
+
+    def _group(self, lease: Lease) -> tuple[Episode, ...]:
+        """What a lease trains: its fresh episodes, and with stale_in_baseline its stale ones as
+        baseline only (module docstring)."""
+        if self.config.stale_in_baseline and lease.stale:
+            return TrainGroup(lease.episodes, baseline=lease.stale)
+        return lease.episodes
 
     async def _checkpoint(self) -> float:
         """Save the state that trained `held`, then ack `held` (only once that is durable)."""

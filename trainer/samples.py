@@ -1,7 +1,9 @@
 """What one training step consumes and reports, shared by the torch and megatron backends.
 
 Concept: `flatten_groups` turns leased GRPO groups into `Sample`s (one per Trajectory, carrying its
-episode's group-normalised advantage, or per-token advantages under OPD); `pack_microbatches` packs
+episode's group-normalised advantage, or per-token advantages under OPD), over each group's
+policy-ended members only (trainer/groups.py: an infrastructure failure never trains, nor moves
+its siblings' baseline); `pack_microbatches` packs
 them under a token budget; `StepMetrics` sums a step's microbatch metrics (and, data parallel,
 reduces them over ranks). Pure: no model, no optimizer.
 """
@@ -15,6 +17,7 @@ import torch
 
 from miles_env.packing import pack_by_budget
 from miles_env.trainer.config import TrainerConfig
+from miles_env.trainer.groups import baseline_rewards, policy_members
 from miles_env.trainer.losses import group_advantages
 from miles_env.types import Episode, Trajectory
 
@@ -45,17 +48,23 @@ def opd_token_advantages(traj: Trajectory, advantage: float, config: TrainerConf
 
 
 def flatten_groups(groups: Sequence[Sequence[Episode]], config: TrainerConfig) -> list[Sample]:
-    """One Sample per Trajectory; advantages are computed over each group's episode rewards.
-    Samples with no trainable token, or (by default) with a zero advantage, are dropped: they carry
+    """One Sample per Trajectory of each group's policy-ended members (`config.policy_ends`);
+    advantages are computed over those members' rewards (and a TrainGroup's `baseline`
+    members', which count in the baseline only). Samples with no trainable token, or (by default) with a zero advantage, are dropped: they carry
     no gradient. With token-mean aggregation this also leaves them out of the normaliser (as DAPO's
     dynamic sampling does). Under OPD (`opd_kl_weight > 0`) every sample carries per-token
     advantages (`opd_token_advantages`) and none is skipped: the teacher signal is never zero."""
     opd = config.opd_kl_weight > 0
+    policy = frozenset(config.policy_ends)
     out = []
     for group in groups:
-        rewards = torch.tensor([ep.score for ep in group], dtype=torch.float64)
-        adv = group_advantages(rewards, config.advantage, config.adv_eps).tolist()
-        for ep, a in zip(group, adv, strict=True):
+        members = policy_members(group, policy)
+        if not members:
+            continue
+        scores = [ep.score for ep in members] + baseline_rewards(group, policy)
+        rewards = torch.tensor(scores, dtype=torch.float64)
+        adv = group_advantages(rewards, config.advantage, config.adv_eps).tolist()[: len(members)]
+        for ep, a in zip(members, adv, strict=True):
             if config.skip_zero_advantage and a == 0.0 and config.kl_coef == 0.0 and not opd:
                 continue  # with a KL term the sample still has a gradient (toward the reference)
             for traj in ep.samples:

@@ -170,16 +170,18 @@ def _print_report(report: Any) -> None:
         table.add_row(split, tier or "-", str(sum(oks)), str(len(oks)))
     _out.print(table)
     for r in report.failures:
-        _out.print(f"[red]FAIL[/red] {escape(r.task_id)}: {escape(_first_reason(r))}", highlight=False)
+        why = "" if r.end.value == "completed" else " " + escape(f"[{r.end.value}]")  # infrastructure
+        _out.print(f"[red]FAIL[/red]{why} {escape(r.task_id)}: {escape(_first_reason(r))}", highlight=False)
     for r in report.results:  # reward-hacking flags the guards raised on the solution (miles_env/guards)
         if r.flags:
             _out.print(
                 f"[yellow]FLAG[/yellow] {escape(r.task_id)}: {escape(', '.join(r.flags))}", highlight=False
             )
     colour = "green" if not report.failures else "red"
+    ends = ", ".join(f"{k} {n}" for k, n in report.ends().items())
     _out.print(
         f"[{colour}]pass rate {report.pass_rate:.1%}[/{colour}] ({report.n_passed}/{report.n_total}) "
-        f"in {report.duration_s:.1f}s"
+        f"in {report.duration_s:.1f}s; ends: {ends}"
     )
 
 

@@ -17,7 +17,7 @@ import typer
 from miles_env.errors import MilesEnvError
 from miles_env.http import loop_options
 from miles_env.jsonio import dumps, write_json
-from miles_env.types import Episode
+from miles_env.types import Episode, EpisodeEnd
 
 if TYPE_CHECKING:
     from miles_env.config import RunConfig
@@ -26,23 +26,30 @@ __all__ = ["episode_line", "eval_command", "summarize"]
 
 
 def summarize(episodes: list[Episode]) -> dict[str, Any]:
+    from miles_env.evals.base import episode_stats  # the run's own rates (rollout: not at CLI start)
+
     n = len(episodes)
     sampled = sum(s.n_sampled for e in episodes for s in e.samples)
     total = sum(len(s.token_ids) for e in episodes for s in e.samples)
     statuses: dict[str, int] = {}
+    ends: dict[str, int] = {}  # end classes (types.EpisodeEnd): policy ends and infrastructure failures
     flags: dict[str, int] = {}  # reward-hacking flags (miles_env/guards): episodes raising each
     for e in episodes:
         statuses[e.status.value] = statuses.get(e.status.value, 0) + 1
+        ends[e.end.value] = ends.get(e.end.value, 0) + 1
         for f in e.flags:
             flags[f] = flags.get(f, 0) + 1
     firsts = [size for e in episodes if (size := e.metadata.get("first_prompt_tokens")) is not None]
     return {
         "episodes": n,
         "pass_rate": (sum(1 for e in episodes if e.reward is not None and e.reward.passed) / n) if n else 0.0,
+        "pass_rate_policy": episode_stats(episodes)["pass_rate_policy"],  # over policy ends only
         "mean_reward": (sum(e.score for e in episodes) / n) if n else 0.0,
         "sampled_tokens": sampled,
         "total_tokens": total,
         "statuses": statuses,
+        "ends": dict(sorted(ends.items())),
+        "infra_failures": sum(n for k, n in ends.items() if not EpisodeEnd(k).policy),
         "flags": flags,
         # what the harness's first request cost (rollout.py): does it fit a small model?
         "first_prompt_tokens": {"min": min(firsts), "max": max(firsts)} if firsts else None,
@@ -178,6 +185,8 @@ def eval_command(
         f"episodes {summary['episodes']}  pass rate {summary['pass_rate']:.3f}  "
         f"mean reward {summary['mean_reward']:.3f}  sampled tokens {summary['sampled_tokens']}  "
         f"total tokens {summary['total_tokens']}  statuses {summary['statuses']}  flags {summary['flags']}\n"
+        f"ends {summary['ends']}  infrastructure failures (not the policy's) {summary['infra_failures']}  "
+        f"pass rate over policy ends {summary['pass_rate_policy']:.3f}\n"
         f"first prompt {_span(summary['first_prompt_tokens'])} tokens\n"
         f"written to {out}/episodes.jsonl"
     )

@@ -37,7 +37,8 @@ def audit_command(
     r = audit(store)
     typer.echo(
         f"store {r.store_dir}: {r.sessions} sessions, {r.branches} branches, {r.turns} turns, "
-        f"{r.sampled_tokens} sampled tokens, {r.snapshots} export snapshots"
+        f"{r.sampled_tokens} sampled tokens, {r.snapshots} export snapshots, "
+        f"{r.undelivered} turns not delivered (never trained)"
     )
     if r.ok:
         typer.echo("no drift")

@@ -33,7 +33,7 @@ import anyio
 from miles_env.guards.config import FLAGS
 from miles_env.jsonio import dumps
 from miles_env.rollout import RolloutContext, run_many
-from miles_env.types import Episode, Task
+from miles_env.types import Episode, EpisodeEnd, Task
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -46,7 +46,8 @@ if TYPE_CHECKING:
     from miles_env.trainer.loop import TrainerBackend
 
 __all__ = [
-    "EvalSetup", "Evaluator", "episode_stats", "filter_tiers", "flag_rates", "run_eval_episodes", "zeroed_by",
+    "EvalSetup", "Evaluator", "end_rates", "episode_stats", "filter_tiers", "flag_rates", "run_eval_episodes",
+    "zeroed_by",
 ]  # fmt: skip
 
 Metrics = dict[str, Any]
@@ -88,18 +89,31 @@ def flag_rates(episodes: list[Episode], prefix: str = "") -> dict[str, float]:
     return out
 
 
-def episode_stats(episodes: list[Episode], prefix: str = "") -> dict[str, float]:
-    """The metrics of a batch of episodes: a train step's (job/run.py) or an eval row's."""
+def end_rates(episodes: list[Episode], prefix: str = "") -> dict[str, float]:
+    """`ends/<class>`: the fraction of episodes that ended in each class (types.EpisodeEnd; 0 when
+    none did, so every class has a curve)."""
     n = len(episodes) or 1
+    return {f"{prefix}ends/{end.value}": sum(1 for e in episodes if e.end is end) / n for end in EpisodeEnd}
+
+
+def episode_stats(episodes: list[Episode], prefix: str = "") -> dict[str, float]:
+    """The metrics of a batch of episodes: a train step's (job/run.py) or an eval row's. `pass_rate`
+    counts every episode; `pass_rate_policy` only those that ended by the policy (an
+    infrastructure failure says nothing of it): the two differ by what failed around the policy."""
+    n = len(episodes) or 1
+    passed = [e for e in episodes if e.reward is not None and e.reward.passed]
+    policy = [e for e in episodes if e.end.policy]
     return {
         f"{prefix}reward_mean": sum(e.score for e in episodes) / n,
-        f"{prefix}pass_rate": sum(1 for e in episodes if e.reward is not None and e.reward.passed) / n,
+        f"{prefix}pass_rate": len(passed) / n,
+        f"{prefix}pass_rate_policy": sum(1 for e in passed if e.end.policy) / (len(policy) or 1),
         f"{prefix}episodes": float(len(episodes)),
         f"{prefix}failed": float(sum(1 for e in episodes if e.status.value in ("failed", "aborted"))),
         f"{prefix}sampled_tokens": float(sum(s.n_sampled for e in episodes for s in e.samples)),
         f"{prefix}cost_usd": sum(e.usage.price_usd for e in episodes if e.usage is not None),  # cost.py
         f"{prefix}sandbox_s": sum(e.usage.sandbox_s for e in episodes if e.usage is not None),
         **flag_rates(episodes, prefix),
+        **end_rates(episodes, prefix),
     }
 
 

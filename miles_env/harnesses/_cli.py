@@ -39,7 +39,7 @@ import anyio
 from miles_env.errors import ConfigError, HarnessError, SandboxError
 from miles_env.harness import HarnessResult
 from miles_env.sandbox import Sandbox
-from miles_env.types import Status
+from miles_env.types import EpisodeEnd, Status
 
 __all__ = [
     "POLICY_FORMAT",
@@ -61,10 +61,9 @@ __all__ = [
 ]
 
 INNER_ROOT = "/.miles-cli"  # where install dirs appear inside the sandbox
-# The end class of a harness exit caused by the model's output (types.EpisodeEnd.POLICY_FORMAT once
-# issue 28's failure taxonomy is on main): a policy end, scored like any other, never an
-# infrastructure failure.
-POLICY_FORMAT = "policy_format"
+# The end class of a harness exit caused by the model's output: a policy end, scored like any other,
+# never an infrastructure failure.
+POLICY_FORMAT = EpisodeEnd.POLICY_FORMAT
 HOME = "/tmp/.agent-home"  # private per sandbox (its /tmp), writable, gone with the sandbox
 
 
@@ -250,7 +249,7 @@ async def run_cli(
 _OUT_OF_MEMORY = re.compile(r"MemoryExhaustion|Out of memory|bad_alloc|Cannot allocate memory|MemoryError")
 
 
-def policy_end(exit_reason: str | None, format_exits: frozenset[str]) -> str | None:
+def policy_end(exit_reason: str | None, format_exits: frozenset[str]) -> EpisodeEnd | None:
     """The end class of a harness run that stopped for `exit_reason` (the agent's own name for why,
     e.g. mini-swe-agent's exit status, Claude Code's terminal_reason): POLICY_FORMAT when it is one
     of the harness's `format_exits` (the agent gave up on replies it could not parse), else None
@@ -269,13 +268,13 @@ def cli_result(
     output: object,
     timing: tuple[float, float],
     stdout_tail: bool = False,
-    end: str | None = None,
+    end: EpisodeEnd | None = None,
 ) -> HarnessResult:
     """What every CLI harness returns: the task and the CLI's final text, plus the run's record.
 
     `timing` is (start, prepared) wall-clock times; `stdout_tail` keeps the end of stdout when the
-    CLI's own output could not be read; `end` is `policy_end`'s class (metadata "end"; it becomes
-    HarnessResult.end with the failure taxonomy).
+    CLI's own output could not be read; `end` is `policy_end`'s class (HarnessResult.end, and
+    metadata "end" for a reader of the episode's harness record).
     """
     t0, prepared = timing
     metadata: dict[str, Any] = {
@@ -296,7 +295,7 @@ def cli_result(
     transcript = [{"role": "user", "content": instruction}]
     if isinstance(final, str):
         transcript.append({"role": "assistant", "content": final})
-    return HarnessResult(status, transcript, error, metadata)
+    return HarnessResult(status, transcript, error, metadata, end=end)
 
 
 def cli_status(run: CliRun, pkg: CliPackage | None = None) -> tuple[Status, str | None]:

@@ -15,7 +15,7 @@ from typing import Any
 from miles_env.harness import Endpoint, HarnessResult
 from miles_env.harnesses.configs import BuiltinConfig
 from miles_env.sandbox import Sandbox
-from miles_env.types import ExecResult, Status, Task
+from miles_env.types import EpisodeEnd, ExecResult, Status, Task
 
 __all__ = ["BuiltinConfig", "BuiltinHarness", "parse_command", "format_observation"]
 
@@ -88,7 +88,10 @@ class BuiltinHarness:
 
         cfg = self.config
         client = openai.AsyncOpenAI(
-            base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0, timeout=cfg.request_timeout_s
+            base_url=endpoint.base_url,
+            api_key=endpoint.api_key,
+            max_retries=cfg.retries,
+            timeout=cfg.request_timeout_s,
         )
         messages = self._initial_messages(task)
         execs: list[dict[str, Any]] = []  # what ran, as the sandbox reported it (the viewer shows it)
@@ -108,9 +111,10 @@ class BuiltinHarness:
                     )
                 except openai.BadRequestError as e:  # a session budget (context, tokens, turns) was hit
                     return HarnessResult(Status.TRUNCATED, messages, f"budget: {e.message}", meta())
-                except (
-                    openai.APIError
-                ) as e:  # engine died or stalled: the episode is aborted, the run goes on
+                except openai.APIConnectionError as e:  # no answer in time (a stalled engine, a timeout)
+                    error = f"model call failed: {e}"
+                    return HarnessResult(Status.ABORTED, messages, error, meta(), EpisodeEnd.ENGINE_ERROR)
+                except openai.APIError as e:  # the proxy failed it (its fault record says why): aborted
                     return HarnessResult(Status.ABORTED, messages, f"model call failed: {e}", meta())
                 content = resp.choices[0].message.content or ""
                 messages.append({"role": "assistant", "content": content})

@@ -62,6 +62,7 @@ class BuiltinConfig(_Options):
     system_prompt: str = SYSTEM_PROMPT
     few_shot: bool = True
     request_timeout_s: float = Field(300.0, gt=0)
+    retries: int = Field(0, ge=0, description="the openai client's max_retries (a retried turn never trains)")
 
 
 class ClaudeCodeConfig(_Options):

@@ -28,7 +28,7 @@ from miles_env.harness import Harness
 from miles_env.opd import trainer_options
 from miles_env.provenance import env_distribution
 from miles_env.trainer.loop import LoopConfig, TrainerBackend
-from miles_env.types import Task
+from miles_env.types import POLICY_ENDS, EpisodeEnd, Task
 
 if TYPE_CHECKING:
     from miles_env.engines import EngineConfig
@@ -42,6 +42,7 @@ __all__ = [
     "job_engine",
     "loop_config",
     "plan_job",
+    "policy_ends",
     "rollout_dispatch",
     "write_resolved",
 ]
@@ -50,6 +51,13 @@ __all__ = [
 Dispatch = Callable[[Sequence[Task]], Awaitable[None]]
 
 LEASE_S = 24 * 3600.0  # acked after the checkpoint; a restart recovers leases, not the lease timer
+
+
+def policy_ends(cfg: RunConfig) -> tuple[EpisodeEnd, ...]:
+    """The end classes that train (`trainer.policy_ends`, a TrainerConfig field: the backend checks
+    it at build; default types.POLICY_ENDS): the job re-rolls the rest."""
+    given = cfg.trainer.backend_options.get("policy_ends")
+    return tuple(EpisodeEnd(e) for e in (sorted(POLICY_ENDS) if given is None else given))
 
 
 def build_job_trainer(cfg: RunConfig, model_path: Path) -> TrainerBackend:
@@ -96,6 +104,7 @@ def loop_config(cfg: RunConfig) -> LoopConfig:
         ckpt_dir=cfg.run_dir / "checkpoints",
         ckpt_every=cfg.trainer.checkpoint_every,
         max_staleness=cfg.rollout.max_staleness,
+        stale_in_baseline=cfg.rollout.stale_in_baseline,
         producers=workers * max(1, cfg.rollout.concurrency // cfg.rollout.group_size) if fully_async else 0,
         eval_every=cfg.eval.every if cfg.eval.enabled else 0,
         lease_s=LEASE_S,

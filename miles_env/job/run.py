@@ -37,6 +37,7 @@ from miles_env.engines.base import (
 from miles_env.errors import ConfigError
 from miles_env.evals import build_evaluator
 from miles_env.evals.base import EvalSetup, episode_stats
+from miles_env.faults import FaultyEngine, FaultyProvider
 from miles_env.job.plan import (
     Dispatch,
     JobPlan,
@@ -44,14 +45,16 @@ from miles_env.job.plan import (
     job_engine,
     loop_config,
     plan_job,
+    policy_ends,
     rollout_dispatch,
     write_resolved,
 )
+from miles_env.job.signal import SignalLedger
 from miles_env.job.sync import build_syncer, sync_weights
 from miles_env.jsonio import write_json
 from miles_env.opd import Teacher, build_teacher, opd_metrics
 from miles_env.queue.aio import AsyncReplayQueue
-from miles_env.rollout import RolloutContext, run_group
+from miles_env.rollout import RolloutContext, run_valid_group
 from miles_env.runlog import RunLog
 from miles_env.trainer.loop import StepHooks, StepResult, TrainerBackend, TrainLoop
 from miles_env.types import Episode, Task
@@ -95,6 +98,9 @@ class _Job(StepHooks):
         self.bar: TaskID | None = None
         self.cache_seen = PrefixCacheStats()  # the engine's prefix-cache counters at the last report
         self.completed_on_resume = 0  # open groups completed by a restart; in the next step's metrics
+        # what the rollouts gave the trainer: end classes, re-rolls, drops, wasted seconds (signal.py)
+        self.policy_ends = policy_ends(cfg)
+        self.signal = SignalLedger(self.policy_ends, cfg.run_dir / "failed_episodes.jsonl")
         self.cost = RunCost(cfg.cost)  # spend so far (cost.py); its budget stops new rollouts
         setup = EvalSetup(
             cfg, plan.env, self.eval_ctx, plan.engine_cfg, trainer, plan.model_path, log, self.say, self.cost
@@ -114,16 +120,30 @@ class _Job(StepHooks):
         async def one(task: Task) -> None:
             scored = None
             while scored is None and not self.cost.exhausted:  # None: the teacher dropped the group
-                async with self.limiter:  # (miles_env/opd.py): the task is rolled out again
-                    group = await run_group(self.ctx, task, self.cfg.rollout.group_size)
-                self.cost.add(group)
-                scored = await self._teacher_scored(group)
+                group = await self._valid_group(task, self.cfg.rollout.group_size)  # (miles_env/opd.py):
+                if not group:  # too few policy ends once the re-rolls ran out: dropped, counted
+                    return  # (sync: the loop rolls another group out for the step)
+                scored = await self._teacher_scored(group)  # the task is rolled out again
             for ep in scored or ():
                 await self._put(ep)  # back-pressure: waits while too many complete groups are pending
 
         async with anyio.create_task_group() as tg:
             for task in chosen:
                 tg.start_soon(one, task)
+
+    async def _valid_group(self, task: Task, size: int, group_id: str | None = None) -> list[Episode]:
+        """`size` episodes of `task` whose infrastructure failures were rolled out again
+        (rollout.run_valid_group), recorded by the signal ledger; [] when the group was dropped."""
+        r = self.cfg.rollout
+        async with self.limiter:
+            run = await run_valid_group(
+                self.ctx, task, size, policy_ends=self.policy_ends,
+                min_valid=None if r.min_valid is None else min(r.min_valid, size),
+                attempts=r.reroll_attempts, group_id=group_id,
+            )  # fmt: skip
+        self.cost.add(run.rolled_out)
+        self.signal.record(run, self.trainer.step)
+        return run.episodes
 
     async def _teacher_scored(self, group: list[Episode]) -> list[Episode] | None:
         if self.teacher is None:
@@ -167,11 +187,11 @@ class _Job(StepHooks):
 
         async def one(task: Task, group_id: str, missing: int) -> None:
             nonlocal done
-            async with self.limiter:
-                if self.cost.exhausted:  # a spent budget completes nothing: the group stays open
-                    return
-                group = await run_group(self.ctx, task, missing, group_id=group_id)
-            self.cost.add(group)
+            if self.cost.exhausted:  # a spent budget completes nothing: the group stays open
+                return
+            group = await self._valid_group(task, missing, group_id)
+            if not group:  # its missing episodes kept failing: the group stays open
+                return
             scored = await self._teacher_scored(group)
             for ep in scored or ():  # None: the teacher failed and the group stays open
                 await anyio.to_thread.run_sync(partial(self.queue.sync.put, ep, block=False))
@@ -189,7 +209,7 @@ class _Job(StepHooks):
 
     async def report(self, result: StepResult) -> None:
         episodes = [ep for g in result.groups for ep in g]
-        metrics = {**result.metrics, **episode_stats(episodes)}
+        metrics = {**result.metrics, **episode_stats(episodes), **self.signal.step_metrics(result.groups)}
         metrics.update(self.cost.step_metrics(result.step, episodes))  # cost_usd, cost_per_step_usd, ...
         if self.teacher is not None:  # opd/reverse_kl, opd/teacher_s, opd/teacher_share
             parts = ("rollout_s", "rollout_wait_s", "train_s", "checkpoint_s", "sync_s")
@@ -219,6 +239,8 @@ class _Job(StepHooks):
             f"pass {metrics['pass_rate']:.3f}  loss {metrics.get('loss', float('nan')):.4f}  "
             f"logp diff {metrics.get('logprob_diff_mean', float('nan')):.2e}  "
             f"train {metrics['train_s']:.0f}s  rollout {metrics.get('rollout_s', 0.0):.0f}s  "
+            f"infra failed {metrics.get('wasted_rollout_share', 0.0):.0%} of rollout time "
+            f"({metrics.get('episodes_rerolled', 0.0):.0f} re-rolled)  "
             f"cost ${metrics['cost_usd']:.4f} (total ${metrics['cost_usd_total']:.4f})"
         )
 
@@ -289,13 +311,17 @@ async def run_training(cfg: RunConfig, console: Console) -> dict[str, Any]:
     )
     engine = await job_engine(cfg, plan)
     teacher = None if cfg.opd is None else await build_teacher(cfg.opd)
+    faults = cfg.faults
+    served = FaultyEngine(engine, faults) if faults is not None and faults.engine else engine  # the proxy's
     try:
         async with (
-            open_stack(plan.stack_cfg, engine=engine) as stack,
+            open_stack(plan.stack_cfg, engine=served) as stack,
             rollout_dispatch(cfg, engine) as dispatch,
         ):
             timeout_s, limits = cfg.rollout.episode_timeout_s, cfg.rollout.limits
             ctx = replace(stack.rollout_context(plan.env, plan.harness, timeout_s, limits), guards=cfg.guards)
+            if faults is not None and faults.sandbox_create > 0:  # train rollouts only: eval stays clean
+                ctx = replace(ctx, provider=FaultyProvider(ctx.provider, faults.sandbox_create, faults.seed))
             eval_ctx = replace(
                 stack.rollout_context(plan.env, plan.eval_harness, timeout_s, limits), guards=cfg.guards
             )
@@ -347,9 +373,17 @@ async def _run(job: _Job, loop: TrainLoop) -> dict[str, Any]:
     if cfg.eval.enabled and loop.stopped is None:  # a spent budget starts no eval rollouts either
         await job.evaluate(trainer.step)
     await job.evaluator.drain()  # evals still running in the background (dedicated, external)
+    job.console.print(job.signal.summary_line())  # what ended how: infrastructure failures never trained
     job.console.print(job.cost.report_line(trainer.step))  # the last line: every eval's cost in it
     results = job.evaluator.results
     before_row = None if before is None else results.get(before)
     after = results.get(trainer.step) if cfg.eval.enabled else None
     cost = job.cost.summary(trainer.step)
-    return {"steps": trainer.step, "eval_before": before_row, "eval_after": after, "cost": cost}
+    signal = job.signal.summary()
+    return {
+        "steps": trainer.step,
+        "eval_before": before_row,
+        "eval_after": after,
+        "cost": cost,
+        "signal": signal,
+    }

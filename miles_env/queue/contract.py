@@ -14,9 +14,16 @@ is durable (a checkpoint). `release` or lease expiry returns a group to pending.
 group: open -> pending -> leased -> acked, with leased -> pending (release, expiry, recover),
 pending -> stale (staleness filter) and pending -> quarantined (checksum mismatch at take).
 
+Staleness is judged per episode: an episode is stale when its version (its oldest sampled turn's,
+`group_version`) is older than `current_version - max_staleness`. `take` returns a group's fresh
+episodes as the lease's `episodes` and its stale ones apart (`stale`: never trained; the trainer
+may count their rewards in the baseline); a group whose every sampled episode is stale (its newest
+sampled version, `newest_version`, is too old) is dropped whole (counted). An episode with no
+sampled turn is never stale, and a group of such episodes only is never dropped.
+
 Invariants every backend keeps (INVARIANTS.md, "Queue and trainer"): an episode id is stored
 once; a group is returned only when complete, never while leased or after it is acked; stale
-groups are dropped and counted; an episode whose stored bytes fail their sha256 is quarantined
+episodes never train and wholly stale groups are dropped and counted; an episode whose stored bytes fail their sha256 is quarantined
 with its group, never returned; `recover(trained ids)` acks what a checkpoint trained and
 releases every other lease.
 """
@@ -44,6 +51,8 @@ __all__ = [
     "QueueStats",
     "ReplayQueue",
     "group_version",
+    "newest_version",
+    "split_stale",
     "wait_for_capacity",
 ]
 
@@ -76,11 +85,13 @@ class GroupState(StrEnum):
 class Lease:
     lease_id: str
     group_id: str
-    episodes: tuple[Episode, ...]
+    episodes: tuple[Episode, ...]  # the ones fresh enough to train
     expires_at: float
+    stale: tuple[Episode, ...] = ()  # past max_staleness at take: never trained (module docstring)
 
     @property
     def episode_ids(self) -> list[str]:
+        """The ids this lease trains (its fresh episodes): what a checkpoint records."""
         return [e.id for e in self.episodes]
 
 
@@ -112,8 +123,29 @@ class QueueStats(BaseModel):
 
 
 def group_version(episode: Episode) -> int:
-    """The weight version `episode` gives its group: its oldest sampled turn's, else UNSAMPLED_VERSION."""
+    """The weight version `episode` gives its group: its oldest sampled turn's, else UNSAMPLED_VERSION.
+    The episode is stale when this is older than `current_version - max_staleness`."""
     return episode.min_weight_version if episode.sampled else UNSAMPLED_VERSION
+
+
+def newest_version(current: int | None, episode: Episode) -> int:
+    """A group's newest sampled episode version once `episode` joins it (`current`: before; None for
+    a new group): what decides whether the whole group is stale. UNSAMPLED_VERSION while no
+    episode of it was sampled (such a group is never stale)."""
+    if not episode.sampled:
+        return UNSAMPLED_VERSION if current is None else current
+    v = episode.min_weight_version
+    return v if current is None or current == UNSAMPLED_VERSION else max(current, v)
+
+
+def split_stale(
+    episodes: Sequence[Episode], oldest_ok: int | None
+) -> tuple[tuple[Episode, ...], tuple[Episode, ...]]:
+    """(fresh, stale) of a group's episodes; every one fresh without a filter (`oldest_ok` None)."""
+    if oldest_ok is None:
+        return tuple(episodes), ()
+    fresh = tuple(e for e in episodes if group_version(e) >= oldest_ok)
+    return fresh, tuple(e for e in episodes if group_version(e) < oldest_ok)
 
 
 class ReplayQueue(Protocol):

@@ -18,8 +18,8 @@ both; bench/bench_queue.py --backends measures what `always` costs.
 Why hashes, sorted sets and scripts rather than Streams: a stream's consumer group tracks
 deliveries, but a lease here is the state of a GRPO group with its own duration, renewed across
 steps; release must return a group ahead of newer ones; the staleness filter drops pending
-groups by their oldest weight version; and each change must move the counters that `stats`
-and back-pressure read. A script over hashes and sorted sets does each in one atomic step.
+groups whose newest sampled version is too old (a lease holds a group's stale episodes apart);
+and each change must move the counters that `stats` and back-pressure read. A script over hashes and sorted sets does each in one atomic step.
 
 Integrity: `put` stores the sha256 of each episode's bytes (codec.py); `take` leases
 groups in one script, checks them here, and moves a group with a bad episode to quarantined in a
@@ -50,12 +50,14 @@ from miles_env.queue import redis_scripts as lua
 from miles_env.queue.aio import AsyncReplayQueue
 from miles_env.queue.codec import decode_episode, encode_episode, payload_checksum
 from miles_env.queue.contract import (
+    UNSAMPLED_VERSION,
     GroupState,
     Lease,
     OpenGroup,
     QueueError,
     QueueStats,
     group_version,
+    split_stale,
     wait_for_capacity,
 )
 from miles_env.types import Episode
@@ -203,6 +205,8 @@ class RedisReplayQueue:
             meta,
             blob,
             payload_checksum(meta, blob),
+            episode.min_weight_version if episode.sampled else "",
+            UNSAMPLED_VERSION,
         )
         if done < 0:
             raise QueueError(
@@ -229,15 +233,17 @@ class RedisReplayQueue:
         max_staleness: int | None = None,
         lease_s: float = 600.0,
     ) -> list[Lease]:
-        """Lease up to `n_groups` pending groups, oldest completed first (may return fewer). A group
-        holding an episode whose bytes fail their checksum is quarantined instead of returned."""
-        oldest_ok = "" if max_staleness is None else current_version - max_staleness
+        """Lease up to `n_groups` pending groups, oldest completed first (may return fewer), each with
+        its stale episodes apart (contract.py). A group holding an episode whose bytes fail their
+        checksum is quarantined instead of returned."""
+        oldest_ok = None if max_staleness is None else current_version - max_staleness
         leases: list[Lease] = []
         while True:  # once even for n_groups=0: expiry and the staleness filter still apply
             want = min(n_groups - len(leases), _TAKE_BATCH)
-            got = self._script("TAKE", want, oldest_ok, repr(float(lease_s)), *self._lease_ids(want))
+            arg = "" if oldest_ok is None else oldest_ok
+            got = self._script("TAKE", want, arg, repr(float(lease_s)), *self._lease_ids(want))
             for gid, lid, exp, stored in got:
-                lease = self._lease(gid.decode(), lid.decode(), float(exp), stored)
+                lease = self._lease(gid.decode(), lid.decode(), float(exp), stored, oldest_ok)
                 if lease is not None:
                     leases.append(lease)
             if len(got) < want or len(leases) >= n_groups:  # a quarantined group leaves room: go on
@@ -247,8 +253,11 @@ class RedisReplayQueue:
     def _lease_ids(n: int) -> list[str]:
         return [uuid.uuid4().hex for _ in range(n)]
 
-    def _lease(self, group_id: str, lease_id: str, expires_at: float, stored: list[_Stored]) -> Lease | None:
-        """The lease, once every episode passed its checksum; else None, the group quarantined."""
+    def _lease(
+        self, group_id: str, lease_id: str, expires_at: float, stored: list[_Stored], oldest_ok: int | None
+    ) -> Lease | None:
+        """The lease (stale episodes apart), once every episode passed its checksum; else None, the
+        group quarantined."""
         episodes: list[Episode] = []
         bad: list[tuple[str, str]] = []
         for eid, meta, blob, want in stored:  # checked as raw bytes: corrupted meta cannot fail first
@@ -261,7 +270,8 @@ class RedisReplayQueue:
             elif not bad:
                 episodes.append(decode_episode(meta.decode(), blob))
         if not bad:
-            return Lease(lease_id, group_id, tuple(episodes), expires_at)
+            fresh, stale = split_stale(episodes, oldest_ok)
+            return Lease(lease_id, group_id, fresh, expires_at, stale)
         now = time.time()
         records = [(bad_id, dumps({"group_id": group_id, "reason": why, "at": now})) for bad_id, why in bad]
         if self._script("QUARANTINE", group_id, lease_id, *[x for pair in records for x in pair]):

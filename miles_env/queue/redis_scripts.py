@@ -9,13 +9,15 @@ first write.
 Keys, all under one prefix P (its braces are a Redis Cluster hash tag, so every key of a queue
 lives in one slot):
   P:meta          hash   group_size, stale_dropped
-  P:g:GID         hash   n, minv (oldest weight version), state, done (completion time),
+  P:g:GID         hash   n, minv (oldest weight version), maxv (newest sampled version: the
+                         group is stale once even it is too old; a group stored before it has
+                         none and is judged by minv), state, done (completion time),
                          lease, exp (lease expiry; both only while leased)
   P:ge:GID        list   the group's episode ids, in arrival order
   P:e:EID         hash   g (group id), seq, meta, arrays, sum (sha256); the three payload
                          fields are deleted once the group is acked or stale (never read again)
   P:pending       zset   pending groups by completion time (ties by group id, as sqlite.py)
-  P:pendv         zset   the same groups by their oldest weight version (the staleness filter)
+  P:pendv         zset   the same groups by their newest sampled version (the staleness filter)
   P:leased        zset   leased groups by lease expiry
   P:count         hash   "g:STATE" groups and "e:STATE" episodes per state
   P:quarantine    hash   episode id -> JSON {group_id, reason, at}
@@ -44,7 +46,7 @@ end
 -- Move a group between states, keeping the counters, the zsets and the payloads in step.
 local function set_state(gid, from, to)
   local g = gkey(gid)
-  local f = redis.call('HMGET', g, 'n', 'done', 'minv')
+  local f = redis.call('HMGET', g, 'n', 'done', 'minv', 'maxv')
   local n = tonumber(f[1])
   count(from, -1, -n)
   count(to, 1, n)
@@ -58,7 +60,7 @@ local function set_state(gid, from, to)
   end
   if to == 'pending' then
     redis.call('ZADD', P .. ':pending', f[2], gid)
-    redis.call('ZADD', P .. ':pendv', f[3], gid)
+    redis.call('ZADD', P .. ':pendv', f[4] or f[3], gid)
   elseif to == 'acked' or to == 'stale' then
     for _, eid in ipairs(redis.call('LRANGE', P .. ':ge:' .. gid, 0, -1)) do
       redis.call('HDEL', P .. ':e:' .. eid, 'meta', 'arrays', 'sum')
@@ -80,7 +82,9 @@ return tonumber(ARGV[2])
 """
 )
 
-# ARGV: P, eid, gid, min version, group_size, meta, arrays, sum.
+# ARGV: P, eid, gid, min version, group_size, meta, arrays, sum, the episode's sampled version
+# ('' when it sampled nothing), UNSAMPLED_VERSION. maxv follows queue/contract.py newest_version
+# (a group stored before maxv existed starts from its minv).
 # Returns 1 (stored), 0 (id already stored), -1 (the group is already complete).
 PUT = (
     _PRELUDE
@@ -89,19 +93,27 @@ local eid, gid = ARGV[2], ARGV[3]
 local ekey = P .. ':e:' .. eid
 if redis.call('EXISTS', ekey) == 1 then return 0 end
 local g = gkey(gid)
-local f = redis.call('HMGET', g, 'n', 'minv', 'state')
-local n, minv = 0, tonumber(ARGV[4])
+local f = redis.call('HMGET', g, 'n', 'minv', 'state', 'maxv')
+local n, minv, unsampled = 0, tonumber(ARGV[4]), tonumber(ARGV[10])
+local maxv = nil
 if f[3] then
   if f[3] ~= 'open' then return -1 end
   n, minv = tonumber(f[1]), math.min(minv, tonumber(f[2]))
+  maxv = tonumber(f[4] or f[2])
 else
   count('open', 1, 0)
+end
+if ARGV[9] ~= '' then
+  local v = tonumber(ARGV[9])
+  if maxv == nil or maxv == unsampled then maxv = v else maxv = math.max(maxv, v) end
+elseif maxv == nil then
+  maxv = unsampled
 end
 n = n + 1
 redis.call('HSET', ekey, 'g', gid, 'seq', n, 'meta', ARGV[6], 'arrays', ARGV[7], 'sum', ARGV[8])
 redis.call('RPUSH', P .. ':ge:' .. gid, eid)
 count('open', 0, 1)
-redis.call('HSET', g, 'n', n, 'minv', minv, 'state', 'open')
+redis.call('HSET', g, 'n', n, 'minv', minv, 'maxv', maxv, 'state', 'open')
 if n == tonumber(ARGV[5]) then
   redis.call('HSET', g, 'done', fmt(now()))
   set_state(gid, 'open', 'pending')

@@ -5,8 +5,9 @@ Concept: one file in the run directory holds the groups, their episodes and the 
 checkpoint (contract.py has the group lifecycle).
 
 Invariants: an episode id is stored once (a retried `put` is a no-op); a group is never returned
-while leased or after it is acked; a group whose oldest weight version is older than
-`current_version - max_staleness` is dropped as stale (counted, never returned). Every state
+while leased or after it is acked; an episode whose weight version is older than
+`current_version - max_staleness` is stale: never trained (its lease holds it apart), and a group
+whose every sampled episode is stale is dropped (counted, never returned). Every state
 change is one SQLite transaction, so a crash of either side loses nothing that was committed.
 
 Integrity: `put` stores a sha256 of each episode's bytes (codec.py); `take` re-checks it. An
@@ -45,6 +46,8 @@ from miles_env.queue.contract import (
     QueueError,
     QueueStats,
     group_version,
+    newest_version,
+    split_stale,
     wait_for_capacity,
 )
 from miles_env.queue.sqlite_db import SqliteFile
@@ -99,9 +102,10 @@ class SqliteReplayQueue:
             if conn.execute("SELECT 1 FROM episodes WHERE id=?", (episode.id,)).fetchone():
                 return False
             row = conn.execute(
-                "SELECT n, min_version, state FROM groups WHERE group_id=?", (episode.group_id,)
+                "SELECT n, min_version, state, max_version FROM groups WHERE group_id=?", (episode.group_id,)
             ).fetchone()
             n, min_v = (0, group_version(episode)) if row is None else (row[0], row[1])
+            max_v = newest_version(None if row is None else row[3], episode)
             if row is not None and row[2] != GroupState.OPEN:
                 raise QueueError(
                     f"episode {episode.id!r}: group {episode.group_id!r} already has group_size="
@@ -116,10 +120,11 @@ class SqliteReplayQueue:
                 (episode.id, episode.group_id, n, meta, blob, payload_checksum(meta, blob)),
             )
             conn.execute(
-                "INSERT INTO groups (group_id, n, min_version, state, completed_at) VALUES (?, ?, ?, ?, ?) "
-                "ON CONFLICT(group_id) DO UPDATE SET n=excluded.n, min_version=excluded.min_version, "
+                "INSERT INTO groups (group_id, n, min_version, max_version, state, completed_at) "
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(group_id) DO UPDATE SET n=excluded.n, "
+                "min_version=excluded.min_version, max_version=excluded.max_version, "
                 "state=excluded.state, completed_at=excluded.completed_at",
-                (episode.group_id, n, min_v, state, done_at),
+                (episode.group_id, n, min_v, max_v, state, done_at),
             )
         return True
 
@@ -146,16 +151,18 @@ class SqliteReplayQueue:
         max_staleness: int | None = None,
         lease_s: float = 600.0,
     ) -> list[Lease]:
-        """Lease up to `n_groups` pending groups, oldest completed first (may return fewer). A group
-        holding an episode whose bytes fail their checksum is quarantined instead of returned."""
+        """Lease up to `n_groups` pending groups, oldest completed first (may return fewer), each with
+        its stale episodes apart (contract.py). A group holding an episode whose bytes fail their
+        checksum is quarantined instead of returned."""
         conn = self._conn()
         now = time.time()
         leases: list[Lease] = []
         quarantined: list[tuple[str, str, str]] = []
+        oldest_ok = None if max_staleness is None else current_version - max_staleness
         with self._write():
             self._expire(conn, now)
-            if max_staleness is not None:
-                self._drop_stale(conn, current_version - max_staleness)
+            if oldest_ok is not None:
+                self._drop_stale(conn, oldest_ok)
             while len(leases) < n_groups:
                 rows = conn.execute(
                     "SELECT group_id FROM groups WHERE state=? ORDER BY completed_at, group_id LIMIT ?",
@@ -169,7 +176,8 @@ class SqliteReplayQueue:
                         self._quarantine(conn, group_id, bad, now)
                         quarantined.extend((eid, group_id, why) for eid, why in bad)
                         continue
-                    lease = Lease(uuid.uuid4().hex, group_id, episodes, now + lease_s)
+                    fresh, stale = split_stale(episodes, oldest_ok)
+                    lease = Lease(uuid.uuid4().hex, group_id, fresh, now + lease_s, stale)
                     conn.execute(
                         "UPDATE groups SET state=?, lease_id=?, lease_expires=? WHERE group_id=?",
                         (GroupState.LEASED, lease.lease_id, lease.expires_at, group_id),
@@ -219,13 +227,14 @@ class SqliteReplayQueue:
         )
 
     def _drop_stale(self, conn: sqlite3.Connection, oldest_ok: int) -> None:
+        """Drop the pending groups whose every sampled episode is stale (their newest is too old)."""
         n = conn.execute(
-            "SELECT COALESCE(SUM(n), 0) FROM groups WHERE state=? AND min_version<?",
+            "SELECT COALESCE(SUM(n), 0) FROM groups WHERE state=? AND max_version<?",
             (GroupState.PENDING, oldest_ok),
         ).fetchone()[0]
         if n:
             conn.execute(
-                "UPDATE groups SET state=? WHERE state=? AND min_version<?",
+                "UPDATE groups SET state=? WHERE state=? AND max_version<?",
                 (GroupState.STALE, GroupState.PENDING, oldest_ok),
             )
             conn.execute(

@@ -1,7 +1,7 @@
 """The SQLite replay queue's tables, and what opening a database does to them.
 
 Concept: four tables: `meta` (group_size, the stale-dropped counter), `groups` (one row per GRPO
-group: its episode count, oldest weight version, state and lease), `episodes` (each episode's JSON
+group: its episode count, oldest and newest sampled weight version, state and lease), `episodes` (each episode's JSON
 metadata, packed token arrays and sha256, codec.py) and `quarantine` (episodes whose bytes failed
 their checksum). `open_schema` creates what is missing, migrates older databases and settles the
 group size, each in one write transaction.
@@ -9,7 +9,9 @@ group size, each in one write transaction.
 Invariant: a database keeps the group size it was created with; opening it with another is a
 QueueError naming both. Databases from before the checksum column gain it on open, and the rows
 that may still be trained (open, pending, leased) get the checksum of their bytes as found;
-acked and stale rows are never read again, so they are left alone.
+acked and stale rows are never read again, so they are left alone. Databases from before
+`max_version` (the newest sampled version: a group is stale only when even that is too old) gain
+it on open, set to the group's `min_version` (what decided its staleness then).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ CREATE TABLE IF NOT EXISTS groups (
     group_id TEXT PRIMARY KEY,
     n INTEGER NOT NULL,
     min_version INTEGER NOT NULL,
+    max_version INTEGER,
     state TEXT NOT NULL,
     lease_id TEXT,
     lease_expires REAL,
@@ -56,7 +59,16 @@ def open_schema(db: SqliteFile, group_size: int | None) -> int:
     with db.errors():
         db.conn().executescript(_SCHEMA)
     _add_checksums(db)
+    _add_max_version(db)
     return _init_group_size(db, group_size)
+
+
+def _add_max_version(db: SqliteFile) -> None:
+    with db.write() as conn:
+        if any(col[1] == "max_version" for col in conn.execute("PRAGMA table_info(groups)")):
+            return
+        conn.execute("ALTER TABLE groups ADD COLUMN max_version INTEGER")
+        conn.execute("UPDATE groups SET max_version=min_version")
 
 
 def _add_checksums(db: SqliteFile) -> None:

@@ -33,7 +33,7 @@ from miles_env.view.tokens import Pieces
 __all__ = ["create_app", "Run"]
 
 STATIC = Path(__file__).with_name("static")
-_FILTERS = ("q", "status", "split", "state", "group", "task", "step", "passed", "flag")
+_FILTERS = ("q", "status", "end", "split", "state", "group", "task", "step", "passed", "flag")
 
 
 class _Json(JSONResponse):

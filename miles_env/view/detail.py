@@ -7,7 +7,9 @@ one sample is its ids, loss mask and logprobs as stored, with display pieces fro
 (tokens.py), the turn boundaries and weight versions, and the audit's drift positions.
 
 Group advantages are the trainer's formula (trainer/losses.py `group_advantages`), recomputed in
-plain Python from the rewards: grpo (r - mean) / (std + 1e-6), std unbiased; dr_grpo r - mean.
+plain Python from the rewards: grpo (r - mean) / (std + 1e-6), std unbiased; dr_grpo r - mean;
+over the members that ended by the policy (`trainer.policy_ends`, default types.POLICY_ENDS), as
+trainer/groups.py does: an infrastructure failure shows no advantage (None) and moves no baseline.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from miles_env.errors import MilesEnvError
 from miles_env.queue.codec import decode_episode
+from miles_env.types import POLICY_ENDS
 from miles_env.view.commands import commands_from_transcript
 from miles_env.view.decoded import commands_from_turns, decoded_turns
 from miles_env.view.index import EpisodeIndex, Row
@@ -84,8 +87,9 @@ class Details:
                 conn.close()
             ep = decode_episode(meta, blob)
             data = ep.model_dump(mode="python")
-        elif row.source == "jsonl":
-            with self.layout.eval_episodes.open("rb") as fh:
+        elif row.source in ("jsonl", "failed"):
+            path = self.layout.eval_episodes if row.source == "jsonl" else self.layout.failed_episodes
+            with path.open("rb") as fh:
                 fh.seek(row.offset)
                 data = json.loads(fh.readline())
             if data.get("samples") is None:
@@ -160,10 +164,16 @@ class Details:
         rows = self.index.group(group_id)
         if not rows:
             raise NotFound(f"group {group_id!r}: not in {self.layout.root}")
-        kind = str((self.layout.config().get("trainer") or {}).get("advantage", "grpo"))
-        advs = advantages([r.reward or 0.0 for r in rows], kind)
+        trainer = self.layout.config().get("trainer") or {}
+        kind = str(trainer.get("advantage", "grpo"))
+        policy = set(trainer.get("policy_ends") or [e.value for e in POLICY_ENDS])
+        valid = [r for r in rows if r.end in policy]
+        by_id = dict(
+            zip((r.id for r in valid), advantages([r.reward or 0.0 for r in valid], kind), strict=True)
+        )
         out = []
-        for row, adv in zip(rows, advs, strict=True):
+        for row in rows:
+            adv = by_id.get(row.id)
             ep = self.episode(row.id)
             last = next(
                 (

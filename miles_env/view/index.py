@@ -2,14 +2,17 @@
 
 Sources, by layout (layout.py): the replay queue's `episodes` rows (train episodes; summary fields
 read with SQLite's JSON functions, so the transcript and the token arrays are never parsed for the
-table), the eval JSONL (read from the byte offset reached last time), and the store's journals
-(one row per session). `refresh()` is cheap when nothing changed (`PRAGMA data_version`, file
+table), the eval JSONL and a run's failed_episodes.jsonl (train episodes that failed and never
+reached the queue: rolled out again or their group dropped, state `not trained`; each read from
+the byte offset reached last time), and the store's journals (one row per session). `refresh()` is cheap when nothing changed (`PRAGMA data_version`, file
 sizes) and reads only what is new, so a page poll during a live run costs milliseconds.
 
 A train episode's `step` is the trainer step that trained it: from the checkpoints that still list
 it (`trained_episode_ids`), else the first train step logged after its group completed (exact in
 sync mode). Filtering, sorting and paging run here, server side: the browser only ever holds a page;
-`flag` filters by the guards' flags (`any`, `none`, or a flag's name).
+`flag` filters by the guards' flags (`any`, `none`, or a flag's name), `end` by the episode's end
+class (`policy`: the ends that train, `infra`: every infrastructure failure, or a class's name; an
+episode stored before the classes existed gets the one its status implies, types.end_of_status).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from miles_env.types import POLICY_ENDS, EpisodeEnd, end_of_status
 from miles_env.view.layout import Kind, Layout, connect_ro
 from miles_env.view.metrics import MetricsLog
 
@@ -43,11 +47,12 @@ class Row:
     sampled: int
     wall_s: float | None
     state: str  # queue group state (train), "eval", or "session"
-    source: str  # "queue" | "jsonl" | "session": where the full episode is read from
+    source: str  # "queue" | "jsonl" | "failed" | "session": where the full episode is read from
     offset: int = 0  # byte offset of its line (jsonl)
     session: str = ""
     completed_at: float | None = None
     flags: tuple[str, ...] = ()  # reward-hacking flags the guards raised (miles_env/guards)
+    end: str = ""  # the episode's end class (types.EpisodeEnd); "" for a bare session
 
     def public(self) -> dict[str, Any]:
         return {
@@ -55,7 +60,20 @@ class Row:
         }
 
 
-SORTABLE = ("id", "task", "status", "reward", "group", "split", "step", "v_min", "turns", "sampled", "wall_s")
+SORTABLE = (
+    "id",
+    "task",
+    "status",
+    "end",
+    "reward",
+    "group",
+    "split",
+    "step",
+    "v_min",
+    "turns",
+    "sampled",
+    "wall_s",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +93,7 @@ _QUEUE_SQL = (
     "SELECT e.rowid, e.id, e.group_id, json_extract(e.meta, '$.task_id'), json_extract(e.meta, '$.status'), "
     "json_extract(e.meta, '$.reward.score'), json_extract(e.meta, '$.split'), "
     "json_extract(e.meta, '$.timings.total_s'), json_extract(e.meta, '$.samples'), "
-    "json_extract(e.meta, '$.metadata.session_id'), json_extract(e.meta, '$.flags') "
+    "json_extract(e.meta, '$.metadata.session_id'), json_extract(e.meta, '$.flags'), json_extract(e.meta, '$.end') "
     "FROM episodes e WHERE e.rowid > ? ORDER BY e.rowid"
 )
 
@@ -90,7 +108,7 @@ class EpisodeIndex:
         self._conn: sqlite3.Connection | None = None
         self._rowid = 0
         self._data_version: int | None = None
-        self._jsonl_offset = 0
+        self._offsets: dict[str, int] = {}  # jsonl source -> bytes read
         self._sessions: dict[str, int] = {}  # journal name -> size read
         self._trained: dict[str, int] = {}  # episode id -> step, from checkpoints
         self._ckpts: set[str] = set()
@@ -103,7 +121,9 @@ class EpisodeIndex:
             if self.layout.kind is Kind.TRAIN:
                 self._refresh_queue()
             if self.layout.kind in (Kind.TRAIN, Kind.EVAL):
-                self._refresh_jsonl()
+                self._refresh_jsonl(self.layout.eval_episodes, "jsonl")
+            if self.layout.kind is Kind.TRAIN:
+                self._refresh_jsonl(self.layout.failed_episodes, "failed")
             if self.layout.kind is Kind.STORE:
                 self._refresh_store()
             if self.changes != before:
@@ -132,14 +152,14 @@ class EpisodeIndex:
             return
         self._data_version = version
         groups = {g: (s, t) for g, s, t in conn.execute("SELECT group_id, state, completed_at FROM groups")}
-        for rowid, eid, gid, task, status, score, split, wall, samples, sid, flags in conn.execute(
+        for rowid, eid, gid, task, status, score, split, wall, samples, sid, flags, end in conn.execute(
             _QUEUE_SQL, (self._rowid,)
         ):
             self._rowid = rowid
             turns, sampled, v_min, v_max = _turn_stats(json.loads(samples or "[]"))
             row = Row(eid, task or "", status or "", score, gid, split or "train", None, v_min, v_max, turns,
                       sampled, wall, "open", "queue", session=sid or "",
-                      flags=tuple(json.loads(flags or "[]")))  # fmt: skip
+                      flags=tuple(json.loads(flags or "[]")), end=end or end_of_status(status or ""))  # fmt: skip
             self._add(row)
         times = self.metrics.train_times()
         logged = [t for t, _ in times]
@@ -171,25 +191,25 @@ class EpisodeIndex:
                 added = True
         return added
 
-    def _refresh_jsonl(self) -> None:
-        path = self.layout.eval_episodes
-        if not path.is_file() or path.stat().st_size <= self._jsonl_offset:
+    def _refresh_jsonl(self, path: Path, source: str) -> None:
+        done = self._offsets.get(source, 0)
+        if not path.is_file() or path.stat().st_size <= done:
             return
         with path.open("rb") as fh:
-            fh.seek(self._jsonl_offset)
+            fh.seek(done)
             data = fh.read()
         end = data.rfind(b"\n") + 1  # a line still being written is read next time
         pos = 0
         while pos < end:
             nl = data.index(b"\n", pos)
             line = data[pos:nl]
-            offset = self._jsonl_offset + pos
+            offset = done + pos
             pos = nl + 1
             if line.strip():
-                self._add(self._jsonl_row(json.loads(line), offset))
-        self._jsonl_offset += end
+                self._add(self._jsonl_row(json.loads(line), offset, source))
+        self._offsets[source] = done + end
 
-    def _jsonl_row(self, ep: dict[str, Any], offset: int) -> Row:
+    def _jsonl_row(self, ep: dict[str, Any], offset: int, source: str) -> Row:
         samples = ep.get("samples")
         sid = str(ep.get("metadata", {}).get("session_id", ""))
         if samples is None:  # a train run's eval line: the samples are in the store's export
@@ -198,8 +218,9 @@ class EpisodeIndex:
         reward = ep.get("reward") or {}
         return Row(str(ep["id"]), str(ep.get("task_id", "")), str(ep.get("status", "")), reward.get("score"),
                    str(ep.get("group_id", "")), str(ep.get("split", "")), ep.get("step"), v_min, v_max, turns,
-                   sampled, ep.get("timings", {}).get("total_s"), "eval", "jsonl", offset, sid,
-                   float(offset), tuple(ep.get("flags") or ()))  # fmt: skip
+                   sampled, ep.get("timings", {}).get("total_s"),
+                   "eval" if source == "jsonl" else "not trained", source, offset, sid, float(offset), tuple(ep.get("flags") or ()),
+                   str(ep.get("end") or end_of_status(str(ep.get("status", "")))))  # fmt: skip
 
     def _refresh_store(self) -> None:
         from miles_env.view.sessions import session_summary
@@ -238,6 +259,7 @@ class EpisodeIndex:
                 "split": sorted({r.split for r in self.rows}),
                 "state": sorted({r.state for r in self.rows}),
                 "flag": sorted({f for r in self.rows for f in r.flags}),
+                "end": sorted({r.end for r in self.rows if r.end}),
             }
 
 
@@ -256,6 +278,8 @@ def _matches(row: Row, filters: dict[str, str]) -> bool:
             return False
         elif key == "flag" and not _flagged(row, want):
             return False
+        elif key == "end" and not _ended(row, want):
+            return False
         elif key == "passed" and (row.reward is not None and row.reward >= 1.0) != (want == "1"):
             return False
     return True
@@ -268,6 +292,19 @@ def _flagged(row: Row, want: str) -> bool:
     if want == "none":
         return not row.flags
     return want in row.flags
+
+
+_POLICY = {e.value for e in POLICY_ENDS}
+_CLASSES = {e.value for e in EpisodeEnd}
+
+
+def _ended(row: Row, want: str) -> bool:
+    """`end=policy`: ended by the policy; `end=infra`: an infrastructure failure; else that class."""
+    if want == "policy":
+        return row.end in _POLICY
+    if want == "infra":
+        return row.end in _CLASSES - _POLICY
+    return row.end == want
 
 
 def _export_samples(path: Path) -> list[dict[str, Any]]:

@@ -2,7 +2,8 @@
 
 Three layouts are read, all written by other commands (never by the viewer):
 - a training run (`miles-env train`): config.yaml, metrics.jsonl, queue.db (train episodes with
-  their token arrays), eval_episodes.jsonl (eval episodes, tokens in the store), sessions/;
+  their token arrays), eval_episodes.jsonl (eval episodes, tokens in the store),
+  failed_episodes.jsonl (train episodes that failed and never reached the queue), sessions/;
 - an eval output (`miles-env eval --out`): episodes.jsonl (full episodes), summary.json, sessions/;
 - a proxy store (`miles-env proxy serve --store`): one journal per session (+ export snapshots).
 
@@ -47,6 +48,10 @@ class Layout:
     @property
     def eval_episodes(self) -> Path:
         return self.root / ("eval_episodes.jsonl" if self.kind is Kind.TRAIN else "episodes.jsonl")
+
+    @property
+    def failed_episodes(self) -> Path:
+        return self.root / "failed_episodes.jsonl"
 
     @property
     def store(self) -> Path:

@@ -78,6 +78,23 @@ def _raw_socket(obj: Any) -> socket.socket:
     return sock
 
 
+def _already_read(obj: Any) -> bytes:
+    """Stream bytes the SDK's HTTP reader took off the socket with the upgrade's headers.
+
+    exec_start(socket=True) hands back the raw socket under the response's buffered reader; for a
+    command that exits at once, its output can arrive in the same read as the headers and sit in
+    that buffer, where reading the socket never finds it (an exec's stderr came back empty).
+    """
+    reader = getattr(getattr(getattr(getattr(obj, "_response", None), "raw", None), "_fp", None), "fp", None)
+    if reader is None:
+        return b""
+    try:
+        data = reader.peek(1 << 16)  # what it holds (if empty, one read of the socket: the same bytes)
+    except (OSError, ValueError):
+        return b""
+    return reader.read(len(data)) if data else b""
+
+
 def _feed_stdin(sock: socket.socket, data: bytes, stop: threading.Event) -> None:
     view = memoryview(data)
     try:
@@ -130,9 +147,11 @@ def run_exec(
     eid = api.exec_create(container, list(argv), stdin=stdin is not None, environment=dict(env), workdir=cwd)[
         "Id"
     ]
-    sock = _raw_socket(api.exec_start(eid, socket=True))
+    attached = api.exec_start(eid, socket=True)
+    sock = _raw_socket(attached)
     sock.settimeout(0.05)
     demux = _Demux(cap)
+    demux.feed(_already_read(attached))
     try:
         if stdin is not None:
             threading.Thread(target=_feed_stdin, args=(sock, stdin, stop), daemon=True).start()
@@ -173,9 +192,11 @@ def start_detached(
 ) -> socket.socket:
     """Start a long-running exec and wait until its stdout shows `ready`; return its open connection."""
     eid = api.exec_create(container, list(argv))["Id"]
-    sock = _raw_socket(api.exec_start(eid, socket=True))
+    attached = api.exec_start(eid, socket=True)
+    sock = _raw_socket(attached)
     sock.settimeout(0.05)
     demux = _Demux(1 << 16)
+    demux.feed(_already_read(attached))
     until = time.monotonic() + timeout
     while ready not in demux.out:
         if _read_some(sock, demux) is False or time.monotonic() > until:

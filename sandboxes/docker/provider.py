@@ -3,9 +3,12 @@
 Concept: a sandbox is a container made from `spec.image` (or a local rootfs
 imported once as an image, or `spec.build` built once per content hash by build.py: bases
 resolved through sandboxes/images, RUN steps with a build network),
-kept alive by `sleep infinity` under docker-init, with a read-only root, a named
-volume at spec.workdir, a tmpfs /tmp, no network (`network_mode=none`), and
-memory, CPU and pids limits.
+kept alive by `sleep infinity` under docker-init, with a named volume at spec.workdir,
+a tmpfs /tmp, no network (`network_mode=none`), and memory, CPU and pids limits. Its
+root is writable (the container's own layer, as `docker run` gives) where the engine can
+cap that layer at disk_mb (`storage_opt size`: overlay2 on xfs with pquota); elsewhere it
+stays read-only, since an uncapped layer would let a sandbox fill the engine's disk. Every
+exec gets the image's ENV, USER, its user's HOME and WORKDIR (sandbox.py, execargs.py).
 
 Privilege: never privileged; every capability dropped (none is added back: the
 exec wrapper, the kill-by-token sweep and file I/O as the container's root need
@@ -48,6 +51,7 @@ from miles_env.limits import sandbox_lifetime_s
 from miles_env.types import NetworkPolicy, SandboxSpec
 
 from ..expose import FORWARDER, INNER_RUN
+from ..images.oci import ImageConfig
 from ..images.resolve import ResolvedImage
 from ..ownership import Ownership, is_stale, owner_labels
 from .build import DockerBuilder
@@ -77,6 +81,8 @@ class DockerSandboxProvider:
             raise SandboxUnavailable(f"docker: cannot configure a client: {e}") from e
         self.owner = Ownership.here(self.config.run_id, self.config.ttl_s)
         self._seeds: dict[tuple[str, str], bytes] = {}  # (image id, workdir) -> workdir_seed()
+        self._configs: dict[str, ImageConfig] = {}  # image id -> its ENV, USER, WORKDIR
+        self.layer_quota: bool | None = None  # can the engine cap a container's writable layer?
         self.run_root = Path(self.config.run_root or Path(tempfile.gettempdir()) / "miles-env-docker")
         self.builder = DockerBuilder(self.client, self.config.images, self.config.build_network)
         self.built_bases: dict[str, tuple[ResolvedImage, ...]] = {}  # build tag -> its resolved bases
@@ -145,15 +151,14 @@ class DockerSandboxProvider:
             driver_opts={"type": "tmpfs", "device": "tmpfs", "o": opts},
         )
         tmp_mb = min(self.config.tmp_mb, res.disk_mb)
-        container = self.client.containers.create(
-            image,
+        kwargs = dict(
+            image=image,
             command=["sleep", "infinity"],
             name=name,
             labels=labels,
             hostname="sandbox",
             init=True,
             network_mode="none" if spec.network is NetworkPolicy.NONE else "host",
-            read_only=True,
             mem_limit=f"{res.memory_mb}m",
             memswap_limit=f"{res.memory_mb}m",
             nano_cpus=int((res.cpus or self.config.cpus) * 1e9),  # the task's, else the provider's
@@ -169,6 +174,7 @@ class DockerSandboxProvider:
             cap_drop=["ALL"],
             security_opt=["no-new-privileges"],
         )
+        container = self._create_container(kwargs, res.disk_mb)
         key = (container.attrs["Image"], spec.workdir)
         if key not in self._seeds:  # read once per image: see files.py
             self._seeds[key] = workdir_seed(self.client.api, key[0], spec.workdir, res.disk_mb, labels)
@@ -177,6 +183,27 @@ class DockerSandboxProvider:
         if seed:
             self.client.api.put_archive(container.id, spec.workdir, seed)
         return container
+
+    def _create_container(self, kwargs: dict[str, Any], disk_mb: int) -> Any:
+        """The container, with a writable root capped at disk_mb where the engine can cap it."""
+        if self.layer_quota is not False:
+            try:
+                container = self.client.containers.create(**kwargs, storage_opt={"size": f"{disk_mb}m"})
+                self.layer_quota = True
+                return container
+            except docker.errors.APIError as e:
+                if "storage-opt" not in str(e) and "storage opt" not in str(e).lower():
+                    raise
+                self.layer_quota = False  # e.g. overlay2 on extfs: the root stays read-only
+        return self.client.containers.create(**kwargs, read_only=True)
+
+    def image_config_sync(self, image_id: str) -> ImageConfig:
+        """The image's ENV, USER and WORKDIR (`docker image inspect`), once per image."""
+        if image_id not in self._configs:
+            self._configs[image_id] = ImageConfig.from_oci(
+                self.client.api.inspect_image(image_id).get("Config")
+            )
+        return self._configs[image_id]
 
     def remove_sync(self, name: str) -> None:
         """Remove container and volume `name`; absent ones are fine (blocking: a worker thread's)."""
@@ -202,7 +229,8 @@ class DockerSandboxProvider:
             run_dir.mkdir(mode=0o755, parents=True)
             shutil.copyfile(FORWARDER, run_dir / "forwarder.py")
             container = await call(f"docker create {name}", self._create_sync, spec, name, run_dir, labels)
-            sandbox = DockerSandbox(self, container.id, name, spec, run_dir)
+            image = await call("docker image inspect", self.image_config_sync, container.attrs["Image"])
+            sandbox = DockerSandbox(self, container.id, name, spec, run_dir, image)
             sandbox.image_bases = self.built_bases.get(container.attrs["Config"]["Image"], ())
             for path, text in spec.files.items():
                 await sandbox.write_file(path, text)

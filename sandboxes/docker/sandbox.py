@@ -1,8 +1,9 @@
 """DockerSandbox: one container of DockerSandboxProvider's, used through the Sandbox contract.
 
-Exec: each exec is a Docker exec whose wrapper shell sets the same rlimits as the
-local provider (so results.py's classification applies) and carries a unique
-`MILES_EXEC` token in its environment; a timeout, an output flood or a
+Exec: each exec is a Docker exec (as the image's USER, in its WORKDIR unless the call
+says otherwise, with the image's ENV under the call's: execargs.py) whose wrapper shell
+sets the same rlimits as the local provider (so results.py's classification applies)
+and carries a unique `MILES_EXEC` token in its environment; a timeout, an output flood or a
 cancellation kills every process carrying that token, which is the exec's whole
 process tree (exec.py). Files go through the engine's archive API (files.py).
 
@@ -33,6 +34,7 @@ from miles_env.types import ExecResult, SandboxSpec
 
 from ..execargs import command_argv, exec_args
 from ..expose import INNER_RUN, ExposeTarget, HostListener
+from ..images.oci import ImageConfig
 from ..images.resolve import ResolvedImage
 from ..results import classify
 from .engine import ENGINE_ERRORS, map_error
@@ -62,9 +64,16 @@ class DockerSandbox:
     image_bases: tuple[ResolvedImage, ...] = ()  # set by the provider for a built image (build.py)
 
     def __init__(
-        self, provider: ContainerOwner, cid: str, name: str, spec: SandboxSpec, run_dir: Path
+        self,
+        provider: ContainerOwner,
+        cid: str,
+        name: str,
+        spec: SandboxSpec,
+        run_dir: Path,
+        image: ImageConfig | None = None,
     ) -> None:
         self.id = name
+        self.image_config = image or ImageConfig()  # the image's ENV, USER, WORKDIR, which every exec gets
         self.container_id = cid
         self.workdir = spec.workdir
         self.spec = spec
@@ -161,7 +170,10 @@ class DockerSandbox:
         stdin: bytes | str | None = None,
     ) -> ExecResult:
         res = self.spec.resources
-        args = exec_args(self.spec, self.workdir, timeout=timeout, cwd=cwd, env=env, stdin=stdin)
+        # No HOME: the engine sets the exec user's passwd home itself, as `docker exec` does.
+        args = exec_args(
+            self.spec, self.workdir, timeout=timeout, cwd=cwd, env=env, stdin=stdin, image=self.image_config
+        )
         out = await self._run(
             self._wrap(cmd),
             env=args.env,

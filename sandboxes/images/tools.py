@@ -116,6 +116,8 @@ class Buildah:
             str(self.policy),
             "--network",
             network,
+            "--format",
+            "docker",  # Docker's image format, as `docker build` makes: OCI's has no SHELL (buildah drops it)
         ]
         args += ["--isolation", "oci", "--iidfile", str(iid), "-f", str(dockerfile), "-t", tag, str(context)]
         before = self.containers()

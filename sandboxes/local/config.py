@@ -18,10 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from miles_env.errors import SandboxUnavailable
 from miles_env.sandboxes.images.config import ImagesConfig
 
-__all__ = ["LocalSandboxConfig", "find_bwrap", "host_root_binds"]
-
-# Top-level host paths mirrored read-only into the sandbox when no rootfs is given.
-_SYSTEM_DIRS = ("usr", "etc", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "opt")
+__all__ = ["LocalSandboxConfig", "find_bwrap"]
 
 
 class LocalSandboxConfig(BaseModel):
@@ -43,11 +40,11 @@ class LocalSandboxConfig(BaseModel):
         default=4,
         ge=0,
         description="idle zygote + pids cgroup pairs kept for the next create after sandboxes close "
-        "(a new pair costs a cgroup join, which can wait ~10-20 ms on an idle host); 0 = none kept",
+        "(a new pair costs a python start and a cgroup join, which can wait ~10-20 ms on an idle host); "
+        "0 = none kept",
     )
-    python: str = Field(default="/usr/bin/python3", description="interpreter inside the sandbox for expose()")
     extra_ro_binds: tuple[str, ...] = Field(
-        default=(), description="extra host paths bound read-only at the same place"
+        default=(), description="extra host paths bound read-only at the same place (the host's view only)"
     )
     max_read_bytes: int = Field(
         default=64 << 20, gt=0, description="largest file read_file() returns; a larger one is a SandboxError"
@@ -60,8 +57,9 @@ class LocalSandboxConfig(BaseModel):
     uid_base: int = Field(
         default=2_010_000_000,
         ge=1000,
-        description="as root, each sandbox runs as host uid/gid uid_base + (its id mod 2**24), "
-        "never root; pick a range no real user or subuid mapping uses",
+        le=(1 << 32) - (1 << 17),
+        description="as root, each zygote's sandboxes run as host uids/gids uid_base + 65536 * (a random "
+        "slot) + (0..65535), never root; pick a range no real user or subuid mapping uses",
     )
     mount_dir: str | None = Field(
         default=None,
@@ -123,17 +121,3 @@ def find_bwrap(override: str | None = None) -> str:
             "or `apt-get install bubblewrap`"
         )
     return found
-
-
-def host_root_binds(extra: tuple[str, ...] = ()) -> list[str]:
-    """bwrap arguments that mirror the host's system directories read-only (symlinks kept)."""
-    args: list[str] = []
-    for name in _SYSTEM_DIRS:
-        path = "/" + name
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            args += ["--ro-bind", path, path]
-    for path in extra:
-        args += ["--ro-bind", path, path]
-    return args

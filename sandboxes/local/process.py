@@ -1,24 +1,27 @@
-"""Run one process under a wall-clock limit and per-stream output caps.
+"""Collect one exec: feed stdin, capture capped output, wait for the command, kill it on a limit.
 
-Invariant: when `collect` returns or is cancelled, the process group it watches
-is dead (SIGKILL to the group; bwrap's --die-with-parent and the pid namespace
-take every descendant with it) and reaped. Output beyond the cap is drained and
-dropped; far beyond it (`kill_factor` x cap) the process is killed, so a command
+Concept: an exec's result is the command's exit status and what it wrote. Processes it starts
+in the background keep running (the sandbox is one process space, like a container), and they
+may hold its stdout and stderr open: so `collect` returns once the command itself has exited
+and its pipes reached EOF, or OUTPUT_GRACE_S after its exit, whichever comes first (docker exec
+waits for such pipes too, ~2 s). Pipes still open then are handed to the `_Sink`, a thread that
+reads and drops what they get until EOF, so a server that logs to its inherited stdout neither
+blocks on a full pipe nor dies of SIGPIPE (docker keeps draining them as well).
+
+Invariant: when `collect` returns after a timeout, an output flood or a cancellation, the
+command and every process of its session (what it ran, background jobs included; not what called
+setsid itself, which lives until the sandbox closes) are dead (Child.kill). Output beyond the cap
+is drained and dropped; far beyond it (`kill_factor` x cap) the command is killed, so a command
 printing 1 GB costs neither memory nor time.
-
-`collect` works on any Child: a process we spawned (PopenChild) or one a zygote
-forked for us (forkserver.ZygoteChild), so it reads raw pipe fds with
-anyio.wait_readable rather than an event loop's process streams.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import signal
-import subprocess
+import selectors
+import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,13 +29,14 @@ import anyio
 
 from ..results import RawResult
 
-__all__ = ["Child", "PopenChild", "collect", "run_capped"]
+__all__ = ["Child", "OUTPUT_GRACE_S", "collect"]
 
 _CHUNK = 65536
+OUTPUT_GRACE_S = 0.1
 
 
 class Child(Protocol):
-    """A running command: our ends of its pipes (fds), a way to kill all of it, its exit."""
+    """A running command: our ends of its pipes (fds), a way to kill it, its exit."""
 
     stdin: int
     stdout: int
@@ -44,43 +48,46 @@ class Child(Protocol):
     def close_pipes(self) -> None: ...
 
 
-class PopenChild:
-    """A Child we started ourselves: reaped through a pidfd, so no event loop owns it."""
+class _Sink:
+    """One daemon thread that reads and drops what lingering output pipes still get, until EOF."""
 
-    def __init__(self, process: subprocess.Popen[bytes]) -> None:
-        self.process = process
-        self.pid = process.pid
-        assert process.stdin and process.stdout and process.stderr
-        self.stdin, self.stdout, self.stderr = (
-            p.fileno() for p in (process.stdin, process.stdout, process.stderr)
-        )
-        for fd in (self.stdin, self.stdout, self.stderr):
-            os.set_blocking(fd, False)
+    def __init__(self) -> None:
+        self.selector = selectors.DefaultSelector()
+        self.lock = threading.Lock()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        self.selector.register(self.wake_r, selectors.EVENT_READ)
+        threading.Thread(target=self._run, name="miles-env-output-sink", daemon=True).start()
 
-    def kill(self) -> None:
-        try:
-            os.killpg(self.pid, signal.SIGKILL)  # the session we started it in
-        except (ProcessLookupError, PermissionError):
-            pass
+    def adopt(self, fd: int) -> None:
+        with self.lock:
+            self.selector.register(fd, selectors.EVENT_READ)
+        os.write(self.wake_w, b"x")
 
-    def poll(self) -> int | None:
-        return self.process.poll()
+    def _run(self) -> None:
+        while True:
+            for key, _ in self.selector.select():
+                try:
+                    chunk = os.read(key.fd, _CHUNK)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    chunk = b""
+                if key.fd != self.wake_r and not chunk:
+                    with self.lock:
+                        self.selector.unregister(key.fd)
+                    os.close(key.fd)
 
-    async def wait(self) -> int:
-        if self.process.returncode is None:
-            pidfd = os.pidfd_open(self.pid)
-            try:
-                while self.process.poll() is None:
-                    await anyio.wait_readable(pidfd)
-            finally:
-                os.close(pidfd)
-        assert self.process.returncode is not None
-        return self.process.returncode
 
-    def close_pipes(self) -> None:
-        for pipe in (self.process.stdin, self.process.stdout, self.process.stderr):
-            if pipe is not None:
-                pipe.close()
+_sink: _Sink | None = None
+_sink_lock = threading.Lock()
+
+
+def _to_sink(fd: int) -> None:
+    global _sink
+    with _sink_lock:
+        _sink = _sink or _Sink()
+    _sink.adopt(fd)
 
 
 @dataclass(slots=True)
@@ -88,6 +95,7 @@ class _Capture:
     cap: int
     data: bytearray = field(default_factory=bytearray)
     seen: int = 0
+    eof: bool = False
 
     @property
     def truncated(self) -> bool:
@@ -102,6 +110,7 @@ async def _drain(fd: int, cap: _Capture, limit: int, on_over: anyio.Event) -> No
             await anyio.wait_readable(fd)
             continue
         if not chunk:
+            cap.eof = True
             return
         room = cap.cap - len(cap.data)
         if room > 0:
@@ -123,53 +132,35 @@ async def _feed(child: Child, data: bytes | None) -> None:
     except (BrokenPipeError, ConnectionResetError):
         pass  # the command exited without reading all of its input
     finally:
-        _close_stdin(child)
+        if child.stdin >= 0:  # EOF for the command's stdin
+            os.close(child.stdin)
+            child.stdin = -1
 
 
-def _close_stdin(child: Child) -> None:
-    """EOF for the command's stdin (the fd itself is closed with the others by close_pipes)."""
-    if isinstance(child, PopenChild):
-        assert child.process.stdin is not None
-        child.process.stdin.close()
-    elif child.stdin >= 0:
-        os.close(child.stdin)
-        child.stdin = -1
+async def _run(
+    child: Child, stdin: bytes | None, out: _Capture, err: _Capture, limit: int, over: anyio.Event
+) -> None:
+    """Pump, feed and wait; after the command exits, its pipes get OUTPUT_GRACE_S to reach EOF."""
+    async with anyio.create_task_group() as tg:
 
+        async def watch_over() -> None:
+            await over.wait()
+            child.kill()
 
-def _popen(argv: Sequence[str], pass_fds: Sequence[int]) -> subprocess.Popen[bytes]:
-    # A plain fork+exec on the caller's thread, as asyncio's own subprocess support does.
-    return subprocess.Popen(
-        list(argv),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-        pass_fds=tuple(pass_fds),
-    )
+        async def pumps() -> None:
+            async with anyio.create_task_group() as inner:
+                inner.start_soon(_drain, child.stdout, out, limit, over)
+                inner.start_soon(_drain, child.stderr, err, limit, over)
+            done.set()
 
-
-async def run_capped(
-    argv: Sequence[str],
-    *,
-    stdin: bytes | None,
-    timeout: float,
-    output_cap: int,
-    kill_factor: int = 4,
-    pass_fds: Sequence[int] = (),
-    live: set[int] | None = None,
-) -> RawResult:
-    """Start `argv` (new session, three pipes) and collect() it."""
-    start = time.perf_counter()
-    child = PopenChild(_popen(argv, pass_fds))
-    if live is not None:
-        live.add(child.pid)
-    try:
-        return await collect(
-            child, stdin=stdin, timeout=timeout, output_cap=output_cap, kill_factor=kill_factor, start=start
-        )
-    finally:
-        if live is not None:
-            live.discard(child.pid)
+        done = anyio.Event()
+        tg.start_soon(watch_over)
+        tg.start_soon(_feed, child, stdin)
+        tg.start_soon(pumps)
+        await child.wait()
+        with anyio.move_on_after(OUTPUT_GRACE_S):
+            await done.wait()
+        tg.cancel_scope.cancel()
 
 
 async def collect(
@@ -181,38 +172,29 @@ async def collect(
     kill_factor: int = 4,
     start: float | None = None,
 ) -> RawResult:
-    """Feed `stdin`, capture capped output and wait for the exit; always kills and reaps."""
+    """Feed `stdin`, capture capped output and wait for the exit; a limit or a cancellation kills."""
     start = time.perf_counter() if start is None else start
     out, err = _Capture(output_cap), _Capture(output_cap)
-    limit = output_cap * kill_factor + _CHUNK
     over = anyio.Event()
     timed_out = False
     try:
         with anyio.move_on_after(timeout if math.isfinite(timeout) else None) as scope:
-            async with anyio.create_task_group() as tg:
-
-                async def watch_over() -> None:
-                    await over.wait()
-                    child.kill()
-
-                tg.start_soon(watch_over)
-                tg.start_soon(_feed, child, stdin)
-                # EOF on both pipes comes when the pid namespace is gone, so the
-                # tail of the output is never lost to a race with the exit.
-                async with anyio.create_task_group() as pumps:
-                    pumps.start_soon(_drain, child.stdout, out, limit, over)
-                    pumps.start_soon(_drain, child.stderr, err, limit, over)
-                await child.wait()
-                tg.cancel_scope.cancel()
+            await _run(child, stdin, out, err, output_cap * kill_factor + _CHUNK, over)
         timed_out = scope.cancelled_caught
+        if timed_out:
+            child.kill()
+            with anyio.move_on_after(OUTPUT_GRACE_S * 10):  # the tail of what it wrote, as it died
+                await _run(child, None, out, err, 1 << 62, anyio.Event())
     finally:
         with anyio.CancelScope(shield=True):
             if child.poll() is None:
                 child.kill()
-            code = await child.wait()
-            child.close_pipes()
+            with anyio.move_on_after(30):
+                await child.wait()
+            _release(child, out, err)
+    code = child.poll()
     return RawResult(
-        returncode=code,
+        returncode=128 + 9 if code is None else code,
         stdout=bytes(out.data),
         stderr=bytes(err.data),
         timed_out=timed_out,
@@ -220,3 +202,13 @@ async def collect(
         truncated=out.truncated or err.truncated,
         duration_s=time.perf_counter() - start,
     )
+
+
+def _release(child: Child, out: _Capture, err: _Capture) -> None:
+    """Close our ends; an output pipe that some background process still holds goes to the sink."""
+    for name, cap in (("stdout", out), ("stderr", err)):
+        fd = getattr(child, name)
+        if fd >= 0 and not cap.eof:
+            setattr(child, name, -1)
+            _to_sink(fd)
+    child.close_pipes()

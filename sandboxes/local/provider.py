@@ -1,23 +1,25 @@
 """LocalSandboxProvider: builds LocalSandbox instances over bubblewrap.
 
-Lifecycle of create(spec): validate the spec, make `<root>/<id>` (mode 0700) and the
-sandbox's writable tree (storage.py: as root a tmpfs of `disk_mb` with its own
-unprivileged host uid, else plain directories), take an idle zygote with its pids
-cgroup (or start one: the only cgroup join, zygote.py says why that matters), place
-spec.files, and precompute the bwrap argv so that each exec is one fork. If any step
-fails, whatever was made is removed before the error propagates.
+Lifecycle of create(spec): validate the spec, take an idle zygote with its pids cgroup and host
+ids (or start one: the only cgroup join, zygote.py says why that matters), make `<root>/<id>`
+(mode 0700) and the sandbox's writable tree (storage.py: as root a tmpfs of `disk_mb` owned by
+the zygote's unprivileged host uid, else plain directories; layout.py: the writable root, the
+workspace seeded with the image's files there), look up the image's user (users.py), have the
+zygote start the sandbox (one bwrap, kept running), then place spec.files. If any step fails,
+whatever was made is removed before the error propagates.
 
-Privilege: every bwrap drops all capabilities, cannot make further user namespaces,
-sees /proc/sys (and /proc/sysrq-trigger, /proc/kcore) read-only and a read-only /dev
-but for /dev/shm (on the quota). As root, bwrap itself runs as the sandbox's host uid
-(the zygote or `setpriv` drops to it) and maps it to uid 0 inside: tools see root, the
-kernel sees an unprivileged user, so host sysctls, /etc/shadow and other root-only
-files stay out of reach (bwrap run by root would keep uid 0 and its capabilities).
+Privilege: nothing in a sandbox holds a capability, makes a further user namespace, or sees
+/proc/sys (and /proc/sysrq-trigger, /proc/kcore) writable; /dev is read-only but for /dev/shm
+(on the quota). As root each zygote has a range of 65536 host ids of its own (uid_base + a
+random slot; two live zygotes share one only by a 1-in-~34,000 chance, and even then their
+sandboxes see nothing of each other: every namespace is their own): id 0 inside is the range's
+first, so tools see root and the kernel an unprivileged user; host files stay owned by ids the
+sandbox does not have, so /etc/shadow and other root-only files stay out of reach.
 
-Reuse: a closed sandbox hands back its zygote and cgroup once nothing else is left
-in the cgroup; up to `config.warm` of them stay idle for the next create. They are
-removed by `aclose()`, or at garbage collection / interpreter exit. `reap()` removes
-what crashed runs left under the same root (reaper.py).
+Reuse: a closed sandbox hands back its zygote and cgroup once nothing else is left in the
+cgroup; up to `config.warm` of them stay idle for the next create. They are removed by
+`aclose()`, or at garbage collection / interpreter exit. `reap()` removes what crashed runs left
+under the same root (reaper.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import shlex
 import shutil
 import sys
 import weakref
@@ -33,60 +34,34 @@ from pathlib import Path
 
 import anyio
 
-from miles_env.errors import ConfigError, SandboxError, SandboxUnavailable
+from miles_env.errors import ConfigError, SandboxError
 from miles_env.types import NetworkPolicy, Resources, SandboxSpec
 
-from ..images.local import LocalImages
+from ..images.local import LocalImage, LocalImages
+from ..images.oci import ImageConfig
+from . import layout
 from .cgroup import PidsCgroup, remove_orphan_zygote_cgroups
-from .config import LocalSandboxConfig, find_bwrap, host_root_binds
+from .config import LocalSandboxConfig, find_bwrap
 from .forkserver import Zygote, start_zygote
 from .reaper import reap_local
 from .sandbox import LocalSandbox
 from .storage import Storage, bwrap_for_others, prepare_mount_dir, remove_orphan_mounts
+from .users import resolve_user
 
 __all__ = ["LocalSandboxProvider"]
 
 _log = logging.getLogger(__name__)
-
-# Read-only over the sandbox's own /proc: host-global kernel knobs (bwrap skips /proc/sys when
-# it looks unwritable to it, which says nothing about who else could write it).
-_PROC_RO = ["--ro-bind", "/proc/sys", "/proc/sys"]
-for _path in ("/proc/sysrq-trigger", "/proc/kcore"):
-    _PROC_RO += ["--ro-bind-try", _path, _path]
-_UID_SPAN = 1 << 24
+_SPAN = 1 << 16  # host ids per zygote, as root: an image's uids and gids 0..65535 (nobody included)
+_PROCS_OVERHEAD = 2  # the zygote and the sandbox's init: not the sandbox's to count
 
 
-def _limit_prefix(res: Resources, cgroup: PidsCgroup | None, prlimit: str) -> list[str]:
-    """argv that joins the cgroup and sets rlimits in one shell, then execs bwrap (no extra fork).
-
-    The shell writes its own pid into cgroup.procs before exec'ing bwrap, so
-    every descendant is counted. ulimit units are POSIX (-f in 512-byte blocks)
-    or shared by dash and bash (-v in KiB, -t in seconds). CPU soft < hard: the
-    kernel sends SIGXCPU first, which tells the cause apart from our SIGKILL.
-    """
-    steps = [f"echo $$ > {shlex.quote(f)}" for f in (cgroup.procs_files if cgroup is not None else [])]
-    steps += [
-        f"ulimit -S -t {res.cpu_seconds}",
-        f"ulimit -H -t {res.cpu_seconds + 1}",
-        f"ulimit -v {res.memory_mb << 10}",
-        f"ulimit -f {res.disk_mb << 11}",
-        "ulimit -c 0",
-    ]
-    script = " && ".join(steps) + ' || exit 125; exec "$@"'
-    prefix = ["/bin/sh", "-c", script, "sh"]
-    if cgroup is None:
-        # Without a pids cgroup, RLIMIT_NPROC is the fallback: it counts per uid and does not bind
-        # root, but as root each sandbox runs as a uid of its own, so it binds there too.
-        prefix += [prlimit, f"--nproc={res.max_procs}:{res.max_procs}", "--"]
-    return prefix
-
-
-def _dispose(idle: list[tuple[Zygote, PidsCgroup]]) -> None:
+def _dispose(idle: list[tuple[Zygote, PidsCgroup | None]]) -> None:
     """Synchronous clean-up of idle zygotes and their cgroups (aclose, finalizer, exit)."""
     while idle:
         zygote, cgroup = idle.pop()
         zygote.close()
-        cgroup.remove()
+        if cgroup is not None:
+            cgroup.remove()
 
 
 class LocalSandboxProvider:
@@ -97,62 +72,19 @@ class LocalSandboxProvider:
     def __init__(self, config: LocalSandboxConfig | None = None) -> None:
         self.config = config or LocalSandboxConfig()
         self.bwrap = find_bwrap(self.config.bwrap)
-        prlimit = shutil.which("prlimit")
-        if prlimit is None:
-            raise SandboxUnavailable("`prlimit` (util-linux) not found on PATH; the local sandbox needs it")
-        self._prlimit = prlimit
         self.root = self.config.resolved_root().absolute()
         self.mount_dir: Path | None = None  # as root: where each sandbox's tmpfs is mounted
-        self._setpriv = ""
         if os.geteuid() == 0:
-            # Also where util-linux lives when PATH is narrowed (a caller's PATH is not ours to need).
-            setpriv = shutil.which("setpriv") or shutil.which("setpriv", path="/usr/bin:/bin:/usr/sbin:/sbin")
-            if setpriv is None:
-                raise SandboxUnavailable(
-                    "`setpriv` (util-linux) not found on PATH; as root the local sandbox needs it"
-                )
-            self._setpriv = setpriv
             self.mount_dir = prepare_mount_dir(self.config.resolved_mount_dir())
             self.bwrap = bwrap_for_others(self.bwrap, self.mount_dir)
             remove_orphan_mounts(self.mount_dir)  # what a crashed run left, once the reaper removed its dir
-        self._idle: list[tuple[Zygote, PidsCgroup]] = []
+        self._idle: list[tuple[Zygote, PidsCgroup | None]] = []
         self._images: LocalImages | None = None  # made on the first spec with a build or an image
         self._warned_no_mount = False
         self._warned_no_cpu = False
         if self.config.use_cgroup:
             remove_orphan_zygote_cgroups()  # what killed runs left: empty cgroups, a few ms at most
         weakref.finalize(self, _dispose, self._idle)
-
-    def _bwrap_prefix(self, spec: SandboxSpec, storage: Storage) -> list[str]:
-        args = [self.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent"]
-        args += ["--new-session", "--cap-drop", "ALL", "--hostname", self.config.hostname]
-        if storage.ids is not None:
-            args += ["--uid", "0", "--gid", "0"]  # root inside, storage.ids on the host
-        if spec.rootfs is not None:
-            args += ["--bind", storage.reachable(spec.rootfs), "/"]
-        else:
-            args += host_root_binds()
-            for path in self.config.extra_ro_binds:
-                args += ["--ro-bind", storage.reachable(path), path]
-        work, tmp, shm = (str(storage.path(sub)) for sub in ("work", "tmp", "shm"))
-        args += ["--bind", work, spec.workdir, "--bind", tmp, "/tmp"]
-        args += ["--proc", "/proc", *_PROC_RO, "--dev", "/dev", "--bind", shm, "/dev/shm"]
-        # The root itself (bwrap's tmpfs, or the rootfs) and /dev's tmpfs are read-only: writes
-        # go to the binds only, all of them on the sandbox's quota.
-        return args + ["--remount-ro", "/dev", "--remount-ro", "/", "--clearenv"]
-
-    def _ids(self, sandbox_id: str) -> tuple[int, int] | None:
-        """The host uid/gid of a sandbox, as root; another sandbox shares it only by a 1 in 2**24 chance."""
-        if self.mount_dir is None:
-            return None
-        uid = self.config.uid_base + int(sandbox_id, 16) % _UID_SPAN
-        return uid, uid
-
-    def _drop_prefix(self, ids: tuple[int, int] | None) -> list[str]:
-        """argv that becomes `ids` before exec'ing bwrap (for the processes we start without the zygote)."""
-        if ids is None:
-            return []
-        return [self._setpriv, f"--reuid={ids[0]}", f"--regid={ids[1]}", "--clear-groups", "--"]
 
     def _validate(self, spec: SandboxSpec) -> None:
         if not spec.workdir.startswith("/") or spec.workdir.rstrip("/") in ("", "/tmp", "/proc", "/dev"):
@@ -164,64 +96,87 @@ class LocalSandboxProvider:
         if spec.network is NetworkPolicy.HOST:
             raise ConfigError("SandboxSpec.network='host' is not supported by the local provider")
 
-    def _zygote(self, sandbox_id: str, res: Resources) -> tuple[Zygote | None, PidsCgroup | None]:
-        """An idle zygote and its cgroup, or new ones; (None, None) where no cgroup can be made."""
-        max_procs = res.max_procs
-        if not self.config.use_cgroup:
-            return None, None
+    def _host_ids(self) -> tuple[int, int]:
+        """(first host uid, span) for a new zygote's sandboxes: a random slot as root, else our uid."""
+        if self.mount_dir is None:
+            return os.getuid(), 1
+        slots = ((1 << 32) - 2 - self.config.uid_base) // _SPAN
+        return self.config.uid_base + secrets.randbelow(slots) * _SPAN, _SPAN
+
+    def _zygote(self, sandbox_id: str, res: Resources) -> tuple[Zygote, PidsCgroup | None]:
+        """An idle zygote and its cgroup, or new ones (no cgroup where none can be made)."""
         while self._idle:
             zygote, cgroup = self._idle.pop()
             if zygote.process.poll() is None:
                 break
-            cgroup.remove()  # the zygote died while idle
+            if cgroup is not None:
+                cgroup.remove()  # the zygote died while idle
         else:
-            made = PidsCgroup.create(f"miles-env-z{sandbox_id}", max_procs + 1)
-            if made is None:
-                return None, None
-            zygote, cgroup = start_zygote(sys.executable, made), made
-        cgroup.set_max(max_procs + 1)  # + the zygote itself
-        if not cgroup.set_cpus(res.cpus) and not self._warned_no_cpu:
-            self._warned_no_cpu = True
-            _log.warning("local sandbox: no writable cpu cgroup here; Resources.cpus is not enforced")
+            cgroup = None
+            if self.config.use_cgroup:
+                cgroup = PidsCgroup.create(f"miles-env-z{sandbox_id}", res.max_procs + _PROCS_OVERHEAD)
+            zygote = start_zygote(sys.executable, cgroup, self._host_ids())
+        if cgroup is not None:
+            cgroup.set_max(res.max_procs + _PROCS_OVERHEAD)
+            if not cgroup.set_cpus(res.cpus) and not self._warned_no_cpu:
+                self._warned_no_cpu = True
+                _log.warning("local sandbox: no writable cpu cgroup here; Resources.cpus is not enforced")
         return zygote, cgroup
 
-    def _give_back(self, zygote: Zygote, cgroup: PidsCgroup) -> None:
-        if len(self._idle) < self.config.warm:
+    def _give_back(self, zygote: Zygote, cgroup: PidsCgroup | None, stopped: bool) -> None:
+        if stopped and len(self._idle) < self.config.warm:
             self._idle.append((zygote, cgroup))
         else:
             _dispose([(zygote, cgroup)])
 
+    def _storage(self, host_dir: Path, zygote: Zygote, spec: SandboxSpec) -> Storage:
+        ids = (zygote.ids[0], zygote.ids[0]) if self.mount_dir is not None else None
+        storage = Storage.make(host_dir, self.mount_dir, ids, spec.resources.disk_mb)
+        if ids is not None and not storage.mounted and not self._warned_no_mount:
+            self._warned_no_mount = True
+            _log.warning(
+                "local sandbox: root here may not mount a tmpfs under %s; sandboxes get plain "
+                "directories, so Resources.disk_mb caps single files only, not a sandbox's total",
+                self.mount_dir,
+            )
+        layout.prepare(storage, spec, self.config.hostname)
+        if spec.rootfs is not None:
+            layout.seed_workdir(spec.rootfs, spec.workdir, storage.path("work"), storage.ids)
+        return storage
+
+    def image_config(self, spec: SandboxSpec) -> ImageConfig | None:
+        """The ENV, USER and WORKDIR every exec of `spec`'s sandbox gets: its image's; None for the
+        host's view (no image). A rootfs that comes with no config gets the empty one."""
+        return None if spec.rootfs is None else ImageConfig()
+
     async def create(self, spec: SandboxSpec) -> LocalSandbox:
         if not isinstance(spec, SandboxSpec):
             raise ConfigError(f"create(spec): expected a SandboxSpec, got {type(spec).__name__}")
-        image = None
+        built: LocalImage | None = None
         if spec.rootfs is None and (spec.build is not None or spec.image is not None):
-            # The task's image, built and unpacked once per content hash (sandboxes/images/local.py).
+            # The task's image, built and unpacked once per content hash (sandboxes/images/local.py):
+            # the lower layer of the sandbox's root, with its config for every exec.
             self._images = self._images or LocalImages(self.config.images)
-            image = await anyio.to_thread.run_sync(self._images.get, spec)
-            spec = spec.model_copy(update={"rootfs": str(image.rootfs)})
+            built = await anyio.to_thread.run_sync(self._images.get, spec)
+            spec = spec.model_copy(update={"rootfs": str(built.rootfs)})
         self._validate(spec)
+        image = built.config if built is not None else self.image_config(spec)
         sandbox_id = secrets.token_hex(6)
         host_dir = self.root / sandbox_id
-        ids = self._ids(sandbox_id)
-        storage = None
+        zygote, cgroup = self._zygote(sandbox_id, spec.resources)
+        storage: Storage | None = None
         try:
+            user = resolve_user(spec.rootfs, image.user if image else None, zygote.ids[1])
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             host_dir.mkdir(mode=0o700)
-            storage = Storage.make(host_dir, self.mount_dir, ids, spec.resources.disk_mb)
-            if ids is not None and not storage.mounted and not self._warned_no_mount:
-                self._warned_no_mount = True
-                _log.warning(
-                    "local sandbox: root here may not mount a tmpfs under %s; sandboxes get plain "
-                    "directories, so Resources.disk_mb caps single files only, not a sandbox's total",
-                    self.mount_dir,
-                )
-            bwrap_prefix = self._bwrap_prefix(spec, storage)
-            zygote, cgroup = self._zygote(sandbox_id, spec.resources)
+            storage = self._storage(host_dir, zygote, spec)
+            idmap = (spec.rootfs, str(storage.path("lower"))) if spec.rootfs and storage.ids else None
+            init_pid = await zygote.start(self.bwrap, layout.options(spec, storage, self.config), idmap)
         except BaseException as e:
             if storage is not None:
                 storage.remove()
             shutil.rmtree(host_dir, ignore_errors=True)
+            _dispose([(zygote, cgroup)])  # it may hold half a sandbox: a fresh one is cheaper to trust
             if isinstance(e, OSError):
                 raise SandboxError(f"creating sandbox under {self.root}: {e}") from e
             raise
@@ -229,17 +184,16 @@ class LocalSandboxProvider:
             sandbox_id=sandbox_id,
             spec=spec,
             storage=storage,
-            bwrap_prefix=bwrap_prefix,
-            limit_prefix=_limit_prefix(spec.resources, cgroup, self._prlimit),
-            drop_prefix=self._drop_prefix(ids),
-            cgroup=cgroup,
-            python=self.config.python,
-            max_read_bytes=self.config.max_read_bytes,
             zygote=zygote,
+            cgroup=cgroup,
+            max_read_bytes=self.config.max_read_bytes,
+            image=image,
+            user=user,
             on_close=self._give_back,
+            init_pid=init_pid,
         )
-        if image is not None:  # what the image says execs get (ENV, USER, WORKDIR), and its bases
-            sandbox.image_config, sandbox.image_bases = image.config, image.bases
+        if built is not None:  # the bases it was built on (recorded in the episode's metadata)
+            sandbox.image_bases = built.bases
         try:
             for path, text in spec.files.items():
                 await sandbox.write_file(path, text)

@@ -3,8 +3,8 @@
 Concept: a local sandbox handed out by a SandboxPool has `<root>/<id>/owner.json`
 with the ownership labels (ownership.py); a workspace whose owner is dead (or,
 without the file, whose age passed the TTL) is stale. Its processes are killed
-(found by the workspace path on their command line), its directory and its pids
-cgroup removed; then empty zygote cgroups, and (as root) every sandbox tmpfs whose
+(its bwrap, found by the sandbox's paths on its command line, is the init of the sandbox's pid
+namespace: killing it ends every process inside), its directory and its pids cgroup removed; then empty zygote cgroups, and (as root) every sandbox tmpfs whose
 workspace is gone, so a crashed run's RAM comes back now rather than when the next
 local provider starts. Reached as `LocalSandboxProvider.reap()` (the Reapable
 capability), like every other provider's reaper.
@@ -55,6 +55,8 @@ def reap_local(root: Path, ttl_s: float | None = None, mount_dir: Path | None = 
                 stale = time.time() - d.stat().st_mtime > (ttl_s if ttl_s is not None else DEFAULT_TTL_S)
             if stale:
                 _kill_by_cmdline(str(d))
+                if mount_dir is not None:
+                    _kill_by_cmdline(str(mount_dir / d.name) + "/")
                 shutil.rmtree(d, ignore_errors=True)
                 removed.append(d.name)
     # Only the cgroups of workspaces removed here: others may belong to live sandboxes of other roots.

@@ -1,20 +1,22 @@
-"""The local sandbox: one bubblewrap invocation per exec over a persistent private directory.
+"""The local sandbox: one process space and one writable root for its whole life, like a container.
 
-Concept: a sandbox is a writable tree on the host (storage.py: workspace bound at
-spec.workdir, a private /tmp and /dev/shm; as root one size-capped tmpfs owned by
-the sandbox's own unprivileged uid) plus, when the host allows it, a pids cgroup.
-Each exec is a single fresh `bwrap --unshare-all` (new user, mount, pid, net, ipc,
-uts, cgroup namespaces, no capabilities) that sees only the read-only system dirs
-and those writable binds; so create and close are cheap directory (and mount)
-operations and an exec is one process spawn. Files persist across execs;
-processes do not (the pid namespace dies with the exec). With a pids cgroup, that bwrap is forked by the
-sandbox's zygote, which already lives in the cgroup, so no exec has to join it
-(zygote.py says why that matters); the provider recycles zygote and cgroup.
+Concept: a sandbox is a long-lived set of namespaces (user, mount, pid, net, ipc, uts, cgroup)
+made by one bwrap at create and held by its zygote (zygote.py), over a writable tree on the host
+(storage.py: as root one size-capped tmpfs owned by the sandbox's own unprivileged host uids;
+layout.py: the writable root, workspace, /tmp). Each exec is a fork of the zygote that enters
+those namespaces and runs the command inside: so a process an exec leaves running (a server)
+is still there for the next exec and the verifier, a port bound in one exec answers the next
+(one network namespace, only `lo`), and files persist. The image's environment applies to every
+exec unless the caller sets a key (execargs.py): its ENV and PATH, its user (users.py) and that
+user's HOME, its WORKDIR as the default cwd.
 
-Invariants: nothing inside can reach the network (only `lo`); as root, nothing
-inside runs as host root or holds a capability; after `close()` no process of
-the sandbox is alive and its files and mount are gone. `close()` is
-idempotent and runs on `async with` exit, on cancellation and on Ctrl-C.
+Invariants: nothing inside can reach the network (only `lo`, and what expose() bridges); as
+root, nothing inside runs as host root or holds a capability; after `close()` no process of the
+sandbox is alive (its init, pid 1 of its pid namespace, exits and the kernel kills the rest; the
+zygote checks that its cgroup holds only itself and the next init before it is reused) and its files and mounts are gone. `close()` is
+idempotent and runs on `async with` exit, on cancellation and on Ctrl-C. If the owner dies
+(SIGKILL included), the zygote sees EOF and stops the sandbox; if the zygote dies, the init sees
+EOF on its pipe and exits, which kills the pid namespace: nothing of a killed run survives it.
 """
 
 from __future__ import annotations
@@ -23,26 +25,24 @@ import os
 import signal
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
 
 import anyio
 
 from miles_env.errors import SandboxError
 from miles_env.sandbox import Command
-from miles_env.types import ExecResult, Resources, SandboxSpec
+from miles_env.types import ExecResult, SandboxSpec
 
-from ..execargs import command_argv, exec_args, exec_cwd, exec_env
+from ..execargs import command_argv, exec_args
 from ..images.oci import ImageConfig
 from ..images.resolve import ResolvedImage
 from ..results import RawResult, classify
+from .bridge import Bridge
 from .cgroup import PidsCgroup
-from .forkserver import RequestTooLarge, Zygote
+from .forkserver import Zygote, ZygoteChild, all_pids, rlimits
 from .paths import safe_read, safe_write, split_inner_path
-from .process import collect, run_capped
+from .process import collect
 from .storage import Storage
-
-if TYPE_CHECKING:
-    from .bridge import Bridge
+from .users import ExecUser
 
 __all__ = ["LocalSandbox"]
 
@@ -50,8 +50,7 @@ __all__ = ["LocalSandbox"]
 class LocalSandbox:
     """A Sandbox (miles_env.sandbox.Sandbox) backed by bubblewrap; built by LocalSandboxProvider."""
 
-    # Set by the provider when the sandbox's root is a task image (sandboxes/images/local.py).
-    image_config: ImageConfig | None = None
+    # Set by the provider when the sandbox's root is a task image it built (sandboxes/images/local.py).
     image_bases: tuple[ResolvedImage, ...] = ()
 
     def __init__(
@@ -60,56 +59,61 @@ class LocalSandbox:
         sandbox_id: str,
         spec: SandboxSpec,
         storage: Storage,
-        bwrap_prefix: list[str],
-        limit_prefix: list[str],
-        drop_prefix: list[str],
+        zygote: Zygote,
         cgroup: PidsCgroup | None,
-        python: str,
         max_read_bytes: int,
-        zygote: Zygote | None = None,
-        on_close: Callable[[Zygote, PidsCgroup], None] | None = None,
+        image: ImageConfig | None = None,
+        user: ExecUser | None = None,
+        on_close: Callable[[Zygote, PidsCgroup | None, bool], None] | None = None,
+        init_pid: int = 0,
     ) -> None:
         self.id = sandbox_id
         self.workdir = spec.workdir
         self.spec = spec
         self.storage = storage
         self.host_dir = storage.host_dir  # bookkeeping (owner.json); the files are under storage.base
-        self._bwrap_prefix = bwrap_prefix
-        self._limit_prefix = limit_prefix
-        self._drop_prefix = drop_prefix  # as root: become the sandbox's uid before bwrap
+        self.image_config = image  # None: the host's view (no image); else the image's ENV, USER, WORKDIR
+        self.user = user or ExecUser(0, 0, (0,), spec.workdir, "root")
         self._max_read_bytes = max_read_bytes
         self._cgroup = cgroup
-        self._python = python
-        self._live: set[int] = set()
         self._zygote = zygote
-        self._on_close = on_close  # hands zygote + cgroup back to the provider for reuse
+        self._on_close = on_close  # hands zygote + cgroup back to the provider
         self._closed = False
-        self._bridge: Bridge | None = None
+        self._pending_mounts: list[tuple[str, str]] = []
+        self._bridge: Bridge | None = None  # made by the first expose()
+        self.init_pid = init_pid  # host pid of the sandbox's init (pid 1 inside)
         self.mounts = {spec.workdir: str(storage.path("work")), "/tmp": str(storage.path("tmp"))}
         self.mounts_ro: dict[str, str] = {}  # inner path -> host path, added by mount_ro()
 
     # -- exec ---------------------------------------------------------------------------
-    def _options(self, cwd: str | None, env: Mapping[str, str] | None) -> list[str]:
-        """bwrap's options after the binary: namespaces, mounts, env, cwd (no command)."""
-        out = self._bwrap_prefix[1:]
-        if self._bridge is not None:
-            out.append("--share-net")
-        for key, value in exec_env(self.spec, self.workdir, env).items():
-            out += ["--setenv", key, value]
-        return [*out, "--chdir", exec_cwd(self.workdir, cwd)]
+    def _members(self) -> list[int]:
+        """Host pids that may belong to this sandbox: its cgroup's, or (without one) every pid."""
+        return self._cgroup.pids() if self._cgroup is not None else all_pids()
 
-    def _netns(self) -> str | None:
-        return self._bridge.netns() if self._bridge is not None else None
-
-    def _bwrap_argv(self, cmd: Command, cwd: str | None, env: Mapping[str, str] | None) -> list[str]:
-        """bwrap, its options, `--`, the command."""
-        return [self._bwrap_prefix[0], *self._options(cwd, env), "--", *command_argv(cmd)]
-
-    def _argv(self, cmd: Command, cwd: str | None, env: Mapping[str, str] | None) -> list[str]:
-        """The argv of a process we start ourselves: the limits wrapper (joins the cgroup), nsenter
-        (after expose(); needs root, so before) the drop to the sandbox's uid, then bwrap."""
-        outer = ["nsenter", f"--net={netns}", "--"] if (netns := self._netns()) else []
-        return [*self._limit_prefix, *outer, *self._drop_prefix, *self._bwrap_argv(cmd, cwd, env)]
+    def start_child(
+        self, cmd: Command, *, cwd: str | None, env: Mapping[str, str] | None, timeout: float | None = None
+    ) -> tuple[ZygoteChild, float]:
+        """Start `cmd` in the sandbox (exec's and spawn's first half); the child and its time limit."""
+        home = self.user.home if self.image_config is not None else None
+        args = exec_args(
+            self.spec,
+            self.workdir,
+            timeout=timeout,
+            cwd=cwd,
+            env=env,
+            stdin=None,
+            image=self.image_config,
+            home=home,
+        )
+        child = self._zygote.spawn(
+            command_argv(cmd),
+            env=args.env,
+            cwd=args.cwd,
+            ids=(self.user.uid, self.user.gid, self.user.groups),
+            limits=rlimits(self.spec.resources, nproc=self._cgroup is None),
+            members=self._members,
+        )
+        return child, args.timeout
 
     async def exec(
         self,
@@ -121,30 +125,16 @@ class LocalSandbox:
         stdin: bytes | str | None = None,
     ) -> ExecResult:
         self._check_open()
-        res: Resources = self.spec.resources
-        args = exec_args(self.spec, self.workdir, timeout=timeout, cwd=cwd, env=env, stdin=stdin)
-        limit, data = args.timeout, args.stdin
+        await self._apply_mounts()
+        start = time.perf_counter()
         refused_before = self._cgroup.max_events() if self._cgroup else 0
-        child = None
-        if self._zygote is not None:
-            start = time.perf_counter()
-            try:
-                argv = self._bwrap_argv(cmd, cwd, env)
-                child = self._zygote.spawn(argv, res, netns=self._netns(), ids=self.storage.ids)
-            except RequestTooLarge:
-                child = None  # a huge command line: started by us, joining the cgroup itself (below)
-        if child is not None and self._zygote is not None:
-            raw = await collect(child, stdin=data, timeout=limit, output_cap=res.output_bytes, start=start)
-            if child.sandbox_pid is None and not raw.stderr and self._zygote.process.poll() is not None:
-                raise SandboxError(f"exec: the sandbox's zygote (pid {self._zygote.pid}) died")
-        else:
-            raw = await run_capped(
-                self._argv(cmd, cwd, env),
-                stdin=data,
-                timeout=limit,
-                output_cap=res.output_bytes,
-                live=self._live,
-            )
+        child, limit = self.start_child(cmd, cwd=cwd, env=env, timeout=timeout)
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        raw = await collect(
+            child, stdin=data, timeout=limit, output_cap=self.spec.resources.output_bytes, start=start
+        )
+        if child.error is not None:
+            raise SandboxError(f"sandbox {self.id}: exec: {child.error}")
         return self._result(raw, refused_before)
 
     def _result(self, raw: RawResult, refused_before: int) -> ExecResult:
@@ -175,40 +165,32 @@ class LocalSandbox:
         return safe_read(host, parts, path, self._max_read_bytes)
 
     def mount_ro(self, host_path: str, inner_path: str) -> None:
-        """Bind `host_path` read-only at `inner_path` for every later exec (e.g. an agent CLI).
+        """Bind `host_path` read-only at `inner_path`, for the next exec on (e.g. an agent CLI).
 
         Why a per-sandbox method and not a spec field: the mount is the harness's need, not
         the task's; the environment's SandboxSpec stays the same whatever harness runs it.
+        The zygote attaches it before the next exec, spawn or expose (this call stays sync).
         """
         self._check_open()
         if not os.path.exists(host_path):
             raise SandboxError(f"mount_ro: host path {host_path!r} does not exist")
-        if not inner_path.startswith("/") or inner_path.rstrip("/") in (
-            "",
-            self.workdir,
-            "/tmp",
-            "/proc",
-            "/dev",
-        ):
+        bad = ("", self.workdir.rstrip("/"), "/tmp", "/proc", "/dev")
+        if not inner_path.startswith("/") or inner_path.rstrip("/") in bad:
             raise SandboxError(f"mount_ro: inner path {inner_path!r} must be a dedicated absolute path")
-        at = self._bwrap_prefix.index("--remount-ro")  # mount points must exist before / turns read-only
-        self._bwrap_prefix[at:at] = ["--ro-bind", self.storage.reachable(host_path), inner_path]
+        self._pending_mounts.append((host_path, inner_path))
         self.mounts_ro[inner_path] = host_path
+
+    async def _apply_mounts(self) -> None:
+        while self._pending_mounts:
+            host_path, inner_path = self._pending_mounts.pop(0)
+            await self._zygote.mount(host_path, inner_path)
 
     # -- network ------------------------------------------------------------------------
     async def expose(self, url: str) -> str:
         self._check_open()
-        if self._bridge is None:
-            from .bridge import Bridge
-
-            self._bridge = Bridge(
-                self.storage.path("run"),
-                self._bwrap_prefix,
-                self._limit_prefix,
-                self._drop_prefix,
-                self._python,
-            )
-        return await self._bridge.expose(url, self._live)
+        await self._apply_mounts()
+        self._bridge = self._bridge or Bridge(self._zygote)
+        return await self._bridge.expose(url)
 
     # -- lifecycle ----------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -220,45 +202,22 @@ class LocalSandbox:
             return
         self._closed = True
         with anyio.CancelScope(shield=True):
-            self._kill_everything()
+            stopped = False
+            with anyio.move_on_after(20):
+                stopped = await self._stop()
             if self._bridge is not None:
-                await self._bridge.aclose()
-            self._kill_everything()
-            if self._zygote is not None and self._cgroup is not None and self._on_close is not None:
-                if await self._empty_but_zygote(self._zygote, self._cgroup):
-                    self._on_close(self._zygote, self._cgroup)
-                else:
-                    self._zygote.close()
-                    self._cgroup.remove()
-            elif self._cgroup is not None:
-                self._cgroup.remove()
+                self._bridge.close()
+            if self._on_close is not None:
+                self._on_close(self._zygote, self._cgroup, stopped)
             self.storage.remove()
 
-    @staticmethod
-    async def _empty_but_zygote(zygote: Zygote, cgroup: PidsCgroup, deadline_s: float = 5.0) -> bool:
-        """Kill whatever is left in the cgroup except the zygote, until it is the only member."""
-        end, pause = time.monotonic() + deadline_s, 0.0001
-        while time.monotonic() < end:
-            left = [p for p in cgroup.pids() if p != zygote.pid]
-            if not left:
-                return zygote.process.poll() is None
-            for pid in left:  # often just an exec's bwrap that is still finishing its exit
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            await anyio.sleep(pause)
-            pause = min(pause * 2, 0.01)
-        return False
-
-    def _kill_everything(self) -> None:
-        for pid in list(self._live):
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        if self._cgroup is not None and self._zygote is None:
-            self._cgroup.kill_all()
+    async def _stop(self) -> bool:
+        """Have the zygote end the sandbox; True once its init is gone and the zygote was left alone
+        in its cgroup (it checks that itself before it answers, then makes the next init)."""
+        try:
+            return await self._zygote.stop() and self._zygote.process.poll() is None
+        except SandboxError:
+            return False
 
     async def __aenter__(self) -> LocalSandbox:
         return self

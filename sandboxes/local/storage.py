@@ -1,16 +1,17 @@
 """Where a local sandbox's files live on the host, and who owns them.
 
-Concept: everything a sandbox can write sits in one tree `<base>/{work,tmp,shm,run}`
-(bound at the workdir, /tmp, /dev/shm and, after expose(), /run/miles-env).
+Concept: everything a sandbox can write sits in one tree `<base>/{work,tmp,shm,run,...}`
+(bound at the workdir, /tmp and /dev/shm; `run/hosts` at /etc/hosts; the writable root's upper
+layer and overlay work dirs, layout.py).
 
 As root, `<base>` is a tmpfs mounted for this sandbox alone at `<mount_dir>/<id>`:
 `size=disk_mb` caps the sandbox's TOTAL bytes, not one file; `nr_inodes` caps the
 number of files, since an empty file costs kernel memory that `size` does not count;
 `nosuid,nodev`, so a setuid-root or device file made inside never acts as one on the
-host; owned by the sandbox's unprivileged host uid (`ids`), which bwrap runs as.
+host; owned by the sandbox's unprivileged host uid (`ids`: its root), which bwrap runs as.
 Why not under root_dir: bwrap runs as that uid and must walk to every bind source,
 and root_dir may lie below a 0700 directory (a pytest tmp dir, /root). For the same
-reason a host path the uid cannot walk to (an agent CLI under /root) is bound
+reason a host path the uid cannot walk to (an extra bind under /root) is bound
 read-only into `<base>/ro/<n>` first (`reachable()`). `<root_dir>/<id>` stays the
 sandbox's bookkeeping directory (the pool's owner.json), with `work` and `tmp`
 symlinks to the mount for people.
@@ -189,8 +190,17 @@ class Storage:
             for sub in ("work", "tmp"):
                 (self.host_dir / sub).symlink_to(self.base / sub)
 
-    def path(self, sub: str) -> Path:
-        return self.base / sub
+    def path(self, *parts: str) -> Path:
+        return self.base.joinpath(*parts)
+
+    def mkdir(self, sub: str, mode: int = 0o755, owned: bool = True) -> Path:
+        """`<base>/<sub>` (its parent must exist), owned by the sandbox's root unless `owned` is False."""
+        path = self.base / sub
+        path.mkdir()
+        os.chmod(path, mode)  # mkdir's mode is cut by the umask
+        if owned and self.ids is not None:
+            os.chown(path, *self.ids)
+        return path
 
     def reachable(self, host_path: str) -> str:
         """`host_path`, or a read-only bind of it under base/ro when the sandbox's uid cannot walk to it."""

@@ -52,6 +52,9 @@ function renderRun() {
   add("Logprob diff, trainer vs engine (Zero-KL)", [{ name: "mean |Δ logp|", points: series("train", "logprob_diff_mean") },
     { name: "max", points: series("train", "logprob_diff_max"), dashed: true }], { yMin: 0 });
   add("Staleness (steps behind)", [{ name: "mean", points: series("train", "staleness_mean") }], { yMin: 0 });
+  const infra = pickKeys(k => /^ends\//.test(k) && !/\/(completed|truncated|policy_format)$/.test(k));
+  add("Infrastructure failures (share of episodes rolled out)", infra.map(k => ({ name: k.slice(5), points: series("train", k) })),
+    { yMin: 0, yMax: 1 });
   add("Clip fraction", [{ name: "clip_frac", points: series("train", "clip_frac") }], { yMin: 0 });
   add("Tokens / s (trainer)", [{ name: "tokens/s", points: series("train", "tokens_per_s") }], { yMin: 0 });
   const times = ["step_time_s", "rollout_s", "train_s", "sync_s", "checkpoint_s", "rollout_wait_s"];
@@ -68,7 +71,7 @@ function tableQuery() {
   return p.toString();
 }
 
-const COLS = [["id", "episode"], ["task", "task"], ["status", "status"], ["reward", "reward"], ["group", "group"],
+const COLS = [["id", "episode"], ["task", "task"], ["status", "status"], ["end", "end"], ["reward", "reward"], ["group", "group"],
   ["split", "split"], ["step", "step"], ["v_min", "versions"], ["turns", "turns"], ["sampled", "sampled tok"], ["wall_s", "wall s"]];
 
 function renderEpisodesShell() {
@@ -77,7 +80,7 @@ function renderEpisodesShell() {
     opts.map(o => `<option ${f[name] === o ? "selected" : ""}>${esc(o)}</option>`).join("") + "</select>";
   $("#main").innerHTML = `<h2>Episodes</h2><div class="filters">
     <input data-f="q" data-testid="f-q" placeholder="search task, id, group" value="${esc(f.q || "")}">
-    ${sel("status", facets.status || [])}${sel("split", facets.split || [])}${sel("state", facets.state || [])}
+    ${sel("status", facets.status || [])}${sel("end", ["policy", "infra", ...(facets.end || [])])}${sel("split", facets.split || [])}${sel("state", facets.state || [])}
     ${sel("flag", ["any", "none", ...(facets.flag || [])])}
     <select data-f="passed" data-testid="f-passed"><option value="">reward: all</option><option value="1" ${f.passed === "1" ? "selected" : ""}>passed</option><option value="0" ${f.passed === "0" ? "selected" : ""}>not passed</option></select>
     <input data-f="step" data-testid="f-step" placeholder="step" size="5" value="${esc(f.step || "")}">
@@ -105,7 +108,7 @@ async function loadTable() {
   if (seq !== tableSeq || !$("#rows")) return;  // a newer query (typing) or another page won
   const t = S.table;
   $("#rows").innerHTML = d.rows.map(r => `<tr data-id="${esc(r.id)}"><td><a href="#/episode/${encodeURIComponent(r.id)}">${esc(r.id.slice(0, 12))}</a></td>
-    <td>${esc(r.task)}</td><td>${pill(r.status)}${(r.flags || []).map(f => ` <b class="err" title="flag">${esc(f)}</b>`).join("")}</td><td class="num">${num(r.reward)}</td>
+    <td>${esc(r.task)}</td><td>${pill(r.status)}${(r.flags || []).map(f => ` <b class="err" title="flag">${esc(f)}</b>`).join("")}</td><td>${r.end ? pill(r.end) : "–"}</td><td class="num">${num(r.reward)}</td>
     <td><a href="#/group/${encodeURIComponent(r.group)}">${esc(r.group.slice(-24))}</a></td><td>${esc(r.split)}</td>
     <td class="num">${r.step ?? "–"}</td><td class="num">${r.v_min === null ? "–" : r.v_min === r.v_max ? r.v_min : r.v_min + "–" + r.v_max}</td>
     <td class="num">${r.turns}</td><td class="num">${r.sampled}</td><td class="num">${num(r.wall_s)}</td></tr>`).join("");
@@ -143,7 +146,7 @@ async function renderEpisode(id) {
   $("#main").innerHTML = `<p class="muted">loading ${esc(id)}…</p>`;
   const e = await api(`/api/episodes/${encodeURIComponent(id)}`), r = e.row;
   const checks = ((e.reward || {}).details || {}).checks || [];
-  $("#main").innerHTML = `<h2>Episode ${esc(r.id)} ${pill(r.status)}</h2>
+  $("#main").innerHTML = `<h2>Episode ${esc(r.id)} ${pill(r.status)}${r.end && r.end !== r.status ? " " + pill(r.end) : ""}</h2>
     <div class="cards">${[["task", esc(r.task)], ["reward", num(r.reward)], ["group", `<a href="#/group/${encodeURIComponent(r.group)}">${esc(r.group)}</a>`],
       ["step", r.step ?? "–"], ["versions", r.v_min === null ? "–" : `${r.v_min}–${r.v_max}`], ["turns", r.turns], ["sampled", r.sampled],
       ["wall s", num(r.wall_s)], ["harness", esc(e.harness || "–")]].map(([k, v]) => `<div class="card"><div class="k">${k}</div><div class="v">${v}</div></div>`).join("")}</div>
