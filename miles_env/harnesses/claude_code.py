@@ -37,7 +37,7 @@ from miles_env.harnesses._cli import (
 )
 from miles_env.harnesses.configs import LEAN_PROMPT, ClaudeCodeConfig
 from miles_env.sandbox import Sandbox
-from miles_env.types import Status, Task
+from miles_env.types import EpisodeEnd, Status, Task
 
 __all__ = ["ClaudeCodeConfig", "ClaudeCodeHarness", "context_env", "outcome", "output_limits"]
 
@@ -91,7 +91,7 @@ def context_env(context: int, output_tokens: int | None) -> dict[str, str]:
     return env
 
 
-def outcome(output: Any, status: Status, error: str | None) -> tuple[Status, str | None, str | None]:
+def outcome(output: Any, status: Status, error: str | None) -> tuple[Status, str | None, EpisodeEnd | None]:
     """(status, error, end class) from Claude Code's JSON result, when it reports an error; else the
     exit status's. Claude Code exits 0 on some failures (max turns, API errors) and 1 on others,
     and says which in its JSON: max turns, the context and the reply size are budgets (truncated),
@@ -171,7 +171,7 @@ class ClaudeCodeHarness:
         )
         status, error = cli_status(run, self.pin)
         output = last_json(run.stdout)
-        end = None
+        end: EpisodeEnd | None = None
         if not run.timed_out and not run.killed_by_limit:  # its own account beats a bare exit status
             status, error, end = outcome(output, status, error)
         final = output.get("result") if isinstance(output, dict) else None
