@@ -3,7 +3,7 @@
 Each mode runs in its own child process (so its peak RSS is its own) on the same synthetic GRPO
 group (bench_trainer.make_group: fixed token ids, half the episodes rewarded): `--steps` timed
 train_steps after one warm-up, median reported. Sync bytes after the last step, float32 as the
-trainer holds them: full (every base tensor), delta (trainer/weight_sync.encode_delta of the
+trainer holds them: full (every base tensor), delta (trainer/weight_delta.encode_delta of the
 weights before and after the step: what `weight_sync: delta` moves), and for LoRA the adapter
 file (what `trainer.lora` moves) and the delta of the merged weights (what a merge-and-sync
 design would move instead).
@@ -35,7 +35,7 @@ def child(mode: str, args: argparse.Namespace) -> dict[str, float]:
     from miles_env.trainer.config import LoraConfig, TrainerConfig
     from miles_env.trainer.lora import param_share
     from miles_env.trainer.torch_backend import TorchTrainer
-    from miles_env.trainer.weight_sync import encode_delta
+    from miles_env.trainer.weight_delta import encode_delta
 
     torch.set_num_threads(args.threads)
     lora = LoraConfig(rank=args.rank, alpha=2 * args.rank) if mode == "lora" else None

@@ -88,7 +88,8 @@ def sync_bytes(model: Path, args: argparse.Namespace) -> dict[str, float]:
 
     from miles_env.trainer.config import LoraConfig, TrainerConfig
     from miles_env.trainer.torch_backend import TorchTrainer
-    from miles_env.trainer.weight_sync import WeightSyncer, encode_delta
+    from miles_env.trainer.weight_delta import encode_delta
+    from miles_env.trainer.weight_sync import WeightSyncer
 
     trainer = TorchTrainer(model, TrainerConfig(lr=1e-5, fused_adamw=False))
     vocab = trainer.model.get_input_embeddings().weight.shape[0]

@@ -1,9 +1,10 @@
-"""Delta encode/decode speed: this tree's `weight_sync` codec against a baseline revision's, same run.
+"""Delta encode/decode speed: this tree's delta codec against a baseline revision's, same run.
 
 One real RL step (TorchTrainer, SmolLM2-135M, AdamW at the example config's lr) gives the before /
 after weights; for each engine dtype both codecs encode the delta (median of --repeat runs) and
 decode it; every decoded tensor is checked bit for bit against the trainer's weights cast to that
-dtype. The baseline codec is `trainer/weight_sync.py` at --base (git show), loaded as a module.
+dtype. The baseline codec is `trainer/weight_delta.py` at --base (git show), or `trainer/weight_sync.py`
+for a revision before the codec had its own module; loaded as a module.
 
     python bench/bench_weight_sync.py [--base 90bae88] [--repeat 3] [--lr 2e-5]
 """
@@ -28,11 +29,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 def load_baseline(rev: str) -> ModuleType:
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:trainer/weight_sync.py"],
-                         capture_output=True, text=True, check=True).stdout  # fmt: skip
-    path = Path(tempfile.mkdtemp()) / "weight_sync_baseline.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("weight_sync_baseline", path)
+    for name in ("weight_delta", "weight_sync"):  # the codec's home since the split, then before it
+        shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:trainer/{name}.py"],
+                               capture_output=True, text=True)  # fmt: skip
+        if shown.returncode == 0:
+            break
+    else:
+        raise SystemExit(f"--base {rev}: no delta codec there: {shown.stderr.strip()}")
+    path = Path(tempfile.mkdtemp()) / "delta_codec_baseline.py"
+    path.write_text(shown.stdout)
+    spec = importlib.util.spec_from_file_location("delta_codec_baseline", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up
@@ -80,7 +86,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--lr", type=float, default=2e-5)
     args = ap.parse_args()
-    from miles_env.trainer import weight_sync
+    from miles_env.trainer import weight_delta, weight_sync
 
     base = load_baseline(args.base)
     before, after = one_step(args.lr)
@@ -92,7 +98,7 @@ def main() -> None:
         old, new = cast(before), cast(after)
         full = sum(t.numel() * t.element_size() for t in new.values()) / 2**20
         e0, d0, b0 = measure(base, old, new, args.repeat)
-        e1, d1, b1 = measure(weight_sync, old, new, args.repeat)
+        e1, d1, b1 = measure(weight_delta, old, new, args.repeat)
         print(f"| {str(dtype).removeprefix('torch.')} | {full:.1f} | {b0 / 2**20:.1f} / {b1 / 2**20:.1f} "
               f"| {e0:.2f} | {e1:.2f} | **{e0 / e1:.2f}x** | {d0:.2f} | {d1:.2f} | **{d0 / d1:.2f}x** |")  # fmt: skip
 

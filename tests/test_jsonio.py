@@ -89,7 +89,7 @@ _ALLOWED = {
     ("miles_env/jsonio.py", "dumps"): "the helper itself",
     ("miles_env/queue/codec.py", "dumps"): "queue storage: lossless round trip of an Episode, not a file",
     ("miles_env/queue/sqlite.py", "dumps"): "a list of episode ids bound as an SQL parameter",
-    ("trainer/weight_sync.py", "dumps"): "a CRC over names and shapes, never written",
+    ("trainer/weight_delta.py", "dumps"): "a CRC over names and shapes, never written",
 }
 
 

@@ -102,7 +102,7 @@ RULES = [
     Rule(
         "the engine side may import the trainer's weight-delta format, nothing else of the trainer",
         importer=lambda m: _in(m, f"{P}.engines"),
-        forbidden=lambda t: _in(t, f"{P}.trainer") and t != f"{P}.trainer.weight_sync",
+        forbidden=lambda t: _in(t, f"{P}.trainer") and t != f"{P}.trainer.weight_delta",
     ),
     Rule(
         "environments (envs/*) depend on the contracts and the authoring kit only",

@@ -13,14 +13,8 @@ import pytest
 import torch
 
 from miles_env.errors import EngineError
-from miles_env.trainer.weight_sync import (
-    WeightSyncer,
-    decode_entry,
-    encode_delta,
-    load_delta,
-    save_delta,
-    verify_manifest,
-)
+from miles_env.trainer.weight_delta import decode_entry, encode_delta, load_delta, save_delta, verify_manifest
+from miles_env.trainer.weight_sync import WeightSyncer
 
 
 def _step(state: dict[str, torch.Tensor], lr: float, seed: int) -> dict[str, torch.Tensor]:

@@ -35,6 +35,7 @@ from starlette.routing import Route as HttpRoute
 
 from miles_env.tito import anthropic_messages as am
 from miles_env.tito import openai_responses as oa
+from miles_env.tito import openai_responses_out as oa_out
 from miles_env.tito.body import parse_json, read_body
 from miles_env.tito.config import Budget, Route
 from miles_env.tito.errors import ProxyError, bad_request, unauthorized
@@ -147,8 +148,8 @@ def create_app(proxy: TitoProxy) -> Starlette:
 
         def respond(result: ChatResult) -> Response:
             if not req.stream:
-                return tracked(sid, result, json_reply(oa.response_body(result, reply_id, custom, model)))
-            return tracked(sid, result, event_stream(oa.stream_events(result, reply_id, custom, model)))
+                return tracked(sid, result, json_reply(oa_out.response_body(result, reply_id, custom, model)))
+            return tracked(sid, result, event_stream(oa_out.stream_events(result, reply_id, custom, model)))
 
         return await proxy.serve(sid, core, respond)
 

@@ -5,7 +5,8 @@ branches (extension first, then the best fork point, else a full render) and
 renders and tokenizes only what is not stored yet (see proxy.py for the rules).
 It only reads the session (the caller holds the session's lock), so a large plan
 runs in a worker thread while the event loop serves other sessions; a small one
-runs in-line (`inline_chars`: Offload stops it before it renders more than that).
+runs in-line (`inline_chars`: Offload stops it before it renders more than that); `plan_turn`
+makes that choice for the proxy, from the request's text sizes.
 
 Bounded: with a context `limit`, each text is measured before it is tokenized; when
 its size alone proves the prompt reaches the limit (`Renderer.min_tokens`), the
@@ -15,9 +16,11 @@ prompt is refused in microseconds instead of tokenized for seconds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import anyio
 
 from miles_env.tito.messages import ChatRequest, Message, ToolCall, key_function, tools_key
 from miles_env.tito.render import Renderer
@@ -29,6 +32,7 @@ __all__ = [
     "Offload",
     "Seen",
     "make_plan",
+    "plan_turn",
     "full_prompt",
     "request_keys",
     "text_size",
@@ -184,6 +188,38 @@ def make_plan(
     check(req.messages)
     ids = _encode(r, r.render_full(req.messages, req.tools), 0, limit)
     return Plan(len(s.branches), True, ids, ids, keys, tkey)
+
+
+# In-line planning (no thread hop, ~40 us and more under GIL contention) when hashing the texts
+# costs about as much (sha256, ~0.1 ms for 128K characters) and the tail to render and tokenize
+# is short (tokenizing 4K characters, ~1K tokens, holds the GIL anyway: render.py).
+INLINE_KEY_CHARS = 128 * 1024
+_INLINE_RENDER_CHARS = 4096
+
+
+async def plan_turn(
+    s: Session,
+    req: ChatRequest,
+    r: Renderer,
+    limit: int | None,
+    stops: Collection[int],
+    seen: MutableMapping[str, Seen],
+) -> Plan:
+    """`make_plan` in-line when the request is small enough that a thread hop would cost more than
+    the work (measured from its texts' sizes before hashing, and from the tail's before rendering);
+    otherwise, or as soon as planning finds more to render, in a worker thread. `seen` (session id
+    -> its last small request) is updated: a large request is hashed in full, and not kept."""
+    keys = None
+    if text_size(req.messages) <= INLINE_KEY_CHARS and within(req.tools, INLINE_KEY_CHARS):
+        keys = request_keys(s, req, seen.get(s.id))
+        seen[s.id] = Seen(req.messages, keys, session_key(s))
+        try:
+            return make_plan(s, req, r, limit, keys=keys, inline_chars=_INLINE_RENDER_CHARS, stops=stops)
+        except Offload:
+            pass
+    else:
+        seen.pop(s.id, None)
+    return await anyio.to_thread.run_sync(lambda: make_plan(s, req, r, limit, keys=keys, stops=stops))
 
 
 def full_prompt(req: ChatRequest, r: Renderer, limit: int | None) -> list[int]:

@@ -26,6 +26,10 @@ turn whose response did not reach the client (`undelivered`). Neither turn ever 
 (session.py). Faults: a request that fails leaves its class on the session (`fault`).
 Lifecycle: create_session -> chat* -> export -> close_session; with a store_dir
 the event journal makes all of it survive a restart.
+
+Homes: this module holds the sessions, their locks and the journal writes; what a turn computes
+from values alone (context limit, budget breach, max_new, sampling, parsing the generation, the
+TurnEvent) is turn.py's; stitching is plan.py's.
 """
 
 from __future__ import annotations
@@ -59,39 +63,29 @@ from miles_env.tito.journal import (
     ClosedEvent,
     SessionEvent,
     TruncatedEvent,
-    TurnEvent,
-    TurnRecord,
     UndeliveredEvent,
 )
-from miles_env.tito.messages import ChatRequest, ChatResult, Message, digest
+from miles_env.tito.messages import ChatRequest, ChatResult
 from miles_env.tito.parsers import build_parsers
-from miles_env.tito.plan import (
-    Offload,
-    Plan,
-    PromptTooLong,
-    Seen,
-    full_prompt,
-    make_plan,
-    request_keys,
-    session_key,
-    text_size,
-    within,
-)
+from miles_env.tito.plan import Plan, PromptTooLong, Seen, full_prompt, plan_turn
 from miles_env.tito.render import Renderer, TemplateRefused
 from miles_env.tito.session import Session, SessionInfo
 from miles_env.tito.store import Journal, load_sessions
+from miles_env.tito.turn import (
+    budget_breach,
+    context_limit,
+    max_new,
+    parse,
+    sampling,
+    stop_ids,
+    turn_event,
+)
 from miles_env.types import Trajectory
 
 __all__ = ["TitoProxy", "SessionHandle"]
 
 R = TypeVar("R")
 T = TypeVar("T")
-
-# In-line planning (no thread hop, ~40 us and more under GIL contention) when hashing the texts
-# costs about as much (sha256, ~0.1 ms for 128K characters) and the tail to render and tokenize
-# is short (tokenizing 4K characters, ~1K tokens, holds the GIL anyway: render.py).
-_INLINE_KEY_CHARS = 128 * 1024
-_INLINE_RENDER_CHARS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +115,7 @@ class TitoProxy:
             self._sessions = {k: s for k, s in load_sessions(Path(store_dir)).items() if not s.closed}
         self._info: EngineInfo | None = None
         # session id -> its last small request's messages and keys (plan.Seen): the next request
-        # compares its resent history instead of hashing it; at most ~_INLINE_KEY_CHARS of text
+        # compares its resent history instead of hashing it; at most ~plan.INLINE_KEY_CHARS of text
         # each, a fraction of the memory of the session's own ids
         self._seen: dict[str, Seen] = {}
 
@@ -208,7 +202,7 @@ class TitoProxy:
             info = await self.engine_info()
         except Exception:  # an engine that cannot describe itself fails the first turn, with its error
             return s.budget.max_context
-        return self._limit(s, info)
+        return context_limit(s, info)
 
     # -- the core turn --------------------------------------------------------------------------------
     def _record(self, s: Session, event: SessionEvent) -> None:
@@ -222,22 +216,9 @@ class TitoProxy:
             self._record(s, TruncatedEvent(reason=reason))
 
     def _check_budget(self, s: Session) -> None:
-        b = s.budget
-        if b.max_turns is not None and s.n_turns >= b.max_turns:
-            self._truncate(s, "max_turns")
-            raise budget_exceeded("max_turns", f"{s.n_turns} of {b.max_turns} turns used")
-        if b.max_tokens is not None and s.sampled_tokens >= b.max_tokens:
-            self._truncate(s, "max_tokens")
-            raise budget_exceeded("max_tokens", f"{s.sampled_tokens} of {b.max_tokens} tokens sampled")
-        if b.wall_time_s is not None and s.elapsed() >= b.wall_time_s:
-            self._truncate(s, "wall_time_s")
-            raise budget_exceeded("wall_time_s", f"{s.elapsed():.1f}s of {b.wall_time_s}s elapsed")
-
-    @staticmethod
-    def _limit(s: Session, info: EngineInfo) -> int | None:
-        """max_context: the min of the session budget and the engine."""
-        limits = [x for x in (s.budget.max_context, info.max_context) if x]
-        return min(limits) if limits else None
+        if (breach := budget_breach(s)) is not None:
+            self._truncate(s, breach[0])
+            raise budget_exceeded(*breach)
 
     async def _described(self) -> EngineInfo:
         try:
@@ -267,32 +248,11 @@ class TitoProxy:
     async def _plan(
         self, s: Session, req: ChatRequest, info: EngineInfo, limit: int | None, *, mark: bool = True
     ) -> Plan:
-        """Plan in-line when the request is small enough that a thread hop would cost more than the
-        work (measured from its texts' sizes before hashing, and from the tail's before rendering);
-        otherwise, or as soon as planning finds more to render, in a worker thread."""
+        """Stitch the request (plan.py: in-line when small, else in a worker thread), its refusals
+        translated to 400s."""
         _require_messages(req)
-        keys, stops = None, self._stop_ids(info)
-        if text_size(req.messages) <= _INLINE_KEY_CHARS and within(req.tools, _INLINE_KEY_CHARS):
-            keys = request_keys(s, req, self._seen.get(s.id))
-            self._seen[s.id] = Seen(req.messages, keys, session_key(s))
-            try:
-                with self._refusals(s, mark):
-                    return make_plan(
-                        s,
-                        req,
-                        self.renderer,
-                        limit,
-                        keys=keys,
-                        inline_chars=_INLINE_RENDER_CHARS,
-                        stops=stops,
-                    )
-            except Offload:
-                pass
-        else:
-            self._seen.pop(s.id, None)  # a large request is hashed in full, and not kept
-        return await self._off_loop(
-            s, lambda: make_plan(s, req, self.renderer, limit, keys=keys, stops=stops), mark=mark
-        )
+        with self._refusals(s, mark):
+            return await plan_turn(s, req, self.renderer, limit, stop_ids(self.renderer, info), self._seen)
 
     def _max_new(
         self, s: Session, req: ChatRequest, prompt_len: int, limit: int | None
@@ -302,29 +262,10 @@ class TitoProxy:
         if limit is not None and prompt_len >= limit:
             self._truncate(s, "max_context")
             raise context_exceeded(prompt_len, limit)
-        want = req.max_tokens or self.config.default_max_tokens
-        caps: list[tuple[int, str | None]] = [(want, None)]
-        if limit is not None:
-            caps.append((limit - prompt_len, "max_context"))
-        if s.budget.max_tokens is not None:
-            caps.append((s.budget.max_tokens - s.sampled_tokens, "max_tokens"))
-        return min(caps, key=lambda c: c[0])
+        return max_new(s, req, prompt_len, limit, self.config.default_max_tokens)
 
-    def _stop_ids(self, info: EngineInfo) -> tuple[int, ...]:
-        """The ids a turn ends on: the configured stop token and the engine's eos ids (GLM's several)."""
-        return tuple(dict.fromkeys((self.renderer.stop_id, *info.eos_token_ids)))
-
-    def _sampling(self, req: ChatRequest, max_new: int, info: EngineInfo) -> SamplingParams:
-        stops = self._stop_ids(info)
-        return SamplingParams(
-            max_new_tokens=max_new,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            stop_token_ids=stops,
-            stop=req.stop,
-            seed=req.seed,
-        )
+    def _sampling(self, req: ChatRequest, max_new_tokens: int, info: EngineInfo) -> SamplingParams:
+        return sampling(req, max_new_tokens, stop_ids(self.renderer, info))
 
     async def _engine(
         self, s: Session, ids: list[int], sampling: SamplingParams, limit: int | None, sid: str | None
@@ -338,14 +279,8 @@ class TitoProxy:
         except Exception as e:  # transient: a 5xx the client may retry, nothing stored
             raise engine_failed(e) from e
 
-    def _parse(self, gen: Generation, sampling: SamplingParams, req: ChatRequest) -> ChatResult:
-        """The generation as text, content and tool calls (prompt counts left 0 for the caller)."""
-        out = list(gen.output_ids)
-        body = out[:-1] if out and out[-1] in sampling.stop_token_ids else out
-        text = self.renderer.decode(body)
-        p = self.parsers.parse(text, req.tools)  # reasoning split off, tool calls parsed (tito/parsers)
-        finish = "tool_calls" if p.tool_calls else gen.finish_reason
-        return ChatResult(text, p.content, p.tool_calls, finish, 0, len(out), 0, -1, p.meta())
+    def _parse(self, gen: Generation, params: SamplingParams, req: ChatRequest) -> ChatResult:
+        return parse(self.renderer, self.parsers, gen, params, req)
 
     async def count_tokens(self, session_id: str, req: ChatRequest) -> int:
         """The prompt length a request would have, stitched as `chat` would; nothing is generated.
@@ -355,7 +290,7 @@ class TitoProxy:
         s = self._session(session_id)
         async with s.lock:
             info = await self._described()
-            return len((await self._plan(s, req, info, self._limit(s, info), mark=False)).prompt)
+            return len((await self._plan(s, req, info, context_limit(s, info), mark=False)).prompt)
 
     async def chat(self, session_id: str, req: ChatRequest) -> ChatResult:
         return await self.serve(session_id, req, _same)
@@ -380,7 +315,7 @@ class TitoProxy:
         if not req.aux:
             self._check_budget(s)
         info = await self._described()
-        limit = self._limit(s, info)
+        limit = context_limit(s, info)
         if req.aux:
             return await self._aux(s, req, info, limit, respond)
         plan = await self._plan(s, req, info, limit)
@@ -437,30 +372,7 @@ class TitoProxy:
         gen = await self._engine(s, plan.prompt, sampling, limit, s.id)
         latency = time.perf_counter() - t0
         r = self._parse(gen, sampling, req)
-        out, lps = list(gen.output_ids), list(gen.logprobs)
-        akey = session_key(s)(Message("assistant", r.content or "", r.tool_calls))
-        fork = plan.parent is not None
-        # built from our own values on the turn's path: not validated, and its id lists not copied
-        event = TurnEvent.model_construct(
-            branch=plan.branch,
-            new_branch=plan.new_branch,
-            tools_key=plan.tools_key,
-            prompt_ids=plan.delta,
-            output_ids=out,
-            logprobs=lps,
-            gen_digest=digest(out, lps),  # the engine's record, checked by `tito audit`
-            keys=[*plan.keys, akey],
-            turn=TurnRecord(
-                finish_reason=r.finish_reason,
-                weight_version=gen.weight_version,
-                latency_s=latency,
-                engine=info.name,
-            ),
-            parent=plan.parent,
-            fork_keys=plan.fork_keys if fork else None,
-            fork_tokens=plan.fork_tokens if fork else None,
-            aliases={req.reply_id: akey} if req.reply_id is not None else None,
-        )
+        event = turn_event(s, req, plan, gen, r, latency, info.name)
         result = replace(
             r,
             prompt_tokens=len(plan.prompt),

@@ -17,7 +17,8 @@ are its only trainable parameters; the optimizer, checkpoints and weight sync ca
 (`export_adapter`), while `state_dict`/`export_weights` give merged, HF-named full weights.
 
 Lifecycle: build -> (load_checkpoint) -> train_step* with export_weights /
-state_dict for weight sync -> save_checkpoint. `step` is the weight version.
+state_dict for weight sync -> save_checkpoint. `step` is the weight version. What leaves for disk
+has its own homes: checkpoints in torch_checkpoint.py, HF folders in export.py.
 
 FSDP2 (trainer/fsdp.py): under torchrun with world_size > 1, the trainer joins (or creates: gloo
 on CPU, nccl on CUDA) the default process group and `fully_shard`s every decoder layer and the root.
@@ -35,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import shutil
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -47,19 +47,9 @@ from torch.distributed.tensor import DTensor
 from miles_env.errors import ConfigError
 from miles_env.models import resolve_model
 from miles_env.trainer.batch import Batch, collate, masked_logprobs
-from miles_env.trainer.checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
 from miles_env.trainer.config import LoraConfig, TrainerConfig
-from miles_env.trainer.fsdp import (
-    World,
-    deal,
-    full_optimizer_state,
-    full_state,
-    init_world,
-    load_full_model_state,
-    load_optimizer_state,
-    merged_lora_state,
-    shard,
-)
+from miles_env.trainer.export import write_hf_dir
+from miles_env.trainer.fsdp import World, deal, full_state, init_world, merged_lora_state, shard
 from miles_env.trainer.losses import microbatch_loss, token_logprobs
 from miles_env.trainer.moe import MoeAux, moe_shape, routers
 from miles_env.trainer.samples import (
@@ -69,6 +59,7 @@ from miles_env.trainer.samples import (
     opd_token_advantages,
     pack_microbatches,
 )
+from miles_env.trainer.torch_checkpoint import load_torch_checkpoint, save_torch_checkpoint
 from miles_env.types import Episode, Trajectory
 from miles_env.weight_layout import to_checkpoint
 
@@ -336,92 +327,22 @@ class TorchTrainer:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def export_weights(self, path: str | os.PathLike[str]) -> Path:
-        """Write an HF checkpoint dir (model.safetensors + config.json) for update_weights_from_disk.
-        Tied tensors are stored once, as save_pretrained does. Atomic: tmp dir, then rename.
-        Sharded: every rank gathers, rank 0 writes."""
-        from safetensors.torch import save_file
-
+        """Write an HF checkpoint dir (model.safetensors + config.json) for update_weights_from_disk
+        (trainer/export.py: tied tensors once, atomic). Sharded: every rank gathers, rank 0 writes."""
         target = Path(path)
         state = to_checkpoint(self.state_dict())  # MoE: one tensor per expert, as HF checkpoints are
         if self.world.rank != 0:
             return target
-        tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        seen: set[int] = set()
-        tensors = {}
-        for name, t in state.items():
-            if t.data_ptr() in seen:
-                continue  # tied (lm_head = embed_tokens)
-            seen.add(t.data_ptr())
-            tensors[name] = t.contiguous().cpu()
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        self.model.config.to_json_file(str(tmp / "config.json"))
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(tmp, target)
-        return target
+        return write_hf_dir(state, self.model.config, target)
 
-    # -- checkpoints ---------------------------------------------------------------------------
+    # -- checkpoints (torch_checkpoint.py) ---------------------------------------------------
 
     def save_checkpoint(self, ckpt_dir: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> Path:
         """One process's format whatever the world size: full (or adapter) weights, the optimizer
         state keyed by parameter index, the RNG. Sharded: every rank gathers, rank 0 writes."""
-        rng: dict[str, Any] = {"torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        optim = (
-            full_optimizer_state(self.model, self.optimizer) if self.sharded else self.optimizer.state_dict()
-        )
-        state: dict[str, Any] = {"optimizer": optim, "rng": rng}
-        if self.config.lora is not None:  # the base is model_path, unchanged: store the adapter only
-            state["adapter"] = self._adapter()
-        else:
-            state["model"] = self.state_dict()
-        if self.world.rank != 0:
-            return Path(ckpt_dir) / f"step_{self.step:08d}"
-        meta = {"extra": extra or {}, "model_path": str(self.model_path)}
-        return write_checkpoint(Path(ckpt_dir), self.step, state, meta, self.config.keep_checkpoints)
+        return save_torch_checkpoint(self, Path(ckpt_dir), extra)
 
     def load_checkpoint(self, ckpt_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
         """Restore the newest checkpoint under `ckpt_dir` (or that step dir itself); None if none.
         Sharded: rank 0 reads it and broadcasts (any world size resumes any other's checkpoint)."""
-        state, head = _read(Path(ckpt_dir)) if self.world.rank == 0 else ({}, None)
-        head = self.world.broadcast(head)
-        if head is None:
-            return None
-        meta, rng, adapter_keys, where = head
-        if (self.config.lora is not None) != (adapter_keys is not None):
-            raise ConfigError(f"checkpoint {where!r}: trainer.lora must match the run that wrote it")
-        if adapter_keys is not None:
-            from miles_env.trainer.lora import adapter_state, load_adapter_state
-
-            if missing := sorted(set(adapter_state(self.model)) ^ set(adapter_keys)):
-                raise ConfigError(f"checkpoint adapter does not match trainer.lora: {missing[0]!r} differs")
-        weights = state.get("adapter", state.get("model", {}))
-        if self.sharded:
-            load_full_model_state(self.model, weights, strict=adapter_keys is None)
-            load_optimizer_state(self.model, self.optimizer, state.get("optimizer", {}))
-        else:
-            if adapter_keys is not None:
-                load_adapter_state(self.model, weights)
-            else:
-                self.model.load_state_dict(weights)
-            self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        self.step = int(meta["step"])
-        extra: dict[str, Any] = meta["extra"]
-        return extra
-
-
-def _read(root: Path) -> tuple[dict[str, Any], tuple[Any, ...] | None]:
-    """The newest checkpoint's state and what every rank needs of it (meta, RNG, adapter names or
-    None, path); ({}, None) when there is none."""
-    path = root if (root / "trainer.json").is_file() else latest_checkpoint(root)
-    if path is None:
-        return {}, None
-    state, meta = read_checkpoint(path)
-    adapter = sorted(state["adapter"]) if "adapter" in state else None
-    return state, (meta, state["rng"], adapter, str(path))
+        return load_torch_checkpoint(self, Path(ckpt_dir))

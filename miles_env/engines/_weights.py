@@ -113,7 +113,7 @@ def copy_weights(model: Any, state_dict: Mapping[str, Any]) -> None:
 
 
 def apply_update(model: Any, update: Any, current_version: int) -> None:
-    """Apply a full/partial state dict, or a `WeightDelta` (miles_env.trainer.weight_sync), in place.
+    """Apply a full/partial state dict, or a `WeightDelta` (miles_env.trainer.weight_delta), in place.
 
     A delta is checked whole before any tensor is written: base version, manifest checksum, and per
     tensor the payload and result checksums. Any failure raises EngineError and leaves the model
@@ -125,7 +125,7 @@ def apply_update(model: Any, update: Any, current_version: int) -> None:
         _inject_lora(model, update)
         copy_weights(model, update.tensors)
         return
-    from miles_env.trainer.weight_sync import DeltaError, decode_entry, verify_manifest
+    from miles_env.trainer.weight_delta import DeltaError, decode_entry, verify_manifest
 
     params = model.state_dict(keep_vars=True)
     try:

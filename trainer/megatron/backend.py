@@ -35,7 +35,6 @@ export_weights for weight sync -> save_checkpoint.
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -45,6 +44,7 @@ from pydantic import Field, model_validator
 
 from miles_env.models import resolve_model
 from miles_env.trainer.config import TrainerConfig
+from miles_env.trainer.export import write_hf_dir
 from miles_env.trainer.losses import token_logprobs
 from miles_env.trainer.megatron.batches import all_gather_dispatch
 from miles_env.trainer.megatron.checkpoint import load_rank_checkpoint, save_rank_checkpoint
@@ -270,28 +270,12 @@ class MegatronTrainer(TorchTrainer):
         return gather_hf_state(self)
 
     def export_weights(self, path: str | os.PathLike[str]) -> Path:
-        """HF checkpoint dir (model.safetensors + config.json), tied tensors once, written by TP rank 0
-        atomically (tmp dir, then rename) by global rank 0; every rank takes part in the gather."""
-        from safetensors.torch import save_file
-
+        """HF checkpoint dir (model.safetensors + config.json; trainer/export.py: tied tensors once,
+        atomic), written by global rank 0; every rank takes part in the gather."""
         state = to_checkpoint(self.state_dict())  # MoE: one tensor per expert, as HF checkpoints are
         target = Path(path)
         if torch.distributed.get_rank() == 0:
-            tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            seen: set[int] = set()
-            tensors = {}
-            for name, t in state.items():
-                if t.data_ptr() in seen:
-                    continue  # tied (lm_head = embed_tokens)
-                seen.add(t.data_ptr())
-                tensors[name] = t.contiguous().cpu()
-            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            self.hf_config.to_json_file(str(tmp / "config.json"))
-            if target.exists():
-                shutil.rmtree(target)
-            os.rename(tmp, target)
+            write_hf_dir(state, self.hf_config, target)
         if torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()
         return target
