@@ -235,7 +235,7 @@ class TitoProxy:
         except PromptTooLong as e:
             if mark:
                 self._truncate(s, "max_context")
-                _note_first(s, e.tokens)
+                s.note_first(e.tokens)
             raise context_exceeded(e.tokens, e.limit) from None
         except TemplateRefused as e:
             raise bad_request(f"the chat template refused these messages: {e}", param="messages") from None
@@ -258,7 +258,7 @@ class TitoProxy:
         self, s: Session, req: ChatRequest, prompt_len: int, limit: int | None
     ) -> tuple[int, str | None]:
         if not req.aux:
-            _note_first(s, prompt_len)
+            s.note_first(prompt_len)
         if limit is not None and prompt_len >= limit:
             self._truncate(s, "max_context")
             raise context_exceeded(prompt_len, limit)
@@ -389,14 +389,6 @@ class TitoProxy:
 
 def _same(result: ChatResult) -> ChatResult:
     return result
-
-
-def _note_first(s: Session, tokens: int) -> None:
-    """The size of the session's first request, as soon as it is planned (answered, refused for the
-    context, or abandoned by its client): SessionInfo.first_prompt. A harness whose first prompt
-    cannot fit the model fails its episode saying so, with that size (rollout.py)."""
-    if s.first_prompt is None and s.n_turns == 0:
-        s.first_prompt = tokens
 
 
 def _require_messages(req: ChatRequest) -> None:

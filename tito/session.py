@@ -157,6 +157,13 @@ class Session:
             first_prompt=self.first_prompt,
         )
 
+    def note_first(self, tokens: int) -> None:
+        """The size of the session's first request, as soon as it is planned (answered, refused for
+        the context, or abandoned by its client): SessionInfo.first_prompt. A harness whose first
+        prompt cannot fit the model fails its episode saying so, with that size (rollout.py)."""
+        if self.first_prompt is None and self.n_turns == 0:
+            self.first_prompt = tokens
+
     def apply(self, event: SessionEvent) -> None:
         match event:
             case TurnEvent():
