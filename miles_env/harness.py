@@ -79,6 +79,12 @@ class SessionState(Protocol):
     def truncated(self) -> str | None: ...  # the budget that cut its last turn, if one did
 
     @property
+    def n_turns(self) -> int: ...
+
+    @property
+    def first_prompt(self) -> int | None: ...  # tokens of its first request, answered or refused
+
+    @property
     def fault(self) -> EpisodeEnd | None: ...  # its last request failed, and why (no budget), if it did
 
 

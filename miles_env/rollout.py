@@ -23,7 +23,14 @@ from miles_env.ends import Phase, end_of_error, end_of_harness
 from miles_env.environment import Environment, act_in_steps
 from miles_env.errors import MilesEnvError
 from miles_env.guards import Guard, GuardReport, GuardsConfig
-from miles_env.harness import Endpoint, Harness, HarnessResult, SessionRecorder, VerifiesInRun
+from miles_env.harness import (
+    Endpoint,
+    Harness,
+    HarnessResult,
+    SessionRecorder,
+    SessionState,
+    VerifiesInRun,
+)
 from miles_env.limits import (
     DEFAULT_VERIFIER_TIMEOUT_S,
     LimitsOverride,
@@ -67,6 +74,7 @@ class _Run:
     made: bool = False  # the sandbox exists: its seconds (create to close) are billed
     phase: Phase | None = None  # the phase running now: an exception's class defaults to its
     failed: bool = False  # the end is decided (fail): the harness's result no longer says it
+    first_prompt: int | None = None  # tokens of the harness's first request (the proxy's count)
 
     def fail(self, end: EpisodeEnd, error: str) -> None:
         self.status, self.end, self.error, self.failed = Status.FAILED, end, error, True
@@ -138,6 +146,11 @@ async def run_episode(ctx: RolloutContext, task: Task, *, group_id: str | None =
             run.status, run.error, said = Status.TRUNCATED, f"session budget: {session.truncated}", None
         if run.result is not None and not run.failed:  # the harness returned: its end, or the proxy's
             run.end = end_of_harness(run.status, said, session.fault)
+        run.first_prompt = session.first_prompt
+        if unfit := first_prompt_unfit(ctx.harness.name, session, endpoint.max_context):
+            # every request the harness made was refused: the model never had a turn, so nothing
+            # the policy did (never trained)
+            run.fail(EpisodeEnd.PROXY_REFUSAL, unfit)
     finally:
         ctx.proxy.close_session(handle.session_id)
     return _episode(ctx, task, run, samples, episode_id, group_id, handle.session_id)
@@ -176,7 +189,20 @@ def _episode(
             "harness": run.result.metadata if run.result else {},
             "transcript": run.result.transcript if run.result else [],
             "env_dist": env_distribution(ctx.env),  # {name, version} of the env's package
+            "first_prompt_tokens": run.first_prompt,  # what the harness's first request cost
         },
+    )
+
+
+def first_prompt_unfit(harness: str, session: SessionState, context: int | None) -> str | None:
+    """The episode's error when the harness's first request was refused for its size and no turn
+    followed (the CLI gave up: nothing was sampled), else None. One line, with the size."""
+    if session.n_turns or session.truncated != "max_context" or session.first_prompt is None:
+        return None
+    return (
+        f"{harness}'s first prompt is {session.first_prompt} tokens, more than the model's context "
+        f"({context} tokens): nothing was sampled; trim what it sends (--harness-opt lean=true, "
+        "docs/harnesses.md 'Small models') or give the engine a larger context"
     )
 
 

@@ -17,6 +17,7 @@ import anyio
 
 __all__ = [
     "TEST_SH",
+    "TMUX_DOCKERFILE",
     "make_task",
     "make_binary_task",
     "make_features_task",
@@ -50,7 +51,16 @@ fi
 """
 
 
-def make_task(root: Path, name: str = "hello") -> Path:
+DOCKERFILE = "FROM ubuntu:24.04\nWORKDIR /app\nCOPY data/ /app/data/\n"
+# What terminus-2 drives: its tmux, carried by the image (harbor installs it at agent setup, from
+# the network that an offline sandbox does not have).
+TMUX_DOCKERFILE = (
+    "FROM ubuntu:24.04\nRUN apt-get update && apt-get install -y --no-install-recommends tmux"
+    " && rm -rf /var/lib/apt/lists/*\nWORKDIR /app\nCOPY data/ /app/data/\n"
+)
+
+
+def make_task(root: Path, name: str = "hello", dockerfile: str = DOCKERFILE) -> Path:
     d = root / name
     (d / "environment" / "data").mkdir(parents=True)
     (d / "tests").mkdir()
@@ -60,7 +70,7 @@ def make_task(root: Path, name: str = "hello") -> Path:
         "[agent]\ntimeout_sec = 30.0\n[environment]\nmemory_mb = 512\n"
     )
     (d / "instruction.md").write_text("Write 'hello harbor' to /app/out/hello.txt.\n")
-    (d / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\nCOPY data/ /app/data/\n")
+    (d / "environment" / "Dockerfile").write_text(dockerfile)
     (d / "environment" / "data" / "seed.txt").write_text("seed\n")
     (d / "tests" / "test.sh").write_text(TEST_SH)
     (d / "solution" / "solve.sh").write_text(

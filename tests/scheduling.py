@@ -43,7 +43,9 @@ _GROUPS: dict[str, tuple[str, ...]] = {
 _BY_MODULE = {m: g for g, modules in _GROUPS.items() for m in modules}
 
 # Units that take minutes: started first (measured in tests/README.md's budget).
-HEAVY_FIRST = ("ray", "vllm", "host-procs", "docker", "test_adapters_harbor_agents", "test_harness_codex")
+HEAVY_FIRST = (
+    "ray", "vllm", "host-procs", "docker", "test_adapters_harbor_agents", "test_harness_docs", "test_harness_codex",
+)  # fmt: skip
 
 
 def scope_of(nodeid: str) -> str:

@@ -17,7 +17,7 @@ import pytest
 
 from miles_env.registry import load_environment
 from miles_env.types import Status
-from tests.harbor_support import make_task
+from tests.harbor_support import TMUX_DOCKERFILE, make_task
 
 pytestmark = [
     pytest.mark.slow,
@@ -44,7 +44,7 @@ def run(tmp_path: Path, replies: list[str], **harness_cfg: Any) -> tuple[Any, An
     from miles_env.stack import StackConfig, open_stack
 
     install("harbor")
-    make_task(tmp_path)
+    make_task(tmp_path, dockerfile=TMUX_DOCKERFILE)
     env = load_environment(f"harbor:{tmp_path}")
     (task,) = env.tasks("test")
 
@@ -119,7 +119,7 @@ def test_cli_eval_with_real_smollm2(tmp_path: Path) -> None:
     from miles_env.adapters.venv import install
 
     install("harbor")
-    make_task(tmp_path / "tasks")
+    make_task(tmp_path / "tasks", dockerfile=TMUX_DOCKERFILE)
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "miles_env.cli.main", "eval", "--env", f"harbor:{tmp_path / 'tasks'}"]
     cmd += ["--harness", "framework", "--harness-opt", "agent=terminus-2", "--harness-opt", "max_tokens=48"]

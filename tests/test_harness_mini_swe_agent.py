@@ -104,6 +104,10 @@ def test_outcome_from_the_agents_exit_status() -> None:
     assert outcome({"info": {"exit_status": "BadRequestError"}, "messages": [budget]})[0] is Status.TRUNCATED
     crash = {"info": {"exit_status": "RuntimeError"}, "messages": [{"role": "exit", "content": "boom"}]}
     assert outcome(crash) == (Status.ABORTED, "mini-swe-agent exit status RuntimeError: boom")
+    # The model's replies held no tool call it could act on, three times in a row: the policy's end.
+    garbled = {"info": {"exit_status": "RepeatedFormatError"}, "messages": [{"role": "exit", "content": "x"}]}
+    status, error = outcome(garbled)
+    assert status is Status.ABORTED and "gave up on the model's replies" in (error or "")
 
 
 def test_lock_and_script_agree_on_the_pin() -> None:

@@ -263,7 +263,8 @@ HUGE: dict[str, Callable[[int], str]] = {  # a shape of hostile completion of ab
 @pytest.mark.parametrize("shape", sorted(HUGE))
 def test_a_megabyte_parses_in_linear_time(shape: str) -> None:
     small, big = HUGE[shape](100_000), HUGE[shape](1_000_000)
-    assert _best(big) / _best(small) < 20  # quadratic would be ~100
+    # linear is ~10, quadratic ~100: 40 keeps a loaded machine's noise (31 seen under load 10) apart from both
+    assert _best(big) / _best(small) < 40
 
 
 # -- served turns, in every dialect -------------------------------------------------------------------

@@ -109,4 +109,5 @@ def test_a_maximal_body_does_not_stall_other_sessions(tmp_path: Path) -> None:
     }
     print("tito isolation:", json.dumps(figures))
     assert len(answered) >= 3, figures  # the load really overlapped the measured turns
-    assert _p(loaded, 0.99) <= 2 * _p(idle, 0.99) + 0.100, figures
+    # a stalled loop costs seconds per turn; 250 ms of slack is a busy sibling worker's noise (seen with mypy)
+    assert _p(loaded, 0.99) <= 2 * _p(idle, 0.99) + 0.250, figures

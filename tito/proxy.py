@@ -235,6 +235,7 @@ class TitoProxy:
         except PromptTooLong as e:
             if mark:
                 self._truncate(s, "max_context")
+                s.note_first(e.tokens)
             raise context_exceeded(e.tokens, e.limit) from None
         except TemplateRefused as e:
             raise bad_request(f"the chat template refused these messages: {e}", param="messages") from None
@@ -256,6 +257,8 @@ class TitoProxy:
     def _max_new(
         self, s: Session, req: ChatRequest, prompt_len: int, limit: int | None
     ) -> tuple[int, str | None]:
+        if not req.aux:
+            s.note_first(prompt_len)
         if limit is not None and prompt_len >= limit:
             self._truncate(s, "max_context")
             raise context_exceeded(prompt_len, limit)

@@ -97,6 +97,9 @@ class SessionInfo:
     n_aux: int = 0  # auxiliary requests served (title generation, ...): never trained on
     fault: EpisodeEnd | None = None  # the last request failed, and why (never a budget): see Faults
     n_undelivered: int = 0  # turns the agent never received or asked for again: never trained on
+    # tokens of the session's first request: its first turn's prompt, or what the proxy counted when
+    # it refused that request for the context (a lower bound when its size alone proved it too long)
+    first_prompt: int | None = None
 
 
 class Session:
@@ -117,6 +120,7 @@ class Session:
         self.fault: EpisodeEnd | None = None
         # (branch the turn was sampled on, its start) -> why it was not delivered (journal.py)
         self.undelivered: dict[tuple[int, int], str] = {}
+        self.first_prompt: int | None = None  # SessionInfo.first_prompt (a refusal's: memory only)
         self.aliases: dict[str, str] = {}  # client-visible item id -> stored message key
         self.lock = anyio.Lock()  # serialises the requests of one session
 
@@ -150,7 +154,15 @@ class Session:
             self.n_aux,
             self.fault,
             len(self.undelivered),
+            first_prompt=self.first_prompt,
         )
+
+    def note_first(self, tokens: int) -> None:
+        """The size of the session's first request, as soon as it is planned (answered, refused for
+        the context, or abandoned by its client): SessionInfo.first_prompt. A harness whose first
+        prompt cannot fit the model fails its episode saying so, with that size (rollout.py)."""
+        if self.first_prompt is None and self.n_turns == 0:
+            self.first_prompt = tokens
 
     def apply(self, event: SessionEvent) -> None:
         match event:
@@ -202,6 +214,8 @@ class Session:
         b.marks.append((len(b.keys), len(b.token_ids)))
         if e.aliases:
             self.aliases.update(e.aliases)
+        if self.first_prompt is None:
+            self.first_prompt = start
         self.n_turns += 1
         self.sampled_tokens += len(out)
 

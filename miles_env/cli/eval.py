@@ -22,7 +22,7 @@ from miles_env.types import Episode, EpisodeEnd
 if TYPE_CHECKING:
     from miles_env.config import RunConfig
 
-__all__ = ["eval_command", "summarize"]
+__all__ = ["episode_line", "eval_command", "summarize"]
 
 
 def summarize(episodes: list[Episode]) -> dict[str, Any]:
@@ -39,6 +39,7 @@ def summarize(episodes: list[Episode]) -> dict[str, Any]:
         ends[e.end.value] = ends.get(e.end.value, 0) + 1
         for f in e.flags:
             flags[f] = flags.get(f, 0) + 1
+    firsts = [size for e in episodes if (size := e.metadata.get("first_prompt_tokens")) is not None]
     return {
         "episodes": n,
         "pass_rate": (sum(1 for e in episodes if e.reward is not None and e.reward.passed) / n) if n else 0.0,
@@ -50,7 +51,17 @@ def summarize(episodes: list[Episode]) -> dict[str, Any]:
         "ends": dict(sorted(ends.items())),
         "infra_failures": sum(n for k, n in ends.items() if not EpisodeEnd(k).policy),
         "flags": flags,
+        # what the harness's first request cost (rollout.py): does it fit a small model?
+        "first_prompt_tokens": {"min": min(firsts), "max": max(firsts)} if firsts else None,
     }
+
+
+def episode_line(ep: Episode) -> str:
+    """One episode as the eval prints it: task, status, reward, the first prompt's size, the error."""
+    first = ep.metadata.get("first_prompt_tokens")
+    sampled = sum(s.n_sampled for s in ep.samples)
+    line = f"{ep.task_id}: {ep.status.value}  reward {ep.score:.2f}  first prompt {first} tokens  sampled {sampled}"
+    return line + (f"  ({ep.error})" if ep.error else "")
 
 
 async def _run(
@@ -88,6 +99,7 @@ async def _run(
                 episodes.append(ep)
                 fh.write(ep.model_dump_json() + "\n")
                 fh.flush()
+                progress.console.print(episode_line(ep), highlight=False, markup=False)
                 passed = sum(1 for e in episodes if e.reward is not None and e.reward.passed)
                 progress.update(bar, advance=1, description=f"{env_name} pass {passed}/{len(episodes)}")
 
@@ -96,6 +108,12 @@ async def _run(
     summary = summarize(episodes)
     write_json(out / "summary.json", summary)
     return summary
+
+
+def _span(first: dict[str, int] | None) -> str:
+    if first is None:
+        return "-"
+    return str(first["min"]) if first["min"] == first["max"] else f"{first['min']}-{first['max']}"
 
 
 def parse_opts(pairs: list[str] | None, flag: str) -> dict[str, Any]:
@@ -169,5 +187,6 @@ def eval_command(
         f"total tokens {summary['total_tokens']}  statuses {summary['statuses']}  flags {summary['flags']}\n"
         f"ends {summary['ends']}  infrastructure failures (not the policy's) {summary['infra_failures']}  "
         f"pass rate over policy ends {summary['pass_rate_policy']:.3f}\n"
+        f"first prompt {_span(summary['first_prompt_tokens'])} tokens\n"
         f"written to {out}/episodes.jsonl"
     )

@@ -125,8 +125,8 @@ async def build_scripted(cfg: ScriptedEngineConfig) -> Engine:
 
     tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model)
     faults = frozenset(cfg.fail_score_calls)
-    if cfg.script is None:
-        return ScriptedEngine(tokenizer, fail_score_calls=faults)
+    if cfg.script is None:  # SmolLM2's 8k unless told (--engine-opt max_context=...)
+        return ScriptedEngine(tokenizer, max_context=cfg.max_context or 8192, fail_score_calls=faults)
     policy = load_policy(cfg.script)
     return ScriptedEngine(
         tokenizer, policy=policy, max_context=cfg.max_context or 1 << 20, fail_score_calls=faults

@@ -91,7 +91,7 @@ class ScriptedEngineConfig(_EngineBase):
 
     kind: Literal["scripted"] = "scripted"
     script: str | None = None  # a policy file (see scripted.load_policy)
-    max_context: int | None = Field(default=None, ge=2)  # with a script; its prompts may be long
+    max_context: int | None = Field(default=None, ge=2)  # default: 8192, or 1 << 20 with a script
     fail_score_calls: list[int] = Field(
         default_factory=list
     )  # failure injection: these score calls (1-based) raise

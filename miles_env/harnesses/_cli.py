@@ -39,9 +39,11 @@ import anyio
 from miles_env.errors import ConfigError, HarnessError, SandboxError
 from miles_env.harness import HarnessResult
 from miles_env.sandbox import Sandbox
-from miles_env.types import Status
+from miles_env.types import EpisodeEnd, Status
 
 __all__ = [
+    "POLICY_FORMAT",
+    "policy_end",
     "cli_result",
     "CliPackage",
     "CliRun",
@@ -59,6 +61,9 @@ __all__ = [
 ]
 
 INNER_ROOT = "/.miles-cli"  # where install dirs appear inside the sandbox
+# The end class of a harness exit caused by the model's output: a policy end, scored like any other,
+# never an infrastructure failure.
+POLICY_FORMAT = EpisodeEnd.POLICY_FORMAT
 HOME = "/tmp/.agent-home"  # private per sandbox (its /tmp), writable, gone with the sandbox
 
 
@@ -75,6 +80,7 @@ class CliPackage:
     memory_mb: int = 1024
     env: tuple[tuple[str, str], ...] = ()  # variables this pin needs in the sandbox
     context_env: str | None = None  # variable that tells this pin the model's context window, if any
+    lean_args: tuple[str, ...] = ()  # argv this pin adds to trim its prompt (the harness's `lean`)
 
     def inner(self, rel: str = "") -> str:
         base = f"{INNER_ROOT}/{self.name}"
@@ -94,6 +100,9 @@ CLAUDE_CODE = CliPackage(
     # and its reaction to "prompt is too long" follow it. 2.0 has no such variable (its window is
     # fixed per model; CLAUDE_AUTOCOMPACT_PCT_OVERRIDE is only a percentage of that).
     context_env="CLAUDE_CODE_MAX_CONTEXT_TOKENS",
+    # 2.1's minimal mode: no hooks, plugins, CLAUDE.md, attribution reminder or auto-memory, and its
+    # short tool descriptions (CLAUDE_CODE_SIMPLE): ~0.65k tokens with one tool and a short prompt.
+    lean_args=("--bare",),
 )
 # The previous minor's newest patch. Claude Code 2.0 ships JavaScript (cli.js), not a native binary.
 # Node's WebAssembly trap handler reserves ~10 GB of address space per Wasm memory (Claude Code
@@ -240,6 +249,14 @@ async def run_cli(
 _OUT_OF_MEMORY = re.compile(r"MemoryExhaustion|Out of memory|bad_alloc|Cannot allocate memory|MemoryError")
 
 
+def policy_end(exit_reason: str | None, format_exits: frozenset[str]) -> EpisodeEnd | None:
+    """The end class of a harness run that stopped for `exit_reason` (the agent's own name for why,
+    e.g. mini-swe-agent's exit status, Claude Code's terminal_reason): POLICY_FORMAT when it is one
+    of the harness's `format_exits` (the agent gave up on replies it could not parse), else None
+    (the status says it). The one place the class is decided; cli_result records it."""
+    return POLICY_FORMAT if exit_reason is not None and exit_reason in format_exits else None
+
+
 def cli_result(
     pkg: CliPackage,
     run: CliRun,
@@ -251,11 +268,13 @@ def cli_result(
     output: object,
     timing: tuple[float, float],
     stdout_tail: bool = False,
+    end: EpisodeEnd | None = None,
 ) -> HarnessResult:
     """What every CLI harness returns: the task and the CLI's final text, plus the run's record.
 
     `timing` is (start, prepared) wall-clock times; `stdout_tail` keeps the end of stdout when the
-    CLI's own output could not be read.
+    CLI's own output could not be read; `end` is `policy_end`'s class (HarnessResult.end, and
+    metadata "end" for a reader of the episode's harness record).
     """
     t0, prepared = timing
     metadata: dict[str, Any] = {
@@ -271,10 +290,12 @@ def cli_result(
     }
     if stdout_tail:
         metadata["stdout_tail"] = run.stdout[-2000:]
+    if end is not None:
+        metadata["end"] = end
     transcript = [{"role": "user", "content": instruction}]
     if isinstance(final, str):
         transcript.append({"role": "assistant", "content": final})
-    return HarnessResult(status, transcript, error, metadata)
+    return HarnessResult(status, transcript, error, metadata, end=end)
 
 
 def cli_status(run: CliRun, pkg: CliPackage | None = None) -> tuple[Status, str | None]:

@@ -14,7 +14,8 @@ told the session's context (`model_context_window`, an auto-compaction limit bel
 it, and a `tool_output_token_limit` that keeps any one tool output inside the room
 between the two: Codex ends the turn on context_length_exceeded rather than compact)
 and keeps its own bounded retries; its multi-agent tools (sub-agents, one more branch
-of the same session) are on by default.
+of the same session) are on by default. `lean` trims what it sends for a small model:
+short instructions, no skills list, only its shell tools (`lean_toml`).
 """
 
 from __future__ import annotations
@@ -25,22 +26,44 @@ from typing import Any
 
 from miles_env.harness import Endpoint, HarnessResult
 from miles_env.harnesses._cli import HOME, cli_result, cli_status, ensure_cli, mount_cli, run_cli, tested_pin
-from miles_env.harnesses.configs import MULTI_AGENT_MIN_CONTEXT, CodexConfig
+from miles_env.harnesses.configs import LEAN_PROMPT, MULTI_AGENT_MIN_CONTEXT, CodexConfig
 from miles_env.sandbox import Sandbox
 from miles_env.types import Task
 
-__all__ = ["CodexConfig", "CodexHarness", "codex_config_toml", "tool_output_limit"]
+__all__ = ["CodexConfig", "CodexHarness", "codex_config_toml", "lean_toml", "tool_output_limit"]
 
 CODEX_HOME = f"{HOME}/.codex"
 KEY_VAR = "TITO_API_KEY"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-def multi_agent_for(setting: bool | None, max_context: int | None) -> bool:
-    """The multi-agent tools alone take ~2.6k prompt tokens: by default only where they leave room."""
+def multi_agent_for(setting: bool | None, max_context: int | None, lean: bool = False) -> bool:
+    """The multi-agent tools alone take ~2.6k prompt tokens: by default only where they leave room
+    (and never with `lean`)."""
     if setting is not None:
         return setting
-    return max_context is None or max_context >= MULTI_AGENT_MIN_CONTEXT
+    return not lean and (max_context is None or max_context >= MULTI_AGENT_MIN_CONTEXT)
+
+
+# What `lean` turns off (Codex 0.169/0.171 config keys; each one checked by Codex, which names any
+# key it ignores): the tools a shell task needs none of (goals, image generation, view_image,
+# request_user_input) and the skills list. Left: exec_command, write_stdin, the environment context.
+_LEAN_FEATURES = ("goals = false", "image_generation = false", "view_image = false")
+_LEAN_TABLES = (
+    "[skills]",
+    "include_instructions = false",
+    "",
+    "[tools.experimental_request_user_input]",
+    "enabled = false",
+    "",
+)
+
+
+def lean_toml(instructions: str | None) -> tuple[list[str], list[str], list[str]]:
+    """(top-level keys, [features] keys, tables) that trim Codex's first prompt to ~1k tokens:
+    `instructions` (default LEAN_PROMPT) in place of its ~17k-character base instructions."""
+    text = instructions if instructions is not None else LEAN_PROMPT.format(tool="exec_command")
+    return [f"instructions = {_q(text)}"], list(_LEAN_FEATURES), list(_LEAN_TABLES)
 
 
 def tool_output_limit(context: int, auto_compact: float) -> int:
@@ -69,6 +92,8 @@ def codex_config_toml(
     auto_compact: float = 0.8,
     retries: int = 4,
     multi_agent: bool = True,
+    lean: bool = False,
+    instructions: str | None = None,
 ) -> str:
     """config.toml pointing Codex at `base_url` (…/v1) with the key in $TITO_API_KEY.
 
@@ -76,7 +101,8 @@ def codex_config_toml(
     `model_auto_compact_token_limit`: Codex knows no window for an unknown model, so without them it
     never compacts and a long episode ends at the proxy's context_length_exceeded. With them comes
     `tool_output_token_limit` (`tool_output_limit`), unless `extra` sets it: no single tool output
-    can carry a request from under the compaction limit past the window.
+    can carry a request from under the compaction limit past the window. `lean` adds `lean_toml`;
+    `instructions` (without `lean`) replaces Codex's base instructions alone.
     """
     top = [
         f"model = {_q(model)}",
@@ -92,6 +118,13 @@ def codex_config_toml(
         ]
         if "tool_output_token_limit" not in extra:
             top.append(f"tool_output_token_limit = {tool_output_limit(context, auto_compact)}")
+    features: list[str] = []
+    tables: list[str] = []
+    if lean:
+        keys, features, tables = lean_toml(instructions)
+        top += keys
+    elif instructions is not None:
+        top.append(f"instructions = {_q(instructions)}")
     # `extra` goes before the first table so that its bare keys stay top-level keys.
     lines = (
         top
@@ -108,10 +141,12 @@ def codex_config_toml(
             "",
             "[features]",
             f"multi_agent = {'true' if multi_agent else 'false'}",
+            *features,
             "",
             "[analytics]",
             "enabled = false",
             "",
+            *tables,
         ]
     )
     return "\n".join(lines)
@@ -191,7 +226,8 @@ class CodexHarness:
         toml = codex_config_toml(
             inner_v1, endpoint.model, cfg.extra_config, context=endpoint.max_context,
             auto_compact=cfg.auto_compact, retries=cfg.retries,
-            multi_agent=multi_agent_for(cfg.multi_agent, endpoint.max_context),
+            multi_agent=multi_agent_for(cfg.multi_agent, endpoint.max_context, cfg.lean),
+            lean=cfg.lean, instructions=cfg.system_prompt,
         )  # fmt: skip
         await sandbox.write_file(f"{CODEX_HOME}/config.toml", toml)
         prepared = time.time()

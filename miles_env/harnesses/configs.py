@@ -22,6 +22,7 @@ __all__ = [
     "HarnessConfig",
     "MiniSweAgentConfig",
     "OpencodeConfig",
+    "LEAN_PROMPT",
     "MULTI_AGENT_MIN_CONTEXT",
     "SYSTEM_PROMPT",
 ]
@@ -34,6 +35,14 @@ SYSTEM_PROMPT = (
 
 # Below this context an 8k model (SmolLM2) has no room for Codex's ~9k-token first prompt with them.
 MULTI_AGENT_MIN_CONTEXT = 16384
+
+# The system prompt of a CLI run with `lean` (in place of the CLI's own, ~6.7k characters for Claude
+# Code, ~17k for Codex); {tool} is the CLI's shell tool.
+LEAN_PROMPT = (
+    "You are an agent in a Linux shell. Do the user's task in the current directory: run shell "
+    "commands with the {tool} tool and read their output. When the task is done, answer with one "
+    "short sentence and no tool call."
+)
 
 
 class _Options(BaseModel):
@@ -66,13 +75,23 @@ class ClaudeCodeConfig(_Options):
     )
     max_turns: int | None = Field(default=None, ge=1, description="Claude Code --max-turns")
     tools: str | None = Field(
-        default=None, description="Claude Code --tools (built-in tools offered, e.g. 'Bash'); None = all"
+        default=None,
+        description="Claude Code --tools (built-in tools offered, e.g. 'Bash'); None = all ('Bash' with lean)",
+    )
+    lean: bool = Field(
+        default=False,
+        description="trim the first prompt (~12.6k tokens -> ~0.65k) for a small model: --bare, the Bash "
+        "tool only (unless `tools` says otherwise), `system_prompt` (default LEAN_PROMPT) in place of "
+        "Claude Code's own",
+    )
+    system_prompt: str | None = Field(
+        default=None, description="Claude Code --system-prompt: replaces its own system prompt"
     )
     output_tokens: int | None = Field(
         default=None,
         ge=1,
-        description="CLAUDE_CODE_MAX_OUTPUT_TOKENS: also the share of the context Claude Code keeps free "
-        "for a reply (up to 20k): set it for a small max_context, or it compacts early or refuses to send",
+        description="CLAUDE_CODE_MAX_OUTPUT_TOKENS, also the room Claude Code keeps free for a reply (up "
+        "to 20k); None: an eighth of a session context under 160k (claude_code.context_env), else its own",
     )
     binary: str | None = Field(
         default=None, description="inner path of the executable (fault injection); None = pinned"
@@ -109,7 +128,17 @@ class CodexConfig(_Options):
     multi_agent: bool | None = Field(
         default=None,
         description="offer Codex's multi-agent tools (spawn_agent and its family, ~2.6k prompt tokens); "
-        f"None: on unless the session's max_context is under {MULTI_AGENT_MIN_CONTEXT}",
+        f"None: on unless `lean` or the session's max_context is under {MULTI_AGENT_MIN_CONTEXT}",
+    )
+    lean: bool = Field(
+        default=False,
+        description="trim the first prompt (~6.3k tokens -> ~1k) for a small model: `system_prompt` "
+        "(default LEAN_PROMPT) as Codex's instructions, no skills list, and only its shell tools "
+        "(exec_command, write_stdin): goals, image generation, view_image, request_user_input and "
+        "the multi-agent tools off",
+    )
+    system_prompt: str | None = Field(
+        default=None, description="Codex `instructions` (config.toml): replaces its own base instructions"
     )
 
 

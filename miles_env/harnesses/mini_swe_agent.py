@@ -41,6 +41,7 @@ from miles_env.harnesses._cli import (
     cli_result,
     cli_status,
     mount_cli,
+    policy_end,
     run_cli,
 )
 from miles_env.harnesses.configs import MiniSweAgentConfig
@@ -56,6 +57,9 @@ LOCK = Path(__file__).parent / "locks" / "mini-swe-agent.txt"
 TRAJECTORY = f"{HOME}/trajectory.json"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _VISIBLE = ("/usr/", "/bin/", "/opt/")  # host dirs the local sandbox mirrors read-only
+# Its exit statuses that the model's output caused: replies in no format it could act on (a missing
+# or second tool call), max_consecutive_format_errors times in a row. A policy end (POLICY_FORMAT).
+FORMAT_EXITS = frozenset({"RepeatedFormatError"})
 
 
 def _run_step(argv: list[str], what: str) -> str:
@@ -115,6 +119,8 @@ def outcome(trajectory: dict[str, Any] | None) -> tuple[Status, str | None]:
     detail = str(last.get("extra", {}).get("exception_str") or last.get("content") or "")[:400]
     if "budget_exceeded" in detail or "session budget" in detail:
         return Status.TRUNCATED, f"budget: {detail}"
+    if exit_status in FORMAT_EXITS:
+        return Status.ABORTED, f"mini-swe-agent gave up on the model's replies ({exit_status}): {detail}"
     return Status.ABORTED, f"mini-swe-agent exit status {exit_status or 'unknown'}: {detail}"
 
 
@@ -189,9 +195,11 @@ class MiniSweAgentHarness:
         )
         status, error = cli_status(run, self.pin)
         trajectory = await self._trajectory(sandbox)
+        info = (trajectory or {}).get("info", {})
+        end = None
         if status is not Status.TRUNCATED and trajectory is not None:
             status, error = outcome(trajectory)  # the agent's own account beats a bare exit status
-        info = (trajectory or {}).get("info", {})
+            end = policy_end(str(info.get("exit_status") or ""), FORMAT_EXITS)
         output = {
             "exit_status": info.get("exit_status"),
             "submission": info.get("submission"),
@@ -202,5 +210,5 @@ class MiniSweAgentHarness:
         return cli_result(
             self.pin, run, status, error, instruction=task.instruction,
             final=said[-1].get("content") if said else None, output=output,
-            timing=(t0, prepared), stdout_tail=trajectory is None,
+            timing=(t0, prepared), stdout_tail=trajectory is None, end=end,
         )  # fmt: skip
