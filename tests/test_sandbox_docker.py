@@ -302,6 +302,21 @@ async def test_the_watchdog_ends_only_the_sandbox_that_fills_its_root(watched):
     await watched.aclose()
 
 
+async def test_a_sidecar_that_fills_its_layer_ends_its_sandbox(watched):
+    """A compose sidecar's layer is never capped by the engine: watched too, charged to its sandbox."""
+    from miles_env.sandboxes.docker import DEFAULT_IMAGE
+
+    spec = SandboxSpec(resources=Resources(disk_mb=16, timeout_s=60))
+    async with await watched.create(spec) as sb:
+        fill = (
+            "mkdir -p /opt && for i in 1 2 3 4 5 6; do head -c 4194304 /dev/zero > /opt/f$i; done; sleep 60"
+        )
+        await sb.start_sidecar("filler", image=DEFAULT_IMAGE, command=["sh", "-c", fill])
+        with pytest.raises(SandboxError, match=r"sidecar \w+: disk quota exceeded: .* disk_mb=16 MB"):
+            await sb.exec("sleep 40")
+    await watched.aclose()
+
+
 async def test_a_layer_the_engine_cannot_measure_ends_the_sandbox(watched):
     """A path past PATH_MAX makes the engine's size walk fail (SizeRw -1): that cannot blind the watchdog."""
     async with await watched.create(SandboxSpec(resources=Resources(disk_mb=64, timeout_s=60))) as sb:
