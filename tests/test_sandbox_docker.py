@@ -302,6 +302,15 @@ async def test_the_watchdog_ends_only_the_sandbox_that_fills_its_root(watched):
     await watched.aclose()
 
 
+async def test_a_layer_too_slow_to_measure_ends_the_sandbox(watched):
+    """Many empty files slow the engine's walk for every sandbox: past max_measure_s it is a miss.
+    (The threshold is lowered so that a handful of files crosses it; the rule is the same.)"""
+    watched.watchdog.max_measure_s = 0.0
+    async with await watched.create(SandboxSpec(resources=Resources(disk_mb=64, timeout_s=60))) as sb:
+        with pytest.raises(SandboxError, match="disk quota unverifiable"):
+            await sb.exec("sleep 40")
+
+
 async def test_a_sidecar_that_fills_its_layer_ends_its_sandbox(watched):
     """A compose sidecar's layer is never capped by the engine: watched too, charged to its sandbox."""
     from miles_env.sandboxes.docker import DEFAULT_IMAGE
