@@ -6,11 +6,16 @@ pydantic model; in-process results (ExecResult) are frozen slotted dataclasses.
 Invariant of a Trajectory: token_ids, loss_mask and logprobs have one entry per
 token; loss_mask is 1 exactly on tokens the engine sampled, and logprobs is 0.0
 wherever loss_mask is 0. Token ids are recorded once and never re-derived from text.
+A mixture-of-experts rollout may also carry `routed_experts` (RoutedExperts): the experts each
+layer routed every mask-1 token's producing position to, packed, one row per mask-1 token.
 """
 
 from __future__ import annotations
 
+import base64
 import enum
+import sys
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +33,7 @@ __all__ = [
     "Reward",
     "ExecResult",
     "Turn",
+    "RoutedExperts",
     "Trajectory",
     "Episode",
     "Usage",
@@ -179,6 +185,76 @@ class Turn(_Model):
     delivered: bool = True
 
 
+class RoutedExperts(_Model):
+    """A MoE engine's routing record: for each of `tokens` sampled tokens, the top-k experts (sorted)
+    each layer routed the position that produced it to (position i - 1 for the token at i: the
+    engine's `Generation.meta["routed_experts"]`, [tokens][layers][k]). Packed, as its size is
+    tokens x layers x k: `data` is the ids as uint8 (uint16 little-endian when `itemsize` is 2,
+    more than 256 experts), base64, so every JSON form (journal, export, episode) carries it as is."""
+
+    layers: int = Field(ge=1)
+    top_k: int = Field(ge=1)
+    itemsize: int = Field(1, ge=1, le=2)
+    data: str
+
+    @model_validator(mode="after")
+    def _whole(self) -> RoutedExperts:
+        row = self.layers * self.top_k * self.itemsize
+        try:
+            n = len(base64.b64decode(self.data, validate=True))
+        except ValueError:
+            raise ValueError("routed_experts.data: not base64") from None
+        if n % row:
+            raise ValueError(f"routed_experts.data: {n} bytes is no whole number of {row}-byte rows")
+        return self
+
+    @property
+    def tokens(self) -> int:
+        nbytes = len(self.data) * 3 // 4 - self.data[-2:].count("=")
+        return nbytes // (self.layers * self.top_k * self.itemsize)
+
+    def raw(self) -> bytes:
+        return base64.b64decode(self.data)
+
+    @classmethod
+    def from_raw(cls, raw: bytes, layers: int, top_k: int, itemsize: int = 1) -> RoutedExperts:
+        return cls(layers=layers, top_k=top_k, itemsize=itemsize, data=base64.b64encode(raw).decode())
+
+    @classmethod
+    def pack(cls, rows: list[list[list[int]]]) -> RoutedExperts:
+        """From [tokens][layers][k] expert ids (at least one token, every row the same shape)."""
+        layers, k = len(rows[0]), len(rows[0][0])
+        flat = [e for tok in rows for layer in tok for e in layer]
+        if len(flat) != len(rows) * layers * k:
+            raise ValueError(f"routed_experts: rows differ in shape (the first is {layers} layers x {k})")
+        ids = array("H" if max(flat) > 255 else "B", flat)
+        if ids.itemsize == 2 and sys.byteorder == "big":
+            ids.byteswap()
+        return cls.from_raw(ids.tobytes(), layers, k, ids.itemsize)
+
+    def ids(self) -> list[int]:
+        """The expert ids, flat: token after token, layer after layer, k each."""
+        ids = array("H" if self.itemsize == 2 else "B", self.raw())
+        if self.itemsize == 2 and sys.byteorder == "big":
+            ids.byteswap()
+        return ids.tolist()
+
+    def rows(self) -> list[list[list[int]]]:
+        """Inverse of `pack`: [tokens][layers][k]."""
+        flat, k, per = self.ids(), self.top_k, self.layers * self.top_k
+        return [[flat[t + j : t + j + k] for j in range(0, per, k)] for t in range(0, len(flat), per)]
+
+    @classmethod
+    def concat(cls, parts: list[RoutedExperts]) -> RoutedExperts:
+        """The records one after the other (same layers and k; the wider ids' itemsize)."""
+        first = parts[0]
+        if any((p.layers, p.top_k) != (first.layers, first.top_k) for p in parts):
+            raise ValueError("routed_experts: records of different layers or top_k")
+        if all(p.itemsize == first.itemsize for p in parts):
+            return cls.from_raw(b"".join(p.raw() for p in parts), first.layers, first.top_k, first.itemsize)
+        return cls.pack([row for p in parts for row in p.rows()])
+
+
 class Trajectory(_Model):
     """One training sample: a branch of a session's token history."""
 
@@ -190,6 +266,9 @@ class Trajectory(_Model):
     # on-policy distillation (miles_env/opd.py): the teacher's logprob of each token, 0.0 where
     # loss_mask is 0; None when no teacher scored it
     teacher_logprobs: list[float] | None = None
+    # MoE: the engine's routing of every token with loss_mask 1, in order (RoutedExperts); None when
+    # the engine gave none, or not for every one of them. Prompt and tool tokens carry none.
+    routed_experts: RoutedExperts | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> Trajectory:
@@ -210,6 +289,11 @@ class Trajectory(_Model):
                 raise ValueError(f"loss_mask[{i}]={m}: must be 0 or 1")
             if m == 0 and lp != 0.0:
                 raise ValueError(f"logprobs[{i}]={lp} where loss_mask is 0: must be 0.0")
+        if self.routed_experts is not None and self.routed_experts.tokens != sum(self.loss_mask):
+            raise ValueError(
+                f"routed_experts has {self.routed_experts.tokens} tokens: must be {sum(self.loss_mask)}, "
+                "one per token with loss_mask 1"
+            )
         return self
 
     @property

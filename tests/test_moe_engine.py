@@ -5,11 +5,14 @@ delta, in process and through disk), LoRA on the attention and on the experts, a
 
 Real parts: the hf engine's batching worker, the proxy behind uvicorn with the official openai
 client, PEFT. The engine also records, per sampled token, the experts each layer routed it to: they
-must be the trainer's (`router_agreement` 1.0), the rollout-vs-training routing check."""
+must be the trainer's (`router_agreement` 1.0), the rollout-vs-training routing check; the chat
+through TITO carries them into the exported samples (`Trajectory.routed_experts`), and the trainer's
+step measures them (`moe_router_agreement`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -150,14 +153,60 @@ def test_lora_on_the_attention_and_the_experts(tmp_path: Path, tiny_moe: Path) -
         )
 
 
+def _assert_routing_carried(trajs: list[Trajectory], engine: Any, store: Path, session_id: str) -> None:
+    """Each exported sample carries the engine's routing of its sampled tokens, turn after turn, and
+    keeps it through the replay queue's codec, the journal's replay and `tito audit`."""
+    from miles_env.queue.codec import decode_episode, encode_episode
+    from miles_env.tito.audit import audit
+    from miles_env.tito.store import load_sessions
+
+    recorded = {tuple(c.generation.output_ids): c.generation.meta["routed_experts"] for c in engine.calls}
+    for t in trajs:
+        want = [row for turn in t.turns if turn.delivered
+                for row in recorded[tuple(t.token_ids[turn.start : turn.start + turn.completion_len])]]  # fmt: skip
+        assert t.routed_experts is not None and t.routed_experts.rows() == want
+        assert (t.routed_experts.layers, t.routed_experts.top_k, t.routed_experts.itemsize) == (2, 2, 1)
+    ep = episode("a", "g", trajs[0], 1.0).model_copy(update={"samples": trajs})
+    assert decode_episode(*encode_episode(ep)) == ep
+    assert load_sessions(store)[session_id].trajectories() == trajs
+    report = audit(store)
+    assert report.ok and report.snapshots == 1, report.drifts
+
+
+def _assert_trainer_measures_routing(trainer: TorchTrainer, t: Trajectory) -> None:
+    """A step's `moe_router_agreement` is `router_agreement` of the rollout's routing and the
+    trainer's on the same tokens: 1.0 on the engine's weights, lower once the routers moved."""
+    from miles_env.trainer.moe import rollout_routing, routers
+
+    assert t.routed_experts is not None
+    group = [episode("a", "g", t, 1.0), episode("b", "g", t, 0.0)]
+
+    def direct() -> float:
+        pos, theirs = rollout_routing(t.loss_mask, t.routed_experts)  # type: ignore[arg-type]
+        return router_agreement(theirs, routed_experts(trainer.model, torch.tensor(t.token_ids), 2)[pos])
+
+    assert direct() == 1.0 and trainer.train_step([group])["moe_router_agreement"] == 1.0
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for router, _ in routers(trainer.model):
+            router.weight.add_(torch.randn_like(router.weight) * router.weight.std())
+    want = direct()
+    assert want < 1.0
+    assert trainer.train_step([group])["moe_router_agreement"] == pytest.approx(want, abs=1e-12)
+
+
 @pytest.mark.anyio
-async def test_a_chat_through_tito_is_token_exact_and_the_trainer_reproduces_it(tiny_moe: Path) -> None:
+async def test_a_chat_through_tito_is_token_exact_carries_its_routing_and_the_trainer_reproduces_it(
+    tiny_moe: Path, tmp_path: Path
+) -> None:
+    """The one end-to-end test of a MoE rollout's routing: through the real proxy into the sample,
+    the queue codec and the journal, and measured by the trainer's step (moe_router_agreement)."""
     from miles_env.models import load_tokenizer
     from tests.tito_support import RecordingEngine, check_fidelity, served
 
     tok = load_tokenizer(tiny_moe)
     engine = RecordingEngine(_engine(tiny_moe))
-    async with served(tok, engine) as s:  # type: ignore[arg-type]
+    async with served(tok, engine, store_dir=tmp_path) as s:  # type: ignore[arg-type]
         h = s.proxy.create_session()
         c = s.client(h.session_id)
         msgs: list = [{"role": "user", "content": "Name a color."}]
@@ -169,6 +218,7 @@ async def test_a_chat_through_tito_is_token_exact_and_the_trainer_reproduces_it(
     await engine.close()
     check_fidelity(trajs, engine, h.session_id)  # every mask-1 token is exactly the engine's
     assert sum(len(t.turns) for t in trajs) == 2
+    _assert_routing_carried(trajs, engine, tmp_path, h.session_id)
     trainer = TorchTrainer(tiny_moe, TrainerConfig())
     for t in trajs:
         mine = trainer.logprobs([t])[0]
@@ -176,3 +226,4 @@ async def test_a_chat_through_tito_is_token_exact_and_the_trainer_reproduces_it(
         torch.testing.assert_close(mine[sampled], torch.tensor(t.logprobs)[sampled], rtol=0, atol=1e-5)
     for call in engine.calls:
         _assert_reproduced(trainer, list(call.input_ids), call.generation)
+    _assert_trainer_measures_routing(trainer, max(trajs, key=lambda t: t.n_sampled))

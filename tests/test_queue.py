@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from miles_env.queue.codec import decode_episode, encode_episode
 from miles_env.queue.contract import GroupState, QueueError
 from miles_env.queue.sqlite import SqliteReplayQueue
+from miles_env.types import RoutedExperts
 
 
 class SqliteBackend:
@@ -49,6 +50,23 @@ def test_encode_roundtrip_is_exact() -> None:
     back = decode_episode(meta, blob)
     assert back == ep
     assert back.samples[0].logprobs == ep.samples[0].logprobs  # float64, bit-exact
+
+
+def test_moe_routing_travels_in_the_blob_only_where_a_sample_has_it() -> None:
+    """A sample's routed_experts (tokens x layers x k small ints) is its raw packed ids in the blob,
+    its shape in the JSON; a sample without one costs nothing."""
+    ep = make_episode("e", "g", n_tokens=12)  # 6 mask-1 tokens per sample
+    narrow = RoutedExperts.pack([[[t % 4, 4 + t % 3], [1, 2], [0, 7]] for t in range(6)])
+    wide = RoutedExperts.pack([[[t, 300 + t]] for t in range(6)])  # > 256 experts: uint16
+    routed = ep.model_copy(update={"samples": [ep.samples[0].model_copy(update={"routed_experts": narrow}),
+                                               ep.samples[1].model_copy(update={"routed_experts": wide})]})  # fmt: skip
+    plain_meta, plain_blob = encode_episode(ep)
+    meta, blob = encode_episode(routed)
+    assert len(blob) - len(plain_blob) == 6 * 3 * 2 * 1 + 6 * 1 * 2 * 2
+    assert narrow.data not in meta and "routed_experts" not in plain_meta
+    back = decode_episode(meta, blob)
+    assert back == routed and back.samples[1].routed_experts.rows() == wide.rows()  # type: ignore[union-attr]
+    assert decode_episode(plain_meta, plain_blob).samples[0].routed_experts is None
 
 
 def test_group_states_are_stored_as_their_plain_strings(qpath: Path) -> None:

@@ -28,6 +28,7 @@ from miles_env.tito.journal import (
     read_event,
 )
 from miles_env.tito.store import load_sessions, read_events, replay
+from miles_env.types import RoutedExperts
 
 pytestmark = pytest.mark.anyio
 FIXTURE = Path(__file__).parent / "journals"
@@ -66,6 +67,7 @@ EVENTS = [
     _turn(),
     _turn(parent=0, fork_keys=2, fork_tokens=7, aliases={"msg_1": "k2"}),
     _turn(gen_digest=None, new_branch=False),  # a journal older than `tito audit`
+    _turn(routed_experts=RoutedExperts.pack([[[0, 1]], [[1, 3]], [[2, 3]]])),  # a MoE engine's routing
     TruncatedEvent(reason="max_tokens"),
     AuxEvent(prompt_tokens=4, completion_tokens=2),
     ClosedEvent(),

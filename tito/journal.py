@@ -12,7 +12,8 @@ Wire form (unchanged since the first journal, so every journal on disk still loa
 the bytes written stay the same): `wire()` is the dict `strictjson.encode` writes
 (compact `json.dumps`; pydantic's own JSON writer spells floats its way, `1e-5` for
 `1e-05`, so it is not used). A turn's optional fields (`parent`, `fork_keys`,
-`fork_tokens` of a fork, `aliases`, `gen_digest`) are absent rather than null when unset.
+`fork_tokens` of a fork, `aliases`, `gen_digest`, a MoE engine's `routed_experts`) are absent
+rather than null when unset.
 Logprobs are floats in memory and a non-finite one is its sentinel string on the wire
 ("-Infinity"), read back as the float.
 
@@ -31,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from miles_env.tito import strictjson
 from miles_env.tito.config import Budget
+from miles_env.types import RoutedExperts
 
 __all__ = [
     "AuxEvent",
@@ -100,6 +102,7 @@ class TurnEvent(_Event):
     fork_keys: int | None = None
     fork_tokens: int | None = None
     aliases: dict[str, str] | None = None  # client-visible item id of the reply -> its key
+    routed_experts: RoutedExperts | None = None  # MoE: the engine's routing, one row per output id
 
     @field_serializer("logprobs")
     def _strict(self, lps: list[float]) -> list[float | str]:
@@ -126,6 +129,7 @@ class TurnEvent(_Event):
             ("fork_keys", self.fork_keys),
             ("fork_tokens", self.fork_tokens),
             ("aliases", self.aliases),
+            ("routed_experts", self.routed_experts.model_dump() if self.routed_experts else None),
         )
         out.update((name, value) for name, value in options if value is not None)
         return out

@@ -30,6 +30,10 @@ the proxy failed or refused it for a reason that is no budget (engine_error, pro
 a later turn answered clears it. It lives in memory only (not journaled): the rollout reads it
 to classify the episode once its harness has ended.
 
+Routing (MoE): a turn's `routed_experts` (the engine's, one row per sampled id) is kept per turn
+and copied into a fork with the turns it copies; an exported sample carries the rows of exactly its
+mask-1 tokens (the turns it owns, in order), or None when one of those turns has no record.
+
 Truncation: `truncated` names the budget that cut the session's latest turn or
 refused a request after it; a later turn answered in full (the client compacted
 or retried shorter) clears it, so it reports the end state, not the history.
@@ -53,7 +57,7 @@ from miles_env.tito.journal import (
     TurnEvent,
     UndeliveredEvent,
 )
-from miles_env.types import EpisodeEnd, Trajectory, Turn
+from miles_env.types import EpisodeEnd, RoutedExperts, Trajectory, Turn
 
 __all__ = ["Branch", "Session", "SessionInfo"]
 
@@ -70,6 +74,7 @@ class Branch:
     parent: int | None = None  # the branch this one forked from
     fork_tokens: int = 0  # ids copied from the parent (a prefix of both)
     marks: list[tuple[int, int]] = field(default_factory=list)  # (n keys, n ids) after each turn
+    routed: dict[int, RoutedExperts] = field(default_factory=dict)  # MoE: turn start -> its routing
 
     def to_trajectory(self) -> Trajectory:
         return Trajectory(
@@ -212,6 +217,8 @@ class Session:
             )
         )
         b.marks.append((len(b.keys), len(b.token_ids)))
+        if e.routed_experts is not None and out:
+            b.routed[start] = e.routed_experts
         if e.aliases:
             self.aliases.update(e.aliases)
         if self.first_prompt is None:
@@ -251,6 +258,7 @@ class Session:
         b.keys = p.keys[:n_keys]
         b.turns = [t for t in p.turns if t.start + t.completion_len <= n_ids]
         b.marks = [m for m in p.marks if m[1] <= n_ids]
+        b.routed = {t.start: p.routed[t.start] for t in b.turns if t.start in p.routed}
         return b
 
     def origin(self, branch: int, pos: int) -> int:
@@ -278,7 +286,7 @@ class Session:
         for i in self.selected(policy):
             b = self.branches[i]
             mask, lps = list(b.loss_mask), list(b.logprobs)
-            turns = []
+            turns, owned = [], []
             for t in b.turns:
                 key = (self.origin(i, t.start), t.start)
                 undelivered = key in self.undelivered
@@ -286,12 +294,23 @@ class Session:
                     end = t.start + t.completion_len
                     mask[t.start : end] = [0] * t.completion_len
                     lps[t.start : end] = [0.0] * t.completion_len
+                elif t.completion_len:
+                    owned.append(b.routed.get(t.start))
                 if key not in claimed:
                     claimed.add(key)
                     turns.append(t.model_copy(update={"delivered": False}) if undelivered else t)
                 elif t.completion_len == 0:
                     turns.append(t)
+            have = [r for r in owned if r is not None]  # MoE: every owned turn's routing, or none
+            routed = RoutedExperts.concat(have) if have and len(have) == len(owned) else None
             out.append(
-                Trajectory(token_ids=list(b.token_ids), loss_mask=mask, logprobs=lps, turns=turns, branch=i)
+                Trajectory(
+                    token_ids=list(b.token_ids),
+                    loss_mask=mask,
+                    logprobs=lps,
+                    turns=turns,
+                    branch=i,
+                    routed_experts=routed,
+                )
             )
         return out

@@ -6,7 +6,9 @@ computes from its session, request and engine alone lives here: the context limi
 spent (`budget_breach`: which limit ends it), how many tokens a turn may sample and what caps them
 (`max_new`), its SamplingParams (`sampling`: stopping on the configured stop token and the
 engine's eos ids, `stop_ids`), the generation as a ChatResult (`parse`: the stop token cut,
-reasoning split off, tool calls parsed) and the TurnEvent the journal stores (`turn_event`).
+reasoning split off, tool calls parsed) and the TurnEvent the journal stores (`turn_event`: with a
+MoE engine's per-token routing, `Generation.meta["routed_experts"]`, packed, when it has one row per
+sampled id; a record of another length is not kept).
 
 Invariant: nothing here writes or raises a client error: a breach or a cap comes back with its
 reason, and the proxy marks the session truncated with that reason before it raises, so the
@@ -22,6 +24,7 @@ from miles_env.tito.parsers import Parsers
 from miles_env.tito.plan import Plan, session_key
 from miles_env.tito.render import Renderer
 from miles_env.tito.session import Session
+from miles_env.types import RoutedExperts
 
 __all__ = ["budget_breach", "context_limit", "max_new", "parse", "sampling", "stop_ids", "turn_event"]
 
@@ -90,8 +93,10 @@ def turn_event(
     s: Session, req: ChatRequest, plan: Plan, gen: Generation, r: ChatResult, latency: float, engine: str
 ) -> TurnEvent:
     """What the journal stores of a turn: the prompt tail and the sampled ids with their logprobs,
-    the message keys that find the branch again, and for a fork its parent and shared part."""
+    the message keys that find the branch again, for a fork its parent and shared part, and a MoE
+    engine's routing of each sampled id."""
     out, lps = list(gen.output_ids), list(gen.logprobs)
+    rows = gen.meta.get("routed_experts")
     akey = session_key(s)(Message("assistant", r.content or "", r.tool_calls))
     fork = plan.parent is not None
     # built from our own values on the turn's path: not validated, and its id lists not copied
@@ -114,4 +119,5 @@ def turn_event(
         fork_keys=plan.fork_keys if fork else None,
         fork_tokens=plan.fork_tokens if fork else None,
         aliases={req.reply_id: akey} if req.reply_id is not None else None,
+        routed_experts=RoutedExperts.pack(rows) if rows and len(rows) == len(out) else None,
     )

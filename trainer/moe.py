@@ -15,10 +15,14 @@ turns megatron's own aux loss off, `moe_router_load_balancing_type="none"`), and
 weight is its real tokens over the step's, so summing over data-parallel or expert-parallel ranks
 gives the single process's loss and gradient. `routed_experts` is the top-k experts of every
 position, in the engine's order (the hf engine records the same per sampled token, so
-`router_agreement` measures rollout-vs-training routing consistency).
+`router_agreement` measures rollout-vs-training routing consistency). A sample that carries the
+rollout's routing (`Trajectory.routed_experts`, through TITO) is compared in the training forward
+itself: the trainer's top-k at the position that produced each mask-1 token against the engine's,
+summed over the step as `moe_router_agreement` (the share of (token, layer) whose expert sets are
+equal; absent when no sample carried routing).
 
 Lifecycle: `MoeAux(shape, coef, layers)` per trainer; per step `begin(total_real_tokens)`, per microbatch
-`with aux.tap(model, lengths, width, real)`, at the end `metrics()`.
+`with aux.tap(model, lengths, width, real, device, samples)`, at the end `metrics()`.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ from typing import Any
 
 import torch
 
+from miles_env.types import RoutedExperts
+
 __all__ = ["MoeAux", "MoeShape", "RouterTap", "load_balancing_loss", "moe_shape", "router_agreement",
-           "routed_experts", "routers"]  # fmt: skip
+           "rollout_routing", "routed_experts", "routers"]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,16 +154,19 @@ class MoeAux:
         self.total = 1
         self.aux_sum = 0.0  # sum over microbatches and layers of aux_l / layers * real_mb / total
         self.load = torch.zeros(shape.experts, dtype=torch.float64)  # top-k slots per expert
+        self.agree = self.compared = 0  # (token, layer) pairs the rollout's routing was compared on
 
     def begin(self, total_tokens: int) -> None:
         self.total, self.aux_sum = max(int(total_tokens), 1), 0.0
         self.load.zero_()
+        self.agree = self.compared = 0
 
     @contextlib.contextmanager
     def tap(self, model: torch.nn.Module, lengths: Sequence[int], width: int, real: bool = True,
-            device: torch.device | None = None) -> Iterator[RouterTap]:  # fmt: skip
+            device: torch.device | None = None, samples: Sequence[Any] = ()) -> Iterator[RouterTap]:  # fmt: skip
         """One microbatch's forward (and, after the block, its backward) with the aux attached;
-        `real` False: a zero-weight filler (FSDP2, expert parallel), counted nowhere."""
+        `real` False: a zero-weight filler (FSDP2, expert parallel), counted nowhere. `samples`: the
+        microbatch's rows (with `loss_mask`, `routed_experts`), to compare the rollout's routing."""
         valid = valid_positions(lengths, width, device or torch.device("cpu"))
         share = sum(lengths) / self.total if real else 0.0
         tap = RouterTap(model, valid, self.shape.top_k, self.coef * share / self.layers)
@@ -170,16 +179,38 @@ class MoeAux:
             for logits in tap.logits:
                 chosen = logits[valid].topk(self.shape.top_k, dim=-1).indices.reshape(-1).cpu()
                 self.load += torch.bincount(chosen, minlength=self.shape.experts).double()
+            for row, sample in enumerate(samples):
+                if sample.routed_experts is not None:
+                    self._compare(tap.logits, row, sample.loss_mask, sample.routed_experts)
+
+    def _compare(self, logits: list[torch.Tensor], row: int, mask: Sequence[int], rec: RoutedExperts) -> None:
+        """Count the (token, layer) pairs where the rollout's routing equals this forward's."""
+        k = self.shape.top_k
+        if (rec.layers, rec.top_k) != (len(logits), k):
+            raise ValueError(
+                f"routed_experts: {rec.layers} layers x top {rec.top_k}; the model routes {len(logits)} x top {k}"
+            )
+        pos, theirs = rollout_routing(mask, rec)
+        at = pos.to(logits[0].device)
+        mine = torch.stack([lg[row, at].topk(k, dim=-1).indices for lg in logits], dim=1).cpu()
+        same = (mine.sort(-1).values == theirs.sort(-1).values).all(-1)
+        self.agree += int(same.sum())
+        self.compared += same.numel()
 
     def metrics(self, reduce: Any = None) -> dict[str, float]:
         """`moe_aux_loss` (before the coefficient), `moe_max_load` (the busiest expert's share of
-        routed slots x E: 1.0 is balanced). `reduce(vector) -> vector` sums over ranks."""
-        vec = torch.cat([torch.tensor([self.aux_sum], dtype=torch.float64), self.load])
+        routed slots x E: 1.0 is balanced), and `moe_router_agreement` when a sample carried the
+        rollout's routing. `reduce(vector) -> vector` sums over ranks."""
+        head = torch.tensor([self.aux_sum, self.agree, self.compared], dtype=torch.float64)
+        vec = torch.cat([head, self.load])
         if reduce is not None:
             vec = reduce(vec)
-        load = vec[1:]
+        load = vec[3:]
         top = float(load.max() / load.sum() * self.shape.experts) if float(load.sum()) > 0 else float("nan")
-        return {"moe_aux_loss": float(vec[0]), "moe_aux_coef": self.coef, "moe_max_load": top}
+        out = {"moe_aux_loss": float(vec[0]), "moe_aux_coef": self.coef, "moe_max_load": top}
+        if float(vec[2]) > 0:
+            out["moe_router_agreement"] = float(vec[1] / vec[2])
+        return out
 
 
 @torch.no_grad()
@@ -194,6 +225,15 @@ def routed_experts(model: torch.nn.Module, ids: torch.Tensor, top_k: int) -> tor
         tap.close()
     per_layer = [lg[0].topk(top_k, dim=-1).indices.sort(-1).values for lg in tap.logits]
     return torch.stack(per_layer, dim=1).cpu()
+
+
+def rollout_routing(mask: Sequence[int], rec: RoutedExperts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions [n], experts [n, layers, k]) of a sample's rollout routing: the j-th mask-1 token's
+    row belongs to the position before it (the one whose forward sampled it); a token at 0 has none."""
+    experts = torch.tensor(rec.ids(), dtype=torch.long).view(rec.tokens, rec.layers, rec.top_k)
+    pos = torch.tensor([i - 1 for i, m in enumerate(mask) if m], dtype=torch.long)
+    keep = pos >= 0
+    return pos[keep], experts[keep]
 
 
 def router_agreement(a: torch.Tensor, b: torch.Tensor) -> float:

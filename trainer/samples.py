@@ -19,7 +19,7 @@ from miles_env.packing import pack_by_budget
 from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.groups import baseline_rewards, policy_members
 from miles_env.trainer.losses import group_advantages
-from miles_env.types import Episode, Trajectory
+from miles_env.types import Episode, RoutedExperts, Trajectory
 
 __all__ = ["Sample", "StepMetrics", "flatten_groups", "opd_token_advantages", "pack_microbatches"]
 
@@ -32,6 +32,7 @@ class Sample:
     advantage: float
     reward: float
     token_advantages: Sequence[float] | None = None  # OPD: one per token (0 where the mask is 0)
+    routed_experts: RoutedExperts | None = None  # MoE: the rollout's routing of each mask-1 token
 
 
 def opd_token_advantages(traj: Trajectory, advantage: float, config: TrainerConfig) -> list[float]:
@@ -70,7 +71,8 @@ def flatten_groups(groups: Sequence[Sequence[Episode]], config: TrainerConfig) -
             for traj in ep.samples:
                 if any(traj.loss_mask[1:]):
                     tok = opd_token_advantages(traj, float(a), config) if opd else None
-                    out.append(Sample(traj.token_ids, traj.loss_mask, traj.logprobs, float(a), ep.score, tok))
+                    out.append(Sample(traj.token_ids, traj.loss_mask, traj.logprobs, float(a), ep.score, tok,
+                                      traj.routed_experts))  # fmt: skip
     return out
 
 

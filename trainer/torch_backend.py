@@ -171,7 +171,7 @@ class TorchTrainer:
                 else [min(samples, key=lambda s: len(s.token_ids))]
             )
             batch = self._collate(rows)
-            with self._moe_tap(batch, real):
+            with self._moe_tap(batch, real, rows):
                 logp = self._forward_logprobs(self.model, batch.ids, batch.mask)
             ref = None
             if self.ref_model is not None:
@@ -215,11 +215,14 @@ class TorchTrainer:
             | self._lora_metrics()
         )
 
-    def _moe_tap(self, batch: Any, real: bool = True) -> contextlib.AbstractContextManager[Any]:
-        """The MoE router tap around a microbatch's forward (trainer/moe.py); nothing for dense models."""
+    def _moe_tap(
+        self, batch: Any, real: bool = True, rows: Sequence[Sample] = ()
+    ) -> contextlib.AbstractContextManager[Any]:
+        """The MoE router tap around a microbatch's forward (trainer/moe.py; `rows` with the rollout's
+        routing are compared against this forward's: moe_router_agreement); nothing for dense models."""
         if self.moe is None:
             return contextlib.nullcontext()
-        return self.moe.tap(self.model, batch.lengths, batch.ids.shape[1], real, self.device)
+        return self.moe.tap(self.model, batch.lengths, batch.ids.shape[1], real, self.device, rows)
 
     def _with_moe(self, metrics: dict[str, float]) -> dict[str, float]:
         """A MoE step's metrics get moe_* (trainer/moe.py) and `loss` its coef x aux term."""

@@ -2,7 +2,9 @@
 
 Concept: the replay queue stores each episode as two values, `meta` (JSON of everything but the
 token arrays) and `arrays` (int32 ids, uint8 mask, float64 logprobs, sample after sample). The
-logprobs are the importance-sampling reference, so the packing is lossless (float64).
+logprobs are the importance-sampling reference, so the packing is lossless (float64). A MoE
+sample's `routed_experts` (only when present) follows its logprobs as its raw packed ids, its shape
+in the sample's JSON (`layers`, `top_k`, `itemsize`, `nbytes`).
 
 Invariant: `decode_episode(*encode_episode(e)) == e`, bit for bit; and `payload_checksum` of
 the stored bytes equals the one taken at `put` unless the bytes changed at rest. SQLite's own
@@ -16,11 +18,11 @@ import hashlib
 import json
 from array import array
 
-from miles_env.types import Episode, Trajectory, Turn
+from miles_env.types import Episode, RoutedExperts, Trajectory, Turn
 
 __all__ = ["encode_episode", "decode_episode", "payload_checksum"]
 
-_TOKEN_FIELDS = {"token_ids", "loss_mask", "logprobs"}
+_TOKEN_FIELDS = {"token_ids", "loss_mask", "logprobs", "routed_experts"}
 
 
 def encode_episode(episode: Episode) -> tuple[str, bytes]:
@@ -30,10 +32,14 @@ def encode_episode(episode: Episode) -> tuple[str, bytes]:
     meta["samples"] = [s.model_dump(mode="json", exclude=_TOKEN_FIELDS) for s in episode.samples]
     meta["lens"] = [len(s.token_ids) for s in episode.samples]
     parts: list[bytes] = []
-    for s in episode.samples:
+    for s, sm in zip(episode.samples, meta["samples"], strict=True):
         parts.append(array("i", s.token_ids).tobytes())
         parts.append(bytes(s.loss_mask))
         parts.append(array("d", s.logprobs).tobytes())
+        if (r := s.routed_experts) is not None:
+            parts.append(raw := r.raw())
+            sm["routed_experts"] = {"layers": r.layers, "top_k": r.top_k, "itemsize": r.itemsize,
+                                    "nbytes": len(raw)}  # fmt: skip
     return json.dumps(meta, separators=(",", ":")), b"".join(parts)
 
 
@@ -53,6 +59,10 @@ def decode_episode(meta_json: str, blob: bytes) -> Episode:
         lps = array("d")
         lps.frombytes(blob[off : off + 8 * n])
         off += 8 * n
+        if (shape := sm.pop("routed_experts", None)) is not None:
+            nbytes = shape.pop("nbytes")
+            sm["routed_experts"] = RoutedExperts.from_raw(blob[off : off + nbytes], **shape)
+            off += nbytes
         turns = [Turn.model_validate(t) for t in sm.pop("turns")]
         samples.append(
             Trajectory.model_construct(
