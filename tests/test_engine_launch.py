@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import anyio
+import pytest
 
 from miles_env.engines._launch import ManagedServer, ServerSpec
 
@@ -109,3 +110,35 @@ def test_the_leash_reports_the_servers_own_exit(tmp_path: Path) -> None:
     ):
         codes.append(anyio.run(run_one, argv))
     assert codes == [3, -9]
+
+
+def test_a_port_taken_before_the_server_binds_it_gets_another_port() -> None:
+    """free_port() only says a port was free when asked: a server that lost it to another process
+    (vLLM: 'Address already in use') starts again on a new one; a configured port is never changed."""
+    from miles_env.engines._launch import on_a_free_port
+    from miles_env.errors import EngineError
+
+    tried: list[int] = []
+
+    async def start(port: int) -> int:
+        tried.append(port)
+        if len(tried) == 1:
+            raise EngineError(
+                "vllm server exited with status 1 while starting:\nOSError: [Errno 98] Address already in use"
+            )
+        return port
+
+    assert anyio.run(on_a_free_port, start, None) == tried[-1] and len(tried) == 2
+    tried.clear()
+    with pytest.raises(EngineError, match="Address already in use"):
+        anyio.run(on_a_free_port, start, 8123)  # the user's port: their failure to see
+    assert tried == [8123]
+
+    async def broken(port: int) -> int:
+        tried.append(port)
+        raise EngineError("vllm server exited with status 1 while starting: out of memory")
+
+    tried.clear()
+    with pytest.raises(EngineError, match="out of memory"):
+        anyio.run(on_a_free_port, broken, None)
+    assert len(tried) == 1  # only a lost port is retried

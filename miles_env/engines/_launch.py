@@ -18,20 +18,26 @@ SIGKILL after `stop_grace_s`). `stop()` is idempotent.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import anyio
 import httpx
 
 from miles_env.errors import EngineError
 
-__all__ = ["ServerSpec", "ManagedServer", "log_tail", "servable_model_dir"]
+__all__ = ["ServerSpec", "ManagedServer", "log_tail", "on_a_free_port", "servable_model_dir"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _LEASH = Path(__file__).with_name("_leash.py")
 
@@ -47,6 +53,23 @@ class ServerSpec:
     startup_timeout_s: float = 600.0
     stop_grace_s: float = 15.0
     nice: int = 0  # added niceness (a shared CPU machine)
+
+
+async def on_a_free_port(start: Callable[[int], Awaitable[T]], port: int | None, tries: int = 3) -> T:
+    """`start(port)`, on `port` when one is configured, else on a free loopback port picked anew
+    while another process takes the picked one before the server binds it (free_port() only says
+    the port was free when asked; seen with two servers starting at once: vLLM's bind failed with
+    'Address already in use'). A configured port is the user's: its failure is theirs to see."""
+    from miles_env.http import free_port
+
+    for attempt in range(1, tries + 1):
+        try:
+            return await start(port or free_port())
+        except EngineError as e:
+            if port or attempt == tries or "Address already in use" not in str(e):
+                raise
+            log.warning("server port taken before it bound (try %d/%d); another port", attempt, tries)
+    raise AssertionError("unreachable")
 
 
 def log_tail(path: Path, n_chars: int = 2000) -> str:

@@ -87,9 +87,9 @@ async def _routed_sglang(cfg: SGLangEngineConfig, urls: list[str]) -> Engine:
 
 
 async def build_vllm(cfg: VLLMEngineConfig) -> Engine:
+    from miles_env.engines._launch import on_a_free_port
     from miles_env.engines.vllm import VLLMEngine
     from miles_env.engines.vllm_launch import vllm_model_dir, vllm_server_spec
-    from miles_env.http import free_port
     from miles_env.models import resolve_model
 
     if cfg.url and cfg.launch:
@@ -101,22 +101,28 @@ async def build_vllm(cfg: VLLMEngineConfig) -> Engine:
             cfg.url, model_dir=_attached_model_dir(cfg), timeout_s=cfg.timeout_s, max_restarts=0
         )
     model_dir = resolve_model(cfg.model)
-    port = cfg.port or free_port()
-    spec = vllm_server_spec(
-        vllm_model_dir(model_dir),
-        port,
-        _log_dir(cfg, "vllm") / f"vllm-{port}.log",
-        python=cfg.python,
-        dtype=_checkpoint_dtype(model_dir) if cfg.dtype == "auto" else cfg.dtype,
-        max_model_len=cfg.max_context or 2048,
-        kv_cache_gb=cfg.kv_cache_gb,
-        threads=cfg.threads,
-        seed=cfg.seed,
-        server_args=cfg.server_args,
-        startup_timeout_s=cfg.startup_timeout_s,
-        nice=cfg.nice,
-    )
-    return await VLLMEngine.launch(spec, model_dir, timeout_s=cfg.timeout_s, max_restarts=cfg.max_restarts)
+    log_dir = _log_dir(cfg, "vllm")
+
+    async def start(port: int) -> Engine:
+        spec = vllm_server_spec(
+            vllm_model_dir(model_dir),
+            port,
+            log_dir / f"vllm-{port}.log",
+            python=cfg.python,
+            dtype=_checkpoint_dtype(model_dir) if cfg.dtype == "auto" else cfg.dtype,
+            max_model_len=cfg.max_context or 2048,
+            kv_cache_gb=cfg.kv_cache_gb,
+            threads=cfg.threads,
+            seed=cfg.seed,
+            server_args=cfg.server_args,
+            startup_timeout_s=cfg.startup_timeout_s,
+            nice=cfg.nice,
+        )
+        return await VLLMEngine.launch(
+            spec, model_dir, timeout_s=cfg.timeout_s, max_restarts=cfg.max_restarts
+        )
+
+    return await on_a_free_port(start, cfg.port)
 
 
 async def build_scripted(cfg: ScriptedEngineConfig) -> Engine:
