@@ -95,8 +95,8 @@ async def test_cli_killed_mid_episode_is_aborted(harness: str, tok: Any, tmp_pat
 async def test_missing_or_crashing_binary(harness: str, tok: Any, tmp_path: Path) -> None:
     require_cli(CLAUDE_CODE if harness == "claude-code" else CODEX)
     root = tmp_path / "sandboxes"
-    cases = (("/nonexistent/agent", 1, "No such file"), ("/bin/false", 1, "status 1"))
-    for i, (binary, code, says) in enumerate(cases):  # bwrap reports a failed execvp as status 1
+    cases = (("/nonexistent/agent", 127, "No such file"), ("/bin/false", 1, "status 1"))
+    for i, (binary, code, says) in enumerate(cases):  # a failed execvp is 127, as a shell reports it
         engine = ScriptedEngine(tok, max_context=1 << 20)
         ep = await run_one(harness, engine, tmp_path / f"store{i}", sandbox_root=root, binary=binary)
         assert ep.status is Status.ABORTED and says in (ep.error or ""), ep.error

@@ -25,14 +25,23 @@ from miles_env.jsonio import dumps
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="List, inspect, scaffold and check environments."
 )
-_out = Console(emoji=False)  # ":x:" in "module:x" must not become an emoji
-_err = Console(stderr=True, emoji=False)
+
+
+# Made per print, so the width is the terminal's (or COLUMNS) of now, not of whenever this module
+# was first imported. emoji=False: ":x:" in "module:x" must not become an emoji.
+def _out() -> Console:
+    return Console(emoji=False)
+
+
+def _err() -> Console:
+    return Console(stderr=True, emoji=False, soft_wrap=True)  # an error stays one line, whatever the width
+
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 
 
 def _fail(err: Exception, code: int = 2) -> typer.Exit:
-    _err.print(f"[red]error:[/red] {escape(str(err))}", highlight=False)
+    _err().print(f"[red]error:[/red] {escape(str(err))}", highlight=False)
     return typer.Exit(code)
 
 
@@ -68,10 +77,10 @@ def list_command(
         if not counts and i.source.startswith("adapter:"):
             counts = "[dim]not counted yet (env info NAME)[/dim]"
         table.add_row(i.name, i.source, "[red]failed to load[/red]" if i.error else counts)
-    _out.print(table)
+    _out().print(table)
     for i in infos:
         if i.error:
-            _err.print(f"[red]{escape(i.name)}:[/red] {escape(i.error)}", highlight=False)
+            _err().print(f"[red]{escape(i.name)}:[/red] {escape(i.error)}", highlight=False)
 
 
 def _info_dict(env: Any, n_examples: int) -> dict[str, Any]:
@@ -98,12 +107,12 @@ def info_command(
     if as_json:
         print(dumps(info, indent=2))
         return
-    _out.print(f"[bold]{info['name']}[/bold]: {info['description']}")
+    _out().print(f"[bold]{info['name']}[/bold]: {info['description']}")
     for split, s in info["splits"].items():
         tiers = ", ".join(f"tier {k}: {v}" for k, v in s["tiers"].items())
-        _out.print(f"\n[bold]{split}[/bold]: {s['n_tasks']} tasks" + (f" ({tiers})" if tiers else ""))
+        _out().print(f"\n[bold]{split}[/bold]: {s['n_tasks']} tasks" + (f" ({tiers})" if tiers else ""))
         for ex in s["examples"]:
-            _out.print(f"  [cyan]{escape(ex['id'])}[/cyan]  {escape(ex['instruction'])}", highlight=False)
+            _out().print(f"  [cyan]{escape(ex['id'])}[/cyan]  {escape(ex['instruction'])}", highlight=False)
 
 
 def scaffold(name: str, target: Path) -> list[Path]:
@@ -146,8 +155,8 @@ def init_command(
     """Scaffold a new environment package (pyproject with the entry point, module, README)."""
     target = dir if dir is not None else Path(name)
     for path in scaffold(name, target):
-        _out.print(f"created {path}", highlight=False)
-    _out.print(f"\nnext: pip install -e {target} && miles-env env list", highlight=False)
+        _out().print(f"created {path}", highlight=False)
+    _out().print(f"\nnext: pip install -e {target} && miles-env env list", highlight=False)
 
 
 def _first_reason(result: Any) -> str:
@@ -168,18 +177,18 @@ def _print_report(report: Any) -> None:
         table.add_column(col)
     for (split, tier), oks in sorted(by_group.items()):
         table.add_row(split, tier or "-", str(sum(oks)), str(len(oks)))
-    _out.print(table)
+    _out().print(table)
     for r in report.failures:
         why = "" if r.end.value == "completed" else " " + escape(f"[{r.end.value}]")  # infrastructure
-        _out.print(f"[red]FAIL[/red]{why} {escape(r.task_id)}: {escape(_first_reason(r))}", highlight=False)
+        _out().print(f"[red]FAIL[/red]{why} {escape(r.task_id)}: {escape(_first_reason(r))}", highlight=False)
     for r in report.results:  # reward-hacking flags the guards raised on the solution (miles_env/guards)
         if r.flags:
-            _out.print(
+            _out().print(
                 f"[yellow]FLAG[/yellow] {escape(r.task_id)}: {escape(', '.join(r.flags))}", highlight=False
             )
     colour = "green" if not report.failures else "red"
     ends = ", ".join(f"{k} {n}" for k, n in report.ends().items())
-    _out.print(
+    _out().print(
         f"[{colour}]pass rate {report.pass_rate:.1%}[/{colour}] ({report.n_passed}/{report.n_total}) "
         f"in {report.duration_s:.1f}s; ends: {ends}"
     )
