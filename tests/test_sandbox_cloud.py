@@ -133,6 +133,20 @@ class TestFramingContractOverFakeE2B(SandboxContract):
     def provider(self, local):
         return _e2b(local, expose_url="https://proxy.example")[0]
 
+    # An E2B sandbox's image is its template: E2B applies the template's ENV, user and workdir
+    # itself, the service's behaviour that no double here can stand for; the framing adds only
+    # the spec's own env (test_e2b_create_params_and_labels).
+    test_the_image_environment_applies_to_every_exec = None
+
+    async def test_the_writable_root_is_within_the_disk_quota(self, provider):
+        """E2B's disk is its template's size, set when the template is built, not per sandbox:
+        what the framing bounds is each file, at disk_mb (a larger one is killed_by_limit disk)."""
+        async with await provider.create(SandboxSpec(resources=Resources(disk_mb=8, timeout_s=60))) as sb:
+            r = await sb.exec("mkdir -p /opt/fill && head -c 16777216 /dev/zero > /opt/fill/one")
+            assert r.killed_by_limit == "disk", r
+            small = await sb.exec("rm -f /opt/fill/one && echo x > /opt/small && cat /opt/small")
+            assert small.stdout == "x\n", small
+
     async def test_expose_reaches_host_http(self, provider, host_http_server):  # noqa: F811
         # A cloud sandbox reaches the host through the configured public URL of the proxy.
         async with await provider.create(SandboxSpec()) as sb:
@@ -341,6 +355,10 @@ class TestRealCloudContract(SandboxContract):
     @pytest.fixture
     def provider(self, real_provider):
         return real_provider
+
+    # the image is the service's template (E2B, Daytona, Modal images, AgentEnv backends): its
+    # ENV/USER/WORKDIR are the service's to apply; the contract's own image fixture is a local rootfs
+    test_the_image_environment_applies_to_every_exec = None
 
     async def test_expose_reaches_host_http(self, provider, host_http_server):  # noqa: F811
         pytest.skip(
