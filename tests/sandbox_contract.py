@@ -38,7 +38,7 @@ from miles_env.errors import SandboxError
 from miles_env.sandbox import Sandbox
 from miles_env.types import Resources, SandboxSpec
 
-__all__ = ["HostileContract", "SandboxContract", "host_http_server", "host_pids_with"]
+__all__ = ["HostileContract", "SandboxContract", "host_http_server", "host_pids_with", "live_cmdlines"]
 
 
 class _Hello(BaseHTTPRequestHandler):
@@ -79,9 +79,9 @@ CONNECT = (
 )
 
 
-def host_pids_with(marker: str) -> list[int]:
-    """Live host processes whose command line holds `marker` (a sandbox's, seen from the host)."""
-    found = []
+def live_cmdlines() -> dict[int, str]:
+    """Every live host process but this one and zombies: pid -> its command line, NULs as spaces."""
+    found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
@@ -90,11 +90,15 @@ def host_pids_with(marker: str) -> list[int]:
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                     continue
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    found.append(int(entry))
+                found[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace")
         except (OSError, IndexError):
             pass
     return found
+
+
+def host_pids_with(marker: str) -> list[int]:
+    """Live host processes whose command line holds `marker` (a sandbox's, seen from the host)."""
+    return [pid for pid, cmd in live_cmdlines().items() if marker in cmd]
 
 
 @pytest.mark.anyio

@@ -201,21 +201,13 @@ _CRASHER = textwrap.dedent(
 
 def _survivors(tag: str, run: dict) -> list[str]:
     """Live processes of the killed run: its commands, zygotes, bwraps and sandboxes' inits."""
+    from sandbox_contract import live_cmdlines
+
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, IndexError):
-            continue
-        ours = int(entry) in run["zygotes"] or int(entry) in run.get("inits", ())
+    for pid, cmd in live_cmdlines().items():
+        ours = pid in run["zygotes"] or pid in run.get("inits", ())
         if ours or tag in cmd or any(base in cmd for base in run["bases"]):
-            found.append(f"{entry}: {cmd[:120]}")
+            found.append(f"{pid}: {cmd[:120]}")
     return found
 
 
