@@ -99,6 +99,15 @@ class RolloutConfig(_Strict):
         False, description="a stale episode (past max_staleness) never trains; true: its reward still "
         "counts in its fresh siblings' baseline",
     )  # fmt: skip
+    # Dynamic sampling (DAPO; trainer/loop.py): a group whose rewards are all equal carries no signal
+    dynamic_sampling: bool = Field(
+        False, description="train only groups whose rewards differ, drawing more groups (sync: rolling "
+        "them out) until groups_per_step have signal; the others are counted (groups_filtered), never trained",
+    )  # fmt: skip
+    max_sampling_factor: float = Field(
+        3.0, ge=1.0, description="dynamic_sampling draws at most ceil(this x groups_per_step) groups a "
+        "step; then it trains the groups with signal it has (none: the step is skipped, logged)",
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _min_valid(self) -> Self:
@@ -236,6 +245,9 @@ class RunConfig(_Strict):
         if self.opd is not None and self.cluster.address is not None:
             msg = "algorithm=opd runs in one process (cluster rollout workers have no teacher)"
             raise _invalid("RunConfig", [(("cluster", "address"), "opd_cluster", msg, self.cluster.address)])
+        if self.opd is not None and self.rollout.dynamic_sampling:
+            msg = "rollout.dynamic_sampling with algorithm=opd: the teacher's signal is in every group"
+            raise _invalid("RunConfig", [(("rollout", "dynamic_sampling"), "opd_filter", msg, True)])
         return self
 
     @model_validator(mode="after")

@@ -33,12 +33,26 @@ groups are all in the queue once `produce` returns, so a take that comes short (
 stale or quarantined, a cluster task given up after its attempts) rolls the missing groups out
 again (`groups_reproduced` in the step's metrics) instead of waiting forever.
 
+Dynamic sampling (`dynamic_sampling`, DAPO's; verl's `filter_groups`, slime's
+`--dynamic-sampling-filter-path`): the drain judges every group it takes with
+`trainer.groups.has_signal` (on what would train: its fresh, policy-ended members and their
+baseline) and trains only those with signal; a group whose rewards are all equal is filtered:
+never trained, held and acked with the step's checkpoint like a trained one (its ids are the
+checkpoint's `filtered_episode_ids`: consumed, so a restart acks it and never draws it again). The drain keeps taking
+(sync: rolling more groups out) until the step has `groups_per_step` groups with signal or it
+has drawn `ceil(max_sampling_factor * groups_per_step)` groups; then it trains what it has, and
+with none the step is skipped: `train_step(())` takes no optimizer update but counts, so the run
+always ends (the step's `dynamic_sampling_skipped` is 1). At the drain, not at the producer, so
+every mode (sync, fully_async, cluster workers) filters the same way with one rule. Metrics:
+`groups_drawn`, `groups_filtered`; the filtered groups are in `StepResult.filtered`.
+
 `StepHooks` is the job's seam and does nothing by default, so draining a filled queue is
 `await TrainLoop(queue, trainer, LoopConfig(...)).run()`.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,8 +64,8 @@ import anyio.to_thread
 
 from miles_env.queue.aio import AsyncReplayQueue
 from miles_env.queue.contract import Lease
-from miles_env.trainer.groups import TrainGroup
-from miles_env.types import Episode
+from miles_env.trainer.groups import TrainGroup, has_signal
+from miles_env.types import POLICY_ENDS, Episode, EpisodeEnd
 
 if TYPE_CHECKING:
     import torch
@@ -67,6 +81,7 @@ __all__ = [
 ]
 
 TRAINED_IDS = "trained_episode_ids"  # the checkpoint key; `trained_ids` is its older (cumulative) name
+FILTERED_IDS = "filtered_episode_ids"  # dynamic sampling's groups consumed without training
 
 
 class TrainerBackend(Protocol):
@@ -100,6 +115,16 @@ class LoopConfig:
     eval_every: int = 0  # 0: never inside the loop
     lease_s: float = 3600.0  # renewed every step; a restart recovers leases, not this timer
     poll_s: float = 0.05  # while waiting for complete groups
+    dynamic_sampling: bool = False  # train only groups with signal (module docstring)
+    max_sampling_factor: float = 3.0  # dynamic sampling draws at most ceil(this x groups_per_step) a step
+    policy_ends: tuple[EpisodeEnd, ...] = tuple(sorted(POLICY_ENDS))  # members that train (has_signal)
+
+    @property
+    def draw_budget(self) -> int | None:
+        """Groups one step may draw (dynamic sampling); None: no filter, exactly groups_per_step."""
+        if not self.dynamic_sampling:
+            return None
+        return max(self.groups_per_step, math.ceil(self.max_sampling_factor * self.groups_per_step))
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +132,7 @@ class StepResult:
     step: int
     groups: tuple[tuple[Episode, ...], ...]
     metrics: dict[str, float]  # train_step's, the loop's timings (train_s, checkpoint_s, ...), after_step's
+    filtered: tuple[tuple[Episode, ...], ...] = ()  # dynamic sampling: drawn, no signal, never trained
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +194,7 @@ class TrainLoop:
         self.queue, self.trainer, self.config = queue, trainer, config
         self.hooks = hooks or StepHooks()
         self.held: list[Lease] = []  # trained, not yet in a checkpoint
+        self.held_filtered: list[Lease] = []  # dynamic sampling: drawn, not trained, not yet acked
         self.resumed: Resumed | None = None
         self.stopped: str | None = None  # why the run ended before `steps` (StepHooks.stop_reason)
         self._started = False
@@ -181,6 +208,7 @@ class TrainLoop:
         self._started = True
         extra = await anyio.to_thread.run_sync(self.trainer.load_checkpoint, self.config.ckpt_dir)
         ids: list[str] = [] if extra is None else list(extra.get(TRAINED_IDS, extra.get("trained_ids", [])))
+        ids += [] if extra is None else extra.get(FILTERED_IDS, [])  # consumed: acked, never drawn again
         acked, released = await self.queue.recover(ids)  # also frees leases of a run that never checkpointed
         if extra is None:
             return None
@@ -209,7 +237,9 @@ class TrainLoop:
                     await self.hooks.evaluate(result.step)
             if self.stopped is None:
                 tg.cancel_scope.cancel()
-        if self.held:  # stopped between checkpoints: what was trained is made durable and acked
+        if (
+            self.held or self.held_filtered
+        ):  # stopped between checkpoints: what was trained is made durable and acked
             await self._checkpoint()
         return self.trainer.step
 
@@ -229,25 +259,30 @@ class TrainLoop:
             await self.hooks.produce(cfg.groups_per_step)
             metrics["rollout_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
-        leases = await self._collect(cfg.groups_per_step)
-        if not leases:
+        leases, filtered = await self._collect(cfg.groups_per_step)
+        if not leases and not filtered:
             raise _Stopped
         metrics["rollout_wait_s"] = time.perf_counter() - t1
         if self._reproduced:
             metrics["groups_reproduced"], self._reproduced = float(self._reproduced), 0
         groups = tuple(self._group(lease) for lease in leases)
+        if cfg.dynamic_sampling:
+            metrics["groups_drawn"] = float(len(leases) + len(filtered))
+            metrics["groups_filtered"] = float(len(filtered))
+            metrics["dynamic_sampling_skipped"] = float(not leases)  # train_step(()): no update
         if stale := sum(len(lease.stale) for lease in leases):
             metrics["stale_episodes"] = float(stale)
         t2 = time.perf_counter()
         metrics.update(await anyio.to_thread.run_sync(self.trainer.train_step, groups))
         metrics["train_s"] = time.perf_counter() - t2
         self.held.extend(leases)
+        self.held_filtered.extend(filtered)
         if self.trainer.step % cfg.ckpt_every == 0 or self.trainer.step >= cfg.steps:
             metrics["checkpoint_s"] = await self._checkpoint()
         metrics.update(await self.hooks.after_step(self.trainer.step))
         n_episodes = sum(len(g) for g in groups)
         metrics["episodes_per_min"] = n_episodes / max(1e-9, (time.perf_counter() - t0) / 60)
-        return StepResult(self.trainer.step, groups, metrics)
+        return StepResult(self.trainer.step, groups, metrics, tuple(self._group(f) for f in filtered))
 
     def _group(self, lease: Lease) -> tuple[Episode, ...]:
         """What a lease trains: its fresh episodes, and with stale_in_baseline its stale ones as
@@ -262,33 +297,46 @@ class TrainLoop:
         extra = {
             **self.hooks.checkpoint_state(),
             TRAINED_IDS: [eid for lease in self.held for eid in lease.episode_ids],
-            "lease_ids": [lease.lease_id for lease in self.held],
+            FILTERED_IDS: [eid for lease in self.held_filtered for eid in lease.episode_ids],
+            "lease_ids": [lease.lease_id for lease in [*self.held, *self.held_filtered]],
         }
         await anyio.to_thread.run_sync(self.trainer.save_checkpoint, self.config.ckpt_dir, extra)
-        await self.queue.ack(self.held)
-        self.held = []
+        await self.queue.ack([*self.held, *self.held_filtered])
+        self.held, self.held_filtered = [], []
         return time.perf_counter() - t0
 
-    async def _collect(self, n: int) -> list[Lease]:
-        """Lease `n` complete, fresh-enough groups, waiting for them. The held leases (and those
-        taken so far) are renewed before every take, where expiry is applied, so a long production,
-        eval or wait never lets a trained, unacked group expire back into the queue."""
+    async def _collect(self, n: int) -> tuple[list[Lease], list[Lease]]:
+        """Lease `n` complete, fresh-enough groups, waiting for them; with dynamic sampling, `n` with
+        signal, drawing at most `draw_budget` (module docstring). Returns (to train, filtered).
+        The held leases (and those taken so far) are renewed before every take, where expiry is
+        applied, so a long production, eval or wait never lets a trained, unacked group expire."""
         cfg = self.config
         version = self.hooks.current_version(self.trainer.step)
+        budget = cfg.draw_budget
         leases: list[Lease] = []
+        filtered: list[Lease] = []
         while True:
-            if self.held or leases:
-                await self.queue.renew([*self.held, *leases], cfg.lease_s)
-            leases += await self.queue.take(
-                n - len(leases), current_version=version, max_staleness=cfg.max_staleness, lease_s=cfg.lease_s
+            if held := [*self.held, *self.held_filtered, *leases, *filtered]:
+                await self.queue.renew(held, cfg.lease_s)
+            want = n - len(leases)
+            if budget is not None:
+                want = min(want, budget - len(leases) - len(filtered))
+            taken = await self.queue.take(
+                want, current_version=version, max_staleness=cfg.max_staleness, lease_s=cfg.lease_s
             )
-            if len(leases) >= n:
-                return leases
+            for lease in taken:
+                worth = budget is None or has_signal(self._group(lease), cfg.policy_ends)
+                (leases if worth else filtered).append(lease)
+            if len(leases) >= n or (budget is not None and len(leases) + len(filtered) >= budget):
+                return leases, filtered
             if self._producing == 0 and self.hooks.stop_reason() is not None:
-                return leases  # stopping, and no group is coming: train what there is
+                return leases, filtered  # stopping, and no group is coming: train what there is
             if cfg.producers == 0 and self.hooks.produces:  # sync: nothing else is coming (docstring)
-                self._reproduced += n - len(leases)
-                await self.hooks.produce(n - len(leases))
+                self._reproduced += want - len(taken)  # a take that came short (filtered ones: drawn)
+                more = n - len(leases)
+                if budget is not None:
+                    more = min(more, budget - len(leases) - len(filtered))
+                await self.hooks.produce(more)
                 continue
             await anyio.sleep(cfg.poll_s)
 

@@ -109,6 +109,9 @@ def loop_config(cfg: RunConfig) -> LoopConfig:
         eval_every=cfg.eval.every if cfg.eval.enabled else 0,
         lease_s=LEASE_S,
         poll_s=0.2,
+        dynamic_sampling=cfg.rollout.dynamic_sampling,
+        max_sampling_factor=cfg.rollout.max_sampling_factor,
+        policy_ends=policy_ends(cfg),
     )
 
 

@@ -208,7 +208,9 @@ class _Job(StepHooks):
         return await self.sync_weights(step)
 
     async def report(self, result: StepResult) -> None:
-        episodes = [ep for g in result.groups for ep in g]
+        # reward and pass rate over every group drawn (dynamic sampling's filtered ones too): they
+        # track the policy, not the filtered batch; cost too (those rollouts were paid for)
+        episodes = [ep for g in (*result.groups, *result.filtered) for ep in g]
         metrics = {**result.metrics, **episode_stats(episodes), **self.signal.step_metrics(result.groups)}
         metrics.update(self.cost.step_metrics(result.step, episodes))  # cost_usd, cost_per_step_usd, ...
         if self.teacher is not None:  # opd/reverse_kl, opd/teacher_s, opd/teacher_share
@@ -230,15 +232,21 @@ class _Job(StepHooks):
             metrics.update((now - self.cache_seen).metrics())
             self.cache_seen = now
         self.log.log(result.step, "train", metrics)
+        if metrics.get("dynamic_sampling_skipped"):
+            self.say(f"step {result.step} skipped (no update): dynamic sampling drew no group with signal")
         if self.progress is not None and self.bar is not None:
             self.progress.update(
                 self.bar, completed=result.step, description=f"reward {metrics['reward_mean']:.2f}"
             )
+        ds = "groups_filtered" in metrics  # dynamic sampling: drawn groups without signal
+        filtered = (
+            f"filtered {metrics['groups_filtered']:.0f}/{metrics['groups_drawn']:.0f} groups  " if ds else ""
+        )
         self.console.print(
             f"step {result.step}/{self.cfg.trainer.steps}  reward {metrics['reward_mean']:.3f}  "
             f"pass {metrics['pass_rate']:.3f}  loss {metrics.get('loss', float('nan')):.4f}  "
             f"logp diff {metrics.get('logprob_diff_mean', float('nan')):.2e}  "
-            f"train {metrics['train_s']:.0f}s  rollout {metrics.get('rollout_s', 0.0):.0f}s  "
+            f"train {metrics['train_s']:.0f}s  rollout {metrics.get('rollout_s', 0.0):.0f}s  {filtered}"
             f"infra failed {metrics.get('wasted_rollout_share', 0.0):.0%} of rollout time "
             f"({metrics.get('episodes_rerolled', 0.0):.0f} re-rolled)  "
             f"cost ${metrics['cost_usd']:.4f} (total ${metrics['cost_usd_total']:.4f})"

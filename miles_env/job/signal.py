@@ -6,8 +6,10 @@ out, and the rollout seconds each cost. `step_metrics` turns what accumulated si
 report into the step's metrics: `ends/<class>` (the share of every episode rolled out, the
 re-rolled and dropped ones included, that ended so), `episodes_rerolled`, `groups_dropped_invalid`,
 `episodes_excluded` (infrastructure failures inside the trained groups, left out by the trainer),
-`trained_episodes` and `wasted_rollout_share` (the share of rollout seconds spent on episodes
-that never train: failures and dropped groups). `summary()` is the whole run's: episodes by end
+`trained_episodes`, `rollouts_per_trained_group` (every episode rolled out, over the groups
+trained: group_size plus re-rolls, plus dynamic sampling's filtered groups) and
+`wasted_rollout_share` (the share of rollout seconds spent on episodes that never train:
+failures and dropped groups; a filtered group's episodes ended by the policy and count as used). `summary()` is the whole run's: episodes by end
 class, re-rolled and dropped, for summary.json and the run's last lines. Failed train episodes that never reach the queue
 (replaced, or their group dropped) are appended to `RUN_DIR/failed_episodes.jsonl` (no token
 arrays: their journals are in sessions/), so `miles-env view` lists them with their class.
@@ -72,6 +74,7 @@ class SignalLedger:
             "groups_dropped_invalid": float(self.dropped),
             "episodes_excluded": float(sum(len(g) for g in groups) - trained),
             "trained_episodes": float(trained),
+            "rollouts_per_trained_group": n / len(groups) if groups else float(n),
             "rollout_episode_s": self.seconds,  # the episodes' own seconds (concurrent ones add up)
             "wasted_rollout_share": self.wasted_s / self.seconds if self.seconds else 0.0,
         }
