@@ -42,6 +42,13 @@ class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     lr: float = Field(1e-6, gt=0)
+    # the lr of each step (trainer/lr_schedule.py): linear warmup, then constant or cosine to lr_min
+    lr_warmup_steps: int = Field(0, ge=0, description="steps of linear warmup from lr / W to lr; 0 = none")
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    lr_min: float = Field(0.0, ge=0, description="cosine: the lr at lr_decay_steps and after")
+    lr_decay_steps: int | None = Field(
+        None, ge=1, description="cosine: the step it reaches lr_min (miles-env train: trainer.steps)"
+    )
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(0.0, ge=0)
     adam_eps: float = Field(1e-8, gt=0)
@@ -86,4 +93,17 @@ class TrainerConfig(BaseModel):
     def _clip_range(self) -> TrainerConfig:
         if self.clip_eps_low >= 1.0:
             raise ValueError(f"clip_eps_low={self.clip_eps_low}: must be < 1")
+        return self
+
+    @model_validator(mode="after")
+    def _lr_schedule(self) -> TrainerConfig:
+        if self.lr_schedule == "constant":
+            return self
+        if self.lr_decay_steps is None:
+            raise ValueError("lr_schedule=cosine needs lr_decay_steps (miles-env train sets trainer.steps)")
+        if self.lr_decay_steps <= self.lr_warmup_steps:
+            msg = f"lr_decay_steps={self.lr_decay_steps} must be more than lr_warmup_steps={self.lr_warmup_steps}"
+            raise ValueError(msg)
+        if self.lr_min > self.lr:
+            raise ValueError(f"lr_min={self.lr_min} is more than lr={self.lr}")
         return self

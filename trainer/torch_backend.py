@@ -51,6 +51,7 @@ from miles_env.trainer.config import LoraConfig, TrainerConfig
 from miles_env.trainer.export import write_hf_dir
 from miles_env.trainer.fsdp import World, deal, full_state, init_world, merged_lora_state, shard
 from miles_env.trainer.losses import microbatch_loss, token_logprobs
+from miles_env.trainer.lr_schedule import apply_lr
 from miles_env.trainer.moe import MoeAux, moe_shape, routers
 from miles_env.trainer.samples import (
     Sample,
@@ -149,6 +150,7 @@ class TorchTrainer:
     def train_step(self, groups: Sequence[Sequence[Episode]]) -> dict[str, float]:
         t0 = time.perf_counter()
         cfg = self.config
+        lr = apply_lr(self.optimizer, cfg, self.step)  # this update's (trainer/lr_schedule.py)
         samples = flatten_groups(groups, cfg)
         total_tokens = sum(sum(s.loss_mask[1:]) for s in samples)
         totals = {
@@ -193,6 +195,7 @@ class TorchTrainer:
         return self._with_moe(
             {
                 "step": float(self.step),
+                "lr": lr,
                 "loss": acc.pg + cfg.kl_coef * acc.kl,
                 "pg_loss": acc.pg,
                 "kl": acc.kl,

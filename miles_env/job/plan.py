@@ -69,6 +69,8 @@ def build_job_trainer(cfg: RunConfig, model_path: Path) -> TrainerBackend:
         **cfg.trainer.backend_options,
         **trainer_options(cfg.opd),  # algorithm=opd: per-token teacher advantages (miles_env/opd.py)
     }
+    if options.get("lr_schedule") == "cosine":  # decays over the run unless told (trainer/lr_schedule.py)
+        options.setdefault("lr_decay_steps", cfg.trainer.steps)
     if cfg.cluster.address is not None and cfg.cluster.trainer is not None:  # an actor on a trainer node
         from miles_env.cluster.trainer import remote_trainer
 

@@ -46,6 +46,7 @@ from miles_env.models import resolve_model
 from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.export import write_hf_dir
 from miles_env.trainer.losses import token_logprobs
+from miles_env.trainer.lr_schedule import apply_lr
 from miles_env.trainer.megatron.batches import all_gather_dispatch
 from miles_env.trainer.megatron.checkpoint import load_rank_checkpoint, save_rank_checkpoint
 from miles_env.trainer.megatron.context import cp_full, cp_logprobs
@@ -219,7 +220,8 @@ class MegatronTrainer(TorchTrainer):
     def train_step(self, groups: Sequence[Sequence[Episode]]) -> dict[str, float]:
         if self.pp_size == 1 and self.dp_size == 1 and self.cp_size == 1 and self.ddp is None:
             return super().train_step(groups)  # exactly the torch backend's step
-        return self._with_moe(pipeline_train_step(self, groups))
+        lr = apply_lr(self.optimizer, self.config, self.step)  # the torch step's schedule (lr_schedule.py)
+        return self._with_moe(pipeline_train_step(self, groups)) | {"lr": lr}
 
     def _sum_over_ranks(self, vec: torch.Tensor) -> torch.Tensor:
         """Summed over the data-parallel ranks (other microbatches) and pipeline stages (other layers)."""
