@@ -6,7 +6,7 @@ config's one-line errors; `miles-env train` decays a cosine over its trainer.ste
 random Llama: the torch backend, the megatron backend's torch step and its own
 DistributedOptimizer (one process) each log `lr` per step as scheduled, and the schedule is what
 the optimizer applied: Adam's first update moves a weight by lr x g / (|g| + eps), so the largest
-change of the first step is that step's lr. A resumed trainer continues the schedule.
+change of the first step is that step's lr. A resumed trainer continues the schedule; a step with nothing to train moves no weight.
 """
 
 from __future__ import annotations
@@ -100,14 +100,24 @@ def _assert_scheduled(cfg: TrainerConfig, steps: list[tuple[float, float]]) -> N
     assert first_move == pytest.approx(first_lr, rel=1e-3)  # Adam's first update: lr x sign(g)
 
 
+def _assert_no_update(trainer: Any) -> None:
+    """A step with nothing to train (dynamic sampling's skipped step) moves no weight: on megatron's
+    DistributedOptimizer, Adam's momentum would (it stepped with zero grads before)."""
+    before = {k: v.clone() for k, v in trainer.state_dict().items()}
+    step = trainer.step
+    assert trainer.train_step(())["grad_norm"] == 0.0 and trainer.step == step + 1
+    assert all(torch.equal(v, trainer.state_dict()[k]) for k, v in before.items())
+
+
 def test_torch_backend_follows_the_schedule_and_resumes_it(tiny: Path, tmp_path: Path) -> None:
     cfg = TrainerConfig(lr=LR, lr_warmup_steps=3, fused_adamw=False)
     trainer = TorchTrainer(tiny, cfg)
     _assert_scheduled(cfg, _steps(trainer, 4))
+    _assert_no_update(trainer)
     trainer.save_checkpoint(tmp_path / "ckpt")
     resumed = TorchTrainer(tiny, cfg.model_copy(update={"lr_schedule": "cosine", "lr_decay_steps": 6}))
     resumed.load_checkpoint(tmp_path / "ckpt")
-    assert resumed.train_step(groups(seed=9))["lr"] == pytest.approx(lr_at(resumed.config, 4))
+    assert resumed.train_step(groups(seed=9))["lr"] == pytest.approx(lr_at(resumed.config, 5))
 
 
 @pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["torch-step", "megatron-optimizer"])
@@ -119,3 +129,4 @@ def test_megatron_backend_follows_the_schedule(tiny: Path, distributed_optimizer
     trainer = MegatronTrainer(tiny, cfg)
     assert (trainer.ddp is not None) is distributed_optimizer  # megatron's own optimizer steps
     _assert_scheduled(cfg, _steps(trainer, 5))
+    _assert_no_update(trainer)

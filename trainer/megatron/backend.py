@@ -62,6 +62,7 @@ from miles_env.trainer.megatron.parallel import (
     pipeline_train_step,
 )
 from miles_env.trainer.moe import MoeAux
+from miles_env.trainer.samples import flatten_groups
 from miles_env.trainer.torch_backend import Sample, TorchTrainer
 from miles_env.types import Episode, Trajectory
 from miles_env.weight_layout import to_checkpoint, to_model
@@ -137,6 +138,7 @@ class MegatronTrainer(TorchTrainer):
         self.ref_model = self._frozen_copy() if cfg.kl_coef > 0 else None
         self.sharded = False
         self.ddp: Any = None
+        self._nothing_to_train = False  # this step has no sample (dynamic sampling's skip, all-equal groups)
         self.optimizer: Any
         if cfg.distributed_optimizer:
             self.ddp, self.optimizer = distributed_optimizer(self)
@@ -218,6 +220,7 @@ class MegatronTrainer(TorchTrainer):
         return out
 
     def train_step(self, groups: Sequence[Sequence[Episode]]) -> dict[str, float]:
+        self._nothing_to_train = not flatten_groups(groups, self.config)  # every rank has the same groups
         if self.pp_size == 1 and self.dp_size == 1 and self.cp_size == 1 and self.ddp is None:
             return super().train_step(groups)  # exactly the torch backend's step
         lr = apply_lr(self.optimizer, self.config, self.step)  # the torch step's schedule (lr_schedule.py)
@@ -247,6 +250,8 @@ class MegatronTrainer(TorchTrainer):
 
     def _clip_and_step(self) -> float:
         """Grads reduced (dp, tied copies), global norm over tp x pp, clipped, one AdamW step."""
+        if self._nothing_to_train:  # no sample: no update (Adam's momentum would still move weights);
+            return 0.0  # every rank skips the collectives below together (they all have the same groups)
         if self.ddp is not None:  # megatron's own: reduce-scatter, tied copies, clip, sharded step
             from megatron.core.distributed import finalize_model_grads
 
