@@ -238,7 +238,8 @@ class _Job(StepHooks):
             self.progress.update(
                 self.bar, completed=result.step, description=f"reward {metrics['reward_mean']:.2f}"
             )
-        ds = "groups_filtered" in metrics  # dynamic sampling: drawn groups without signal
+        ds = "groups_filtered" in metrics  # dynamic sampling: drawn groups without signal (and their wait)
+        rollout = metrics.get("rollout_s", 0.0) + metrics.get("rollout_wait_s", 0.0)
         filtered = (
             f"filtered {metrics['groups_filtered']:.0f}/{metrics['groups_drawn']:.0f} groups  " if ds else ""
         )
@@ -246,7 +247,7 @@ class _Job(StepHooks):
             f"step {result.step}/{self.cfg.trainer.steps}  reward {metrics['reward_mean']:.3f}  "
             f"pass {metrics['pass_rate']:.3f}  loss {metrics.get('loss', float('nan')):.4f}  "
             f"logp diff {metrics.get('logprob_diff_mean', float('nan')):.2e}  "
-            f"train {metrics['train_s']:.0f}s  rollout {metrics.get('rollout_s', 0.0):.0f}s  {filtered}"
+            f"train {metrics['train_s']:.0f}s  rollout {rollout:.0f}s  {filtered}"
             f"infra failed {metrics.get('wasted_rollout_share', 0.0):.0%} of rollout time "
             f"({metrics.get('episodes_rerolled', 0.0):.0f} re-rolled)  "
             f"cost ${metrics['cost_usd']:.4f} (total ${metrics['cost_usd_total']:.4f})"
