@@ -207,6 +207,22 @@ def test_a_restart_acks_the_filtered_groups_of_its_checkpoint(
     assert s.acked_groups == 2 and s.pending_groups == 1  # "c" only: "b" is never drawn again
 
 
+def test_the_job_counts_rollouts_per_trained_group(
+    trajs: tuple[Trajectory, Trajectory], tmp_path: Path
+) -> None:
+    """signal.py's `rollouts_per_trained_group`: every episode rolled out since the last report
+    (filtered groups', re-rolled ones') over the groups the step trained."""
+    from miles_env.job.signal import SignalLedger
+    from miles_env.rollout import GroupRun
+
+    ledger = SignalLedger(POLICY, tmp_path / "failed.jsonl")
+    trained, flat = _group(trajs, "a", (1.0, 0.0)), _group(trajs, "b", (0.0, 0.0))
+    for g in (trained, flat):
+        ledger.record(GroupRun(g, [], 0, False), step=0)
+    assert ledger.step_metrics([trained])["rollouts_per_trained_group"] == 4.0
+    assert ledger.step_metrics([])["rollouts_per_trained_group"] == 0.0  # counts start again
+
+
 def test_the_config_keys_and_their_errors() -> None:
     base: dict[str, Any] = {"env": "terminal-basics"}
     cfg = RunConfig.model_validate({**base, "rollout": {"dynamic_sampling": True, "max_sampling_factor": 2}})
