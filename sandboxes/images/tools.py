@@ -8,21 +8,22 @@ is one line naming what failed, then the log's last lines. `SkopeoProbe` asks a 
 manifest digest (resolve.Probe).
 
 Invariant: nothing here touches the system's container storage or configuration, and no mount
-or process of ours outlives the call that made it, however it ends. As root, every buildah call
-that mounts (`build`, `unpack`) runs in a mount and pid namespace of its own (util-linux
-`unshare`, `setpriv --pdeathsig`): what it mounted is gone with the namespace, and every process
-it started (runc, the RUN steps) dies with it, even when buildah is SIGKILLed or our process dies.
-A call past its timeout (or interrupted) gets SIGTERM first, which buildah answers by removing
-its running step, its working container and its mount, then SIGKILL. And a build removes its
-own working containers on every exit: buildah 1.28 keeps (mounted) the container of a stage
-without instructions (`FROM x` alone; tests/test_images.py), so each build carries a build arg
-with a nonce (`MILES_ENV_BUILD_ID`, unconsumed: the image is unchanged) by which its own
-containers are told from a concurrent build's.
+or process of ours outlives the call that made it, however it ends (tests/test_images_cleanup.py).
+As root (where root may make namespaces), every buildah call that mounts (`build`, `unpack`) runs
+in a mount and pid namespace of its own (util-linux `unshare`, `setpriv --pdeathsig`): what it
+mounted is gone with the namespace, and every process it started (runc, the RUN steps) dies with
+it, even when buildah is SIGKILLed or our process dies. A call past its timeout (or interrupted)
+gets SIGTERM first, which buildah answers by removing its running step, its working container and
+its mount, then SIGKILL. And a build removes its own working containers on every exit: buildah
+1.28 keeps (mounted) the container of a stage without instructions (`FROM x` alone, a stage only
+`COPY --from`'d), so each build carries a build arg with a nonce (`MILES_ENV_BUILD_ID`,
+unconsumed: the image is unchanged) by which its own containers are told from a concurrent build's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -203,13 +204,29 @@ class Buildah:
                 self.run(["rm", name], f"removing {name}", timeout=120)
 
 
+@functools.cache
 def _isolation() -> list[str]:
     """The prefix that runs a command in a mount and pid namespace of its own, dying with us (root
-    only: rootless buildah makes its own namespaces)."""
+    only: rootless buildah makes its own namespaces). Tried once: where root may not make them (a
+    container without CAP_SYS_ADMIN), none, said once."""
     if os.geteuid() != 0:
         return []
     unshare = ["--mount", "--propagation", "private", "--pid", "--fork", "--kill-child", "--mount-proc"]
-    return [need_tool("setpriv"), "--pdeathsig", "KILL", need_tool("unshare"), *unshare]
+    setpriv, unshare_ = shutil.which("setpriv"), shutil.which("unshare")  # util-linux
+    prefix = [setpriv or "setpriv", "--pdeathsig", "KILL", unshare_ or "unshare", *unshare]
+    try:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=60)
+        why = probe.stderr.strip()[-200:] if probe.returncode != 0 else None
+    except OSError as e:
+        why = str(e)
+    if why is not None:
+        _logger.warning(
+            "images: buildah runs in the host's mount namespace (%s): a build killed mid-way may "
+            "leave a mount under the image cache",
+            why,
+        )
+        return []
+    return prefix
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
