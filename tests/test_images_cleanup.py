@@ -6,13 +6,17 @@ an unpack that cannot write), nothing stays mounted under buildah's storage (rea
 RUN steps lives on. The success case is the one CI hit: buildah 1.28 keeps, mounted, the
 working container of a stage without instructions (`FROM x` alone: every `SandboxSpec(image=)`;
 a stage only `COPY --from`'d), which left one overlay mount per run under the CI's temp dir.
-Real buildah over the session's bootstrapped bases; each test builds a context of its own (a
+The last test SIGKILLs the process that builds, mid-RUN: buildah still cleans up (it gets SIGTERM
+when we die). Real buildah over the session's bootstrapped bases; each test builds a context of its own (a
 random file in it: a key of its own, so a real build every time).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -99,3 +103,38 @@ def test_an_unpack_that_fails_leaves_no_mount(
     assert _mounts_under(local_images.buildah.root) == before
     names = local_images.buildah.run(["containers", "--format", "{{.ContainerName}}"], "listing", timeout=60)
     assert "miles-env-unpack-" not in names
+
+
+_BUILD = (
+    "import sys; from pathlib import Path; from miles_env.sandboxes.images.local import LocalImages; "
+    "from miles_env.sandboxes.images.config import ImagesConfig; "
+    "LocalImages(ImagesConfig(direct=False)).build(Path(sys.argv[1]))"
+)
+
+
+def test_a_build_whose_process_is_killed_leaves_nothing(
+    tmp_path: Path, local_images: LocalImages, bookworm_image: Any
+) -> None:
+    base = _bookworm_base(local_images)
+    mounts, containers = _mounts_under(local_images.buildah.root), _containers_from(local_images, base)
+    marker = f"marker-{os.urandom(6).hex()}"
+    ctx = _context(tmp_path, f"FROM debian:bookworm\nRUN echo {marker} && sleep 600\n")
+    (tmp_path / "tmp").mkdir()  # the killed process's own temp files: in ours, not the host's /tmp
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    builder = subprocess.Popen([sys.executable, "-c", _BUILD, str(ctx)], stdout=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not host_pids_with(marker) and builder.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert host_pids_with(marker), "the RUN step never started"
+    finally:
+        builder.kill()  # SIGKILL: no handler of ours runs
+        builder.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (
+        host_pids_with(marker) or _containers_from(local_images, base) != containers
+    ):
+        time.sleep(0.2)
+    assert host_pids_with(marker) == []
+    assert _containers_from(local_images, base) == containers
+    assert _mounts_under(local_images.buildah.root) == mounts

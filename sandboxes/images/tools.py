@@ -12,12 +12,14 @@ or process of ours outlives the call that made it, however it ends (tests/test_i
 As root (where root may make namespaces), every buildah call that mounts (`build`, `unpack`) runs
 in a mount and pid namespace of its own (util-linux `unshare`, `setpriv --pdeathsig`): what it
 mounted is gone with the namespace, and every process it started (runc, the RUN steps) dies with
-it, even when buildah is SIGKILLed or our process dies. A call past its timeout (or interrupted)
-gets SIGTERM first, which buildah answers by removing its running step, its working container and
-its mount, then SIGKILL. And a build removes its own working containers on every exit: buildah
-1.28 keeps (mounted) the container of a stage without instructions (`FROM x` alone, a stage only
-`COPY --from`'d), so each build carries a build arg with a nonce (`MILES_ENV_BUILD_ID`,
-unconsumed: the image is unchanged) by which its own containers are told from a concurrent build's.
+it, even when buildah is SIGKILLed. A call past its timeout (or interrupted) gets SIGTERM first,
+which buildah answers by removing its running step, its working container and its mount; SIGKILL
+after a grace period. Buildah gets the same SIGTERM when our process dies, however it dies
+(unshare's pdeathsig, then its --kill-child=TERM). And a build removes its own working containers
+on every exit: buildah 1.28 keeps (mounted) the container of a stage without instructions (`FROM x`
+alone, a stage only `COPY --from`'d), so each build carries a build arg with a nonce
+(`MILES_ENV_BUILD_ID`, unconsumed: the image is unchanged) by which its own containers are told
+from a concurrent build's.
 """
 
 from __future__ import annotations
@@ -211,7 +213,8 @@ def _isolation() -> list[str]:
     container without CAP_SYS_ADMIN), none, said once."""
     if os.geteuid() != 0:
         return []
-    unshare = ["--mount", "--propagation", "private", "--pid", "--fork", "--kill-child", "--mount-proc"]
+    # --kill-child=TERM: when we die (so unshare, by its pdeathsig), buildah cleans up as on a timeout
+    unshare = ["--mount", "--propagation", "private", "--pid", "--fork", "--kill-child=TERM", "--mount-proc"]
     setpriv, unshare_ = shutil.which("setpriv"), shutil.which("unshare")  # util-linux
     prefix = [setpriv or "setpriv", "--pdeathsig", "KILL", unshare_ or "unshare", *unshare]
     try:
