@@ -6,7 +6,7 @@ under buildah's storage (read from /proc/self/mountinfo), no working container s
 no process of its RUN steps lives on. The success case is the one CI hit: buildah 1.28 keeps,
 mounted, the working container of a stage without instructions (`FROM x` alone: every
 `SandboxSpec(image=)`; a stage only `COPY --from`'d), which left an overlay mount per run under
-the CI's temp dir.
+the CI's temp dir. And the loopback registry a process started goes with it, SIGKILLed too.
 
 Real buildah, with an image store of this module's own (so what is left in it is exactly what
 these builds left, whatever other workers build meanwhile, and their random-keyed root
@@ -131,3 +131,23 @@ def test_a_build_whose_process_is_killed_leaves_nothing(tmp_path: Path, own: Loc
         time.sleep(0.2)
     assert host_pids_with(marker) == []
     assert _left(own) == (set(), {})
+
+
+def test_the_loopback_registry_dies_with_a_killed_process(tmp_path: Path) -> None:
+    """A process that started a loopback registry (any lookup does) and is SIGKILLed: the server
+    goes too (its watcher), as it does at a normal exit."""
+    code = (
+        "import sys, time; from pathlib import Path; from miles_env.sandboxes.images.registry import "
+        "registry_for; print(registry_for(Path(sys.argv[1])).address(), flush=True); time.sleep(600)"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None and owner.stdout.readline().startswith("127.0.0.1:")
+        assert host_pids_with(f"{tmp_path}/registry/config-")  # the server, named by its config
+    finally:
+        owner.kill()
+        owner.wait()
+    deadline = time.monotonic() + 10
+    while host_pids_with(f"{tmp_path}/registry/config-") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert host_pids_with(f"{tmp_path}/registry/config-") == []
