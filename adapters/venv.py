@@ -143,7 +143,7 @@ def _candidates() -> list[str]:
     if pyenv_root.is_dir():
         for d in sorted(pyenv_root.iterdir(), reverse=True):
             found += [str(p) for p in sorted((d / "bin").glob("python3.*")) if p.name.count(".") == 1]
-    uv = shutil.which("uv")
+    uv = _uv()
     if uv:
         for minor in range(11, 16):
             r = subprocess.run([uv, "python", "find", f"3.{minor}"], capture_output=True, text=True)
@@ -222,6 +222,45 @@ def _run(cmd: list[str], what: str, timeout: float) -> None:
         raise AdapterInstallError(f"{what}: exit {r.returncode}\n{tail}")
 
 
+def _uv() -> str | None:
+    """uv from the `uv` package beside this interpreter (requirements.lock), else on PATH."""
+    try:
+        from uv import find_uv_bin
+
+        return str(find_uv_bin())
+    except (ImportError, FileNotFoundError):
+        return shutil.which("uv")
+
+
+def _create(
+    python: str, target: Path, constraints: tuple[str, ...], packages: tuple[str, ...], timeout: float
+) -> None:
+    """The venv at `target` with `packages` installed under `constraints`: by uv (measured 5x pip's
+    speed: openenv 10 s vs 54 s), else by pip. uv reads its own index settings (UV_INDEX_URL...),
+    not pip's config: where uv cannot install what pip can (a pip-only mirror), pip does it, and a
+    warning says why."""
+    vpy = str(target / "bin" / "python")
+    uv = _uv()
+    if uv:
+        try:
+            _run([uv, "venv", "--python", python, str(target)], f"uv venv {target}", 300)
+            _run(
+                [uv, "pip", "install", "--python", vpy, *constraints, *packages],
+                f"uv pip install {packages}",
+                timeout,
+            )
+            return
+        except AdapterInstallError as e:
+            print(f"warning: {str(e).splitlines()[0]}; installing with pip instead", file=sys.stderr)
+            shutil.rmtree(target, ignore_errors=True)
+    _run([python, "-m", "venv", str(target)], f"{python} -m venv {target}", 300)
+    _run(
+        [vpy, "-m", "pip", "install", "-q", *constraints, *packages],
+        f"pip install {' '.join(packages)}",
+        timeout,
+    )
+
+
 def install(
     name: str, *, force: bool = False, extra: tuple[str, ...] = (), timeout: float = 1800.0
 ) -> VenvInfo:
@@ -245,24 +284,13 @@ def install(
     if target.exists():
         shutil.rmtree(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    uv = shutil.which("uv")
-    vpy = str(target / "bin" / "python")
-    if uv:
-        _run([uv, "venv", "--python", python, str(target)], f"uv venv {target}", 300)
-        _run(
-            [uv, "pip", "install", "--python", vpy, *constraints, *packages],
-            f"uv pip install {packages}",
-            timeout,
-        )
-    else:
-        _run([python, "-m", "venv", str(target)], f"{python} -m venv {target}", 300)
-        _run(
-            [vpy, "-m", "pip", "install", "-q", *constraints, *packages],
-            f"pip install {' '.join(packages)}",
-            timeout,
-        )
+    _create(python, target, constraints, packages, timeout)
     if spec.import_name:
-        _run([vpy, "-c", f"import {spec.import_name}"], f"import {spec.import_name} in {target}", 300)
+        _run(
+            [str(target / "bin" / "python"), "-c", f"import {spec.import_name}"],
+            f"import {spec.import_name} in {target}",
+            300,
+        )
     info = VenvInfo(
         name=name,
         path=str(target),

@@ -14,20 +14,23 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 T0=$(date +%s)
 stage() { echo "[test] $1 at $(( $(date +%s) - T0 )) s"; }
+logs=$(mktemp -d "${TMPDIR:-/tmp}/miles-env-test-logs.XXXXXX")
+pids=() names=()
+side() {  # name command...: run in the background, output to its own log
+    local name=$1; shift
+    (t=$(date +%s); "$@" >"$logs/$name.log" 2>&1; echo $? >"$logs/$name.rc"; echo $(( $(date +%s) - t )) >"$logs/$name.s") &
+    pids+=($!) names+=("$name")
+}
+trap 'kill $(jobs -p) 2>/dev/null || true' EXIT  # a failed step leaves no installer running
+# vLLM's venv needs only a python3.11, not ours: it installs beside setup.sh, whose one pip
+# process leaves the second core idle.
+side vllm bash scripts/install-vllm.sh
 bash scripts/setup.sh
 stage "setup done"
 bash scripts/install-system.sh
 stage "system packages done"
 
-logs=$(mktemp -d "${TMPDIR:-/tmp}/miles-env-test-logs.XXXXXX")
-pids=() names=()
-side() {  # name command...: run in the background, output to its own log
-    local name=$1; shift
-    ("$@" >"$logs/$name.log" 2>&1; echo $? >"$logs/$name.rc") &
-    pids+=($!) names+=("$name")
-}
 frameworks() { for a in "$@"; do "$PY" -m miles_env.cli.main adapters install "$a"; done; }
-side vllm bash scripts/install-vllm.sh
 side clis bash scripts/install-clis.sh
 # The five framework venvs in two streams of about equal time (measured: harbor 2.4 min, hud 1.9,
 # nemo-gym 2.0, openenv 0.7, verifiers 0.8); one stream of five was the phase's longest job.
@@ -43,6 +46,7 @@ bash scripts/install-redis.sh  # Debian's redis-server: the Redis replay queue's
 command -v tmux >/dev/null || { echo "[test] tmux is missing (install-system.sh needs root)" >&2; exit 2; }
 $PY -m ruff check .
 $PY -m ruff format --check .
+stage "dockerd, image tools, chromium, redis and lint done (the side jobs go on)"
 
 failed=0
 for i in "${!pids[@]}"; do
@@ -55,6 +59,7 @@ for i in "${!pids[@]}"; do
     else
         tail -n 2 "$logs/${names[$i]}.log"
     fi
+    echo "[test] side job ${names[$i]}: $(cat "$logs/${names[$i]}.s" 2>/dev/null || echo '?') s"
 done
 [ $failed = 0 ] || exit 1
 rm -rf "$logs"

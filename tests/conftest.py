@@ -95,6 +95,18 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def megatron_single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict[str, float]]]:
+    """The single-process megatron run every dp/pp comparison is measured against (model, out dir,
+    metrics): `megatron_support.tiny_model` (seeded, so the same weights each time) trained one
+    process, pp 1, kl 0.1. Built once per session (the `megatron` unit, tests/scheduling.py)."""
+    from tests import megatron_support
+
+    root = tmp_path_factory.mktemp("megatron_single")
+    model = megatron_support.tiny_model(root / "m")
+    return model, root / "one", megatron_support.run_torchrun(root / "one", 1, str(model), "1", "0.1")
+
+
+@pytest.fixture(scope="session")
 def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen3-MoE checkpoint (2 layers, 4 experts, top 2; ~6 MB) with the SmolLM2
     tokenizer, built once per test session by `miles_env.models.make_tiny_moe` (tests/test_moe*.py)."""
@@ -103,10 +115,12 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_moe(tmp_path_factory.mktemp("tiny_moe") / "model")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[Any]:
     """A real local multi-node Ray cluster: a head without CPUs and two worker nodes, each offering
-    {"rollout": 1} (the cluster tests, tests/test_cluster*.py)."""
+    {"rollout": 1} (the cluster tests, tests/test_cluster*.py). One per module (a start is ~15 s of
+    both cores): each run is its own Ray job, whose actors Ray reaps when its driver exits or dies;
+    a test that removes a node comes last in its module."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(

@@ -9,7 +9,10 @@ groups, and why:
   cgroups): a sibling test's live sandbox or worker would look like a leak, or be reaped.
 - `docker`: the one dockerd; reaper tests remove containers by label.
 - `ray`: one local Ray cluster at a time (each takes ~1.5 GB and both cores to start).
-- `vllm`: one vLLM CPU server at a time (it binds its OMP threads to both cores).
+- `vllm`: one vLLM CPU server at a time (it binds its OMP threads to both cores; its worker holds
+  ~3.7 GB).
+- `megatron`: the dp and pp comparisons share one single-process reference run (conftest
+  `megatron_single`), built once on the worker that runs them.
 Heavy units go first (HEAVY_FIRST), so no long module starts last while the other worker idles.
 Without xdist (`pytest` alone) nothing changes but the order, a reordering of whole modules.
 
@@ -39,12 +42,13 @@ _GROUPS: dict[str, tuple[str, ...]] = {
     "ray": ("test_cluster", "test_cluster_engine_faults", "test_cluster_engines", "test_cluster_faults",
             "test_cluster_job", "test_cluster_trainer"),
     "vllm": ("test_engine_vllm", "test_opd_vllm"),
+    "megatron": ("test_megatron_dp", "test_megatron_pp"),
 }  # fmt: skip
 _BY_MODULE = {m: g for g, modules in _GROUPS.items() for m in modules}
 
 # Units that take minutes: started first (measured in tests/README.md's budget).
 HEAVY_FIRST = (
-    "ray", "vllm", "host-procs", "docker", "test_adapters_harbor_agents", "test_harness_docs", "test_harness_codex",
+    "ray", "vllm", "host-procs", "docker", "megatron", "test_adapters_harbor_agents", "test_harness_docs", "test_harness_codex",
 )  # fmt: skip
 
 

@@ -1,10 +1,14 @@
-"""The venv manager and the adapters CLI, without installing anything."""
+"""The venv manager and the adapters CLI, installing nothing from an index (a wheel built in the test)."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -177,3 +181,48 @@ def test_env_list_shows_broken_verifiers_envs(tmp_path: Path, monkeypatch: pytes
     res = CliRunner().invoke(app, ["env", "list"])
     assert res.exit_code == 0, res.output
     assert "verifiers:new_env: requires verifiers>=0.5 (installed 0.4.0)" in " ".join(res.output.split())
+
+
+def _tiny_wheel(tmp: Path) -> Path:
+    """A pure wheel built here (no index needed): `tinypkg` 1.0 with VALUE = 7."""
+    files = {
+        "tinypkg/__init__.py": "VALUE = 7\n",
+        "tinypkg-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n",
+        "tinypkg-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+
+    def row(name: str, data: str) -> str:
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data.encode()).digest()).rstrip(b"=").decode()
+        return f"{name},sha256={digest},{len(data.encode())}\n"
+
+    record = "".join(row(n, d) for n, d in files.items()) + "tinypkg-1.0.dist-info/RECORD,,\n"
+    whl = tmp / "tinypkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+        z.writestr("tinypkg-1.0.dist-info/RECORD", record)
+    return whl
+
+
+def _imports_tinypkg(target: Path) -> bool:
+    r = subprocess.run([str(target / "bin" / "python"), "-c", "import tinypkg; print(tinypkg.VALUE)"],
+                       capture_output=True, text=True)  # fmt: skip
+    return r.returncode == 0 and r.stdout.strip() == "7"
+
+
+def test_venvs_are_built_by_uv_from_the_lock(tmp_path: Path) -> None:
+    """uv (requirements.lock) builds the venv: no pip inside it, the package importable."""
+    assert venv._uv(), "uv is in requirements.lock: setup.sh installs it"
+    target = tmp_path / "v"
+    venv._create(sys.executable, target, (), (str(_tiny_wheel(tmp_path)),), 300)
+    assert _imports_tinypkg(target) and not (target / "bin" / "pip").exists()
+
+
+def test_where_uv_fails_pip_installs_and_a_warning_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(venv, "_uv", lambda: "/bin/false")  # a uv that cannot install (a pip-only mirror)
+    target = tmp_path / "v"
+    venv._create(sys.executable, target, (), (str(_tiny_wheel(tmp_path)),), 300)
+    assert _imports_tinypkg(target) and (target / "bin" / "pip").exists()
+    assert "installing with pip instead" in capsys.readouterr().err

@@ -103,52 +103,6 @@ def test_train_with_rollouts_on_two_ray_nodes(tmp_path: Path, tiny_model: Path, 
 
 
 @pytest.mark.slow
-def test_a_rollout_node_removed_mid_run_loses_nothing_and_trains_nothing_twice(
-    tmp_path: Path,
-    tiny_model: Path,
-    ray_cluster: Any,
-) -> None:
-    from tests.redis_server import RedisServer
-
-    run_dir = tmp_path / "run"
-    node = list(ray_cluster.worker_nodes)[-1]
-    with RedisServer(tmp_path / "redis") as server:
-        proc = subprocess.Popen(
-            train_argv(run_dir, tiny_model, 3, ray_cluster, server.url),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        try:
-            # once both workers have journaled a session (episodes in flight on each), lose one node
-            deadline = time.monotonic() + 300
-            while not all(any((run_dir / "sessions" / f"worker-{i}").glob("*.jsonl")) for i in (0, 1)):
-                assert proc.poll() is None and time.monotonic() < deadline, "no rollouts on both workers"
-                time.sleep(0.2)
-            placed_before = time.monotonic()
-            ray_cluster.remove_node(node)
-            out, _ = proc.communicate(timeout=600)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        assert proc.returncode == 0, out[-4000:]
-        stats = queue_stats(server.url)
-    print(f"run finished {time.monotonic() - placed_before:.1f}s after the node was removed")
-    assert [r["step"] for r in e2e.rows(run_dir, "train")] == [1, 2, 3]
-    placed = json.loads((run_dir / "cluster.json").read_text())
-    assert placed["workers_lost"] == 1 and placed["groups_redispatched"] >= 1, placed
-    lost = next(w for w in placed["workers"] if not w["alive"])
-    assert lost["node_id"] == node.node_id
-    trained = e2e.trained_ids(run_dir)
-    assert len(trained) == 12 and len(set(trained)) == 12  # 3 steps x 2 groups x 2: none twice
-    assert stats.acked_groups == 6 and stats.episodes.get("acked") == 12, stats
-    assert not stats.episodes.get("leased"), stats
-    # a group the dead worker left short stays open, never trained; nothing else is lost
-    assert stats.open_groups <= 1 and stats.episodes.get("open", 0) < 2, stats
-    survivor = next(w for w in placed["workers"] if w["alive"])
-    audit = _audit(run_dir / "sessions" / survivor["name"])
-    assert audit.returncode == 0 and "no drift" in audit.stdout, audit.stdout
-
-
-@pytest.mark.slow
 def test_fully_async_producers_dispatch_to_the_workers(
     tmp_path: Path, tiny_model: Path, ray_cluster: Any
 ) -> None:
@@ -198,3 +152,50 @@ def test_a_driver_killed_mid_run_resumes_on_the_cluster(
     assert trained[: len(before)] == before
     assert stats.episodes.get("acked") == 16 and not stats.episodes.get("leased"), stats
     assert [r["step"] for r in e2e.rows(run_dir, "train")][-2:] == [3, 4]
+
+
+@pytest.mark.slow
+def test_a_rollout_node_removed_mid_run_loses_nothing_and_trains_nothing_twice(
+    tmp_path: Path,
+    tiny_model: Path,
+    ray_cluster: Any,
+) -> None:
+    """Last in the module: it takes a node from the module's cluster."""
+    from tests.redis_server import RedisServer
+
+    run_dir = tmp_path / "run"
+    node = list(ray_cluster.worker_nodes)[-1]
+    with RedisServer(tmp_path / "redis") as server:
+        proc = subprocess.Popen(
+            train_argv(run_dir, tiny_model, 3, ray_cluster, server.url),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        try:
+            # once both workers have journaled a session (episodes in flight on each), lose one node
+            deadline = time.monotonic() + 300
+            while not all(any((run_dir / "sessions" / f"worker-{i}").glob("*.jsonl")) for i in (0, 1)):
+                assert proc.poll() is None and time.monotonic() < deadline, "no rollouts on both workers"
+                time.sleep(0.2)
+            placed_before = time.monotonic()
+            ray_cluster.remove_node(node)
+            out, _ = proc.communicate(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, out[-4000:]
+        stats = queue_stats(server.url)
+    print(f"run finished {time.monotonic() - placed_before:.1f}s after the node was removed")
+    assert [r["step"] for r in e2e.rows(run_dir, "train")] == [1, 2, 3]
+    placed = json.loads((run_dir / "cluster.json").read_text())
+    assert placed["workers_lost"] == 1 and placed["groups_redispatched"] >= 1, placed
+    lost = next(w for w in placed["workers"] if not w["alive"])
+    assert lost["node_id"] == node.node_id
+    trained = e2e.trained_ids(run_dir)
+    assert len(trained) == 12 and len(set(trained)) == 12  # 3 steps x 2 groups x 2: none twice
+    assert stats.acked_groups == 6 and stats.episodes.get("acked") == 12, stats
+    assert not stats.episodes.get("leased"), stats
+    # a group the dead worker left short stays open, never trained; nothing else is lost
+    assert stats.open_groups <= 1 and stats.episodes.get("open", 0) < 2, stats
+    survivor = next(w for w in placed["workers"] if w["alive"])
+    audit = _audit(run_dir / "sessions" / survivor["name"])
+    assert audit.returncode == 0 and "no drift" in audit.stdout, audit.stdout

@@ -219,6 +219,70 @@ def test_weight_sync_pauses_so_no_generation_mixes_versions(portal, vllm_engine:
     portal.call(go)
 
 
+# -- slow: the CLI end to end, on the module's server before the fault tests stop it -------------------------------------------------------------------------
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "miles_env.cli.main", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_eval_with_the_builtin_harness_on_vllm(tmp_path: Path, vllm_engine: VLLMEngine) -> None:
+    """`miles-env eval` attached to the module's server (`--engine-opt url=`): the CLI's own launch
+    path is the train test's below, which starts a server of its own."""
+    out = tmp_path / "eval"
+    r = _cli(
+        "eval", "--env", "terminal-basics", "--n", "2", "--engine", "vllm", "--engine-opt", f"url={vllm_engine.url}",
+        "--max-turns", "2", "--concurrency", "2", "--out", str(out), "--json",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["episodes"] == 2 and summary["sampled_tokens"] > 0
+    from miles_env.tito import audit
+
+    assert audit(out).ok
+
+
+def _turns(store: Path) -> list[dict]:
+    rows = [json.loads(line) for p in store.glob("*.jsonl") for line in p.read_text().splitlines() if line]
+    return [r["turn"] for r in rows if r.get("kind") == "turn"]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_train_two_steps_on_vllm_syncs_weights(
+    portal, tmp_path: Path, vllm_engine: VLLMEngine, hf_model
+) -> None:
+    """`miles-env train` on a vLLM server it launches; then the module's server loads the exported
+    weights (the tests after this one restart that server with them)."""
+    run_dir = tmp_path / "run"
+    sets = [
+        f"run_dir={run_dir}", "engine.kind=vllm", "engine.dtype=float32", "engine.nice=15", "trainer.steps=2",
+        "rollout.group_size=2", "rollout.groups_per_step=2", "rollout.concurrency=4", "harness.max_tokens=16",
+        "harness.max_turns=1", "eval.enabled=false", "trainer.lr=1e-4",
+    ]  # fmt: skip
+    r = _cli("train", str(ROOT / "examples/terminal-cpu.yaml"), *[a for s in sets for a in ("--set", s)])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    turns = _turns(run_dir / "sessions")
+    assert {t["engine"] for t in turns} == {"vllm"}
+    assert {t["weight_version"] for t in turns} == {0, 1}  # step 2's rollouts ran on the synced weights
+    assert list((run_dir / "engine").glob("vllm-*.log"))
+    # the trainer's model as exported at the last sync, served by vLLM vs in transformers (both fp32)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(str(run_dir / "weights"), dtype=torch.float32).eval()
+
+    async def go() -> list[int]:
+        assert await vllm_engine.update_weights_from_disk(run_dir / "weights", 6) == 6
+        g = await vllm_engine.generate(PROMPT, SamplingParams(max_new_tokens=16, temperature=0.0))
+        assert g.weight_version == 6
+        return g.output_ids
+
+    out = portal.call(go)
+    assert out == _hf_greedy(trained, PROMPT, 16)[: len(out)]
+
+
 def _kill_group(engine: VLLMEngine, sig: int) -> None:
     assert engine.server is not None and engine.server.pid is not None
     os.killpg(engine.server.pid, sig)
@@ -276,69 +340,6 @@ def test_past_max_restarts_the_engine_is_dead_with_a_clear_message(portal, vllm_
         assert not vllm_engine.server.alive()  # type: ignore[union-attr]
 
     portal.call(go)
-
-
-# -- slow: the CLI end to end -------------------------------------------------------------------------
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "miles_env.cli.main", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT)
-
-
-@needs_vllm
-@pytest.mark.slow
-def test_eval_with_the_builtin_harness_on_vllm(tmp_path: Path) -> None:
-    out = tmp_path / "eval"
-    r = _cli(
-        "eval", "--env", "terminal-basics", "--n", "2", "--engine", "vllm", "--engine-opt", "dtype=float32",
-        "--engine-opt", "nice=15", "--max-turns", "2", "--concurrency", "2", "--out", str(out), "--json",
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    summary = json.loads(r.stdout.strip().splitlines()[-1])
-    assert summary["episodes"] == 2 and summary["sampled_tokens"] > 0
-    assert list((out / "engine").glob("vllm-*.log"))
-    from miles_env.tito import audit
-
-    assert audit(out).ok
-
-
-def _turns(store: Path) -> list[dict]:
-    rows = [json.loads(line) for p in store.glob("*.jsonl") for line in p.read_text().splitlines() if line]
-    return [r["turn"] for r in rows if r.get("kind") == "turn"]
-
-
-@needs_vllm
-@pytest.mark.slow
-def test_train_two_steps_on_vllm_syncs_weights(tmp_path: Path, hf_model) -> None:
-    run_dir = tmp_path / "run"
-    sets = [
-        f"run_dir={run_dir}", "engine.kind=vllm", "engine.dtype=float32", "engine.nice=15", "trainer.steps=2",
-        "rollout.group_size=2", "rollout.groups_per_step=2", "rollout.concurrency=4", "harness.max_tokens=16",
-        "harness.max_turns=1", "eval.enabled=false", "trainer.lr=1e-4",
-    ]  # fmt: skip
-    r = _cli("train", str(ROOT / "examples/terminal-cpu.yaml"), *[a for s in sets for a in ("--set", s)])
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    turns = _turns(run_dir / "sessions")
-    assert {t["engine"] for t in turns} == {"vllm"}
-    assert {t["weight_version"] for t in turns} == {0, 1}  # step 2's rollouts ran on the synced weights
-    assert list((run_dir / "engine").glob("vllm-*.log"))
-    # the trainer's model as exported at the last sync, on a fresh server vs in transformers (both fp32)
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    trained = AutoModelForCausalLM.from_pretrained(str(run_dir / "weights"), dtype=torch.float32).eval()
-
-    async def go() -> list[int]:
-        engine = await build_engine(VLLMEngineConfig(dtype="float32", nice=15, log_dir=str(tmp_path)))
-        try:
-            await engine.update_weights_from_disk(run_dir / "weights", 2)
-            g = await engine.generate(PROMPT, SamplingParams(max_new_tokens=16, temperature=0.0))
-            assert g.weight_version == 2
-            return g.output_ids
-        finally:
-            await engine.close()
-
-    out = anyio.run(go)
-    assert out == _hf_greedy(trained, PROMPT, 16)[: len(out)]
 
 
 # -- the sglang launch option: the same managed-server path, over a stand-in `sglang.launch_server` ---------

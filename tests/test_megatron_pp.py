@@ -23,12 +23,17 @@ pytest.importorskip("megatron.core")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kl", [0.0, 0.1])
-def test_pp2_same_step_as_pp1(tmp_path: Path, kl: float) -> None:
-    model = tiny_model(tmp_path / "m")
-    m1 = run_torchrun(tmp_path / "pp1", 1, str(model), "1", str(kl))
+def test_pp2_same_step_as_pp1(
+    tmp_path: Path, megatron_single: tuple[Path, Path, list[dict[str, float]]], kl: float
+) -> None:
+    """kl 0.1's one-process run is the session's (conftest `megatron_single`, the same seeded model)."""
+    model, pp1, m1 = megatron_single
+    if kl != 0.1:
+        model, pp1 = tiny_model(tmp_path / "m"), tmp_path / "pp1"
+        m1 = run_torchrun(pp1, 1, str(model), "1", str(kl))
     m2 = run_torchrun(tmp_path / "pp2", 2, str(model), "2", str(kl))
     assert m1[0]["samples"] >= 4 and m1[0]["loss_tokens"] > 0
-    assert_same_run(tmp_path / "pp1", tmp_path / "pp2", m1, m2, lr=1e-3)
+    assert_same_run(pp1, tmp_path / "pp2", m1, m2, lr=1e-3)
 
 
 if __name__ == "__main__":

@@ -124,6 +124,27 @@ async def test_the_sandbox_init_cannot_be_killed_traced_or_looked_through(provid
         assert (await sb.exec("echo still")).stdout == "still\n"
 
 
+async def test_nothing_inside_names_a_host_path_of_ours(provider, tmp_path, image_spec):
+    """pid 1's command line and environment, and the mount table, carry no host path of the repo,
+    the venv, its python or the run's directories: a hostile policy learns nothing of the host's
+    layout from them (pid 1 is a fork of the zygote, started as `<venv python> <repo>/zygote.py`)."""
+    import sys
+
+    ours = {Path(__file__).resolve().parents[1], Path(sys.prefix), Path(sys.base_prefix), tmp_path}
+    ours |= {Path(sys.executable).resolve().parent, Path(image_spec.rootfs).resolve()}
+    needles = {str(p) for p in ours} - {"/", "/usr", "/usr/local", "/usr/bin", "/usr/local/bin"}
+    for spec in (SandboxSpec(), image_spec):  # the host's view, and an image's root
+        async with await provider.create(spec) as sb:
+            r = await sb.exec("tr '\\0' '\\n' < /proc/1/cmdline; cat /proc/1/comm")
+            assert r.ok and r.stdout.split() == ["miles-env-init", "miles-env-init"], r
+            seen = {}
+            for path in ("/proc/1/cmdline", "/proc/1/environ", "/proc/self/mountinfo", "/proc/self/environ"):
+                seen[path] = (await sb.exec(f"tr '\\0' '\\n' < {path}")).stdout  # /proc/1/environ: EACCES
+            assert "/proc self" not in seen["/proc/self/mountinfo"] and " / " in seen["/proc/self/mountinfo"]
+            leaks = [(path, n) for path, text in seen.items() for n in needles if n in text]
+            assert leaks == [], leaks
+
+
 async def test_memory_hog_is_limited(provider):
     spec = SandboxSpec(resources=Resources(memory_mb=256))
     async with await provider.create(spec) as sb:
@@ -365,7 +386,7 @@ async def test_everything_of_a_sandbox_is_forked_inside_its_cgroup(provider):
                 break
             await anyio.sleep(0.01)
         assert sorted(left) == sorted([zygote.pid, sb.init_pid]), left
-        assert b"zygote.py" in _cmdline(zygote.pid)
+        assert _cmdline(zygote.pid).rstrip(b"\0") == b"miles-env-zygote"  # no host path (issue 27)
 
 
 async def test_closed_sandboxes_hand_their_zygote_to_the_next(tmp_path):

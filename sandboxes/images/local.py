@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import stat
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,8 +139,11 @@ class LocalImages:
                 timeout=self.config.build_timeout_s,
                 log=log,
             )
-        except ImageError as e:
-            raise ImageError(f"building {what} failed\n{log_tail(log)}") from e
+        except (
+            ImageError
+        ) as e:  # its cause ("buildah exited 1 (log ...)", "still running after 1800 s"), then the log
+            cause = str(e).splitlines()[0].rsplit(": ", 1)[-1]
+            raise ImageError(f"building {what} failed: {cause}\n{log_tail(log)}") from e
 
     def _build_and_unpack(self, plan: BuildPlan, label: str) -> LocalImage:
         tag = f"localhost/miles-env/build:{plan.key[:20]}"
@@ -168,22 +170,17 @@ class LocalImages:
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(dest, ignore_errors=True)
         staging.mkdir(parents=True)
-        container = self.buildah.run(["from", "--pull=never", image_id], "unpacking", timeout=120).strip()
         try:
-            mount = self.buildah.run(["mount", container], "unpacking", timeout=120).strip()
-            cp = subprocess.run(
-                ["cp", "-a", f"{mount}/.", str(staging / "root")], capture_output=True, text=True
-            )
-            if cp.returncode != 0:
-                raise ImageError(f"unpacking {image_id[:12]} into {staging}: {cp.stderr.strip()[-300:]}")
-        finally:
-            self.buildah.run(["rm", container], "unpacking", timeout=120)
-        _strip_devices(staging / "root")
-        for mountpoint in ("dev", "proc", "sys", "tmp"):  # as a container runtime makes them
-            path = staging / "root" / mountpoint
-            if not path.is_symlink():
-                path.mkdir(mode=0o1777 if mountpoint == "tmp" else 0o755, exist_ok=True)
-        staging.rename(dest)
+            self.buildah.unpack(image_id, staging / "root", timeout=self.config.build_timeout_s)
+            _strip_devices(staging / "root")
+            for mountpoint in ("dev", "proc", "sys", "tmp"):  # as a container runtime makes them
+                path = staging / "root" / mountpoint
+                if not path.is_symlink():
+                    path.mkdir(mode=0o1777 if mountpoint == "tmp" else 0o755, exist_ok=True)
+            staging.rename(dest)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
 
 
 def _strip_devices(root: Path) -> None:

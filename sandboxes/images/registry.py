@@ -3,8 +3,9 @@
 Concept: `miles-env images bootstrap` pushes Debian bases here, and builds pull them from here
 over the registry API, the same path a user's own registry or mirror takes. Its storage is
 `<images cache>/registry`, kept across runs; the server is a child of whichever process needs it
-first (a lookup, a pull, a push), on a free port, and stops when that process exits, so no
-daemon outlives a run. Several processes may each run one over the same storage: the registry
+first (a lookup, a pull, a push), on a free port, and stops when that process exits, however it
+exits (a SIGKILL too: a watcher holding a pidfd of the server SIGTERMs it when the pipe only we
+hold closes), so no daemon outlives a run. Several processes may each run one over the same storage: the registry
 writes blobs by content address and uploads under unique names.
 
 Invariant: it listens on 127.0.0.1 only (a build's RUN steps run in a network namespace of their
@@ -14,9 +15,11 @@ own by default, so they do not reach it); nothing but bootstrap writes to it.
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -35,6 +38,8 @@ MANIFEST_TYPES = ", ".join(
         "application/vnd.docker.distribution.manifest.v2+json",
     ]
 )
+# The watcher: SIGTERM the server through its pidfd (never another process that got its pid) at EOF
+_WATCH = "import signal, sys; sys.stdin.buffer.read(); signal.pidfd_send_signal(int(sys.argv[1]), 15)"
 _CONFIG = """version: 0.1
 log:
   level: error
@@ -62,6 +67,7 @@ class LoopbackRegistry:
         self.binary = binary or shutil.which("docker-registry") or "/usr/bin/docker-registry"
         self._proc: subprocess.Popen[bytes] | None = None
         self._addr: str | None = None
+        self._watch: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
 
     def address(self) -> str:
@@ -90,7 +96,8 @@ class LoopbackRegistry:
             addr = f"127.0.0.1:{port}"
             if self._wait(proc, addr):
                 config.unlink(missing_ok=True)
-                self._proc, self._addr = proc, addr
+                self._end_watch()  # a server that died before: its watcher's
+                self._proc, self._addr, self._watch = proc, addr, _watcher(proc.pid)
                 return addr
             proc.kill()
             proc.wait()
@@ -136,7 +143,32 @@ class LoopbackRegistry:
                 except subprocess.TimeoutExpired:
                     self._proc.kill()
                     self._proc.wait()
+            self._end_watch()
             self._proc = self._addr = None
+
+    def _end_watch(self) -> None:
+        if self._watch is not None:
+            if self._watch.stdin is not None:
+                self._watch.stdin.close()
+            self._watch.wait()
+            self._watch = None
+
+
+def _watcher(pid: int) -> subprocess.Popen[bytes]:
+    """A process that SIGTERMs our child `pid` once our end of its stdin closes: at stop(), or when
+    we die. The pidfd is opened here, while `pid` is our unreaped child (so surely that process)."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-S", "-E", "-c", _WATCH, str(pidfd)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            pass_fds=(pidfd,),
+        )
+    finally:
+        os.close(pidfd)
 
 
 _REGISTRIES: dict[Path, LoopbackRegistry] = {}

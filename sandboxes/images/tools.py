@@ -7,15 +7,32 @@ for RUN steps. Every call's output goes to a log file; a failure is an ImageErro
 is one line naming what failed, then the log's last lines. `SkopeoProbe` asks a registry for a
 manifest digest (resolve.Probe).
 
-Invariant: nothing here touches the system's container storage or configuration.
+Invariant: nothing here touches the system's container storage or configuration, and no mount
+or process of ours outlives the call that made it, however it ends (tests/test_images_cleanup.py).
+As root (where root may make namespaces), every buildah call that mounts (`build`, `unpack`) runs
+in a mount and pid namespace of its own (util-linux `unshare`, `setpriv --pdeathsig`): what it
+mounted is gone with the namespace, and every process it started (runc, the RUN steps) dies with
+it, even when buildah is SIGKILLed. A call past its timeout (or interrupted) gets SIGTERM first,
+which buildah answers by removing its running step, its working container and its mount; SIGKILL
+after a grace period. Buildah gets the same SIGTERM when our process dies, however it dies
+(unshare's pdeathsig, then its --kill-child=TERM). And a build removes its own working containers
+on every exit: buildah 1.28 keeps (mounted) the container of a stage without instructions (`FROM x`
+alone, a stage only `COPY --from`'d), so each build carries a build arg with a nonce
+(`MILES_ENV_BUILD_ID`, unconsumed: the image is unchanged) by which its own containers are told
+from a concurrent build's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
+import logging
 import os
+import secrets
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -29,6 +46,14 @@ __all__ = ["Buildah", "SkopeoProbe", "log_tail", "need_tool"]
 _POLICY = '{"default": [{"type": "insecureAcceptAnything"}]}\n'
 _REGISTRIES = 'unqualified-search-registries = ["docker.io"]\nshort-name-mode = "permissive"\n'
 _INSTALL = "bash scripts/install-images.sh"
+_MARK = "MILES_ENV_BUILD_ID"  # the build arg that names a build's own working containers
+_GRACE_S = 30.0  # after SIGTERM, before SIGKILL: buildah cleans up in well under a second
+# The image's files copied out of a mount made (and undone) in the call's namespace; "$@" is buildah
+_UNPACK = (
+    'm=$("$@" mount "$CTR") || exit 1; cp -a "$m/." "$DEST"; rc=$?; "$@" umount "$CTR" >/dev/null; exit $rc'
+)
+
+_logger = logging.getLogger(__name__)
 
 
 def need_tool(name: str) -> str:
@@ -66,25 +91,44 @@ class Buildah:
     def _argv(self, args: list[str]) -> list[str]:
         return [self.binary, "--root", str(self.root), "--runroot", str(self.runroot), *args]
 
-    def _env(self) -> dict[str, str]:
-        return {**os.environ, "CONTAINERS_REGISTRIES_CONF": str(self.registries), "BUILDAH_ISOLATION": "oci"}
+    def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = {**os.environ, "CONTAINERS_REGISTRIES_CONF": str(self.registries), "BUILDAH_ISOLATION": "oci"}
+        return {**env, **(extra or {})}
 
-    def run(self, args: list[str], what: str, *, timeout: float, log: Path | None = None) -> str:
-        """Run buildah; its stdout on success, an ImageError with the log's tail otherwise."""
+    def run(
+        self,
+        args: list[str],
+        what: str,
+        *,
+        timeout: float,
+        log: Path | None = None,
+        isolated: bool = False,
+        argv: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> str:
+        """Run buildah (or `argv`); its stdout on success, an ImageError with the log's tail otherwise.
+
+        `isolated`: in a mount and pid namespace of its own (as root; the module says why)."""
         log = log or self.logs / "last.log"
+        command = (_isolation() if isolated else []) + (argv or self._argv(args))
         with log.open("wb") as out:
+            proc = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=out, env=self._env(env), start_new_session=True
+            )
             try:
-                proc = subprocess.run(
-                    self._argv(args), stdout=subprocess.PIPE, stderr=out, env=self._env(), timeout=timeout
-                )
-            except subprocess.TimeoutExpired as e:
-                raise ImageError(f"{what}: still running after {timeout:.0f} s\n{log_tail(log)}") from e
-        stdout = proc.stdout.decode(errors="replace")
+                stdout_b, _ = proc.communicate(timeout=timeout)
+            except BaseException as e:  # past the timeout, or interrupted: buildah cleans up first
+                _stop(proc)
+                out.write(_rest(proc))
+                out.flush()
+                if isinstance(e, subprocess.TimeoutExpired):
+                    raise ImageError(f"{what}: still running after {timeout:.0f} s\n{log_tail(log)}") from e
+                raise
         if proc.returncode != 0:
             with log.open("ab") as out:
-                out.write(proc.stdout)
+                out.write(stdout_b)
             raise ImageError(f"{what}: buildah exited {proc.returncode} (log {log})\n{log_tail(log)}")
-        return stdout
+        return stdout_b.decode(errors="replace")
 
     def exists(self, name: str) -> bool:
         proc = subprocess.run(
@@ -119,13 +163,14 @@ class Buildah:
             "--format",
             "docker",  # Docker's image format, as `docker build` makes: OCI's has no SHELL (buildah drops it)
         ]
+        nonce = secrets.token_hex(8)
+        args += ["--build-arg", f"{_MARK}={nonce}"]
         args += ["--isolation", "oci", "--iidfile", str(iid), "-f", str(dockerfile), "-t", tag, str(context)]
-        before = self.containers()
+        before = set(self.containers())
         try:
-            self.run(args, f"building {dockerfile}", timeout=timeout, log=log)
-        except ImageError:
-            self._remove_left(before, dockerfile)
-            raise
+            self.run(args, f"building {dockerfile}", timeout=timeout, log=log, isolated=True)
+        finally:
+            self._remove_own(before, nonce)
         return iid.read_text().strip()
 
     def containers(self) -> dict[str, str]:
@@ -133,27 +178,87 @@ class Buildah:
         out = self.run(["containers", "--json"], "listing containers", timeout=60)
         return {c["id"]: c.get("imageid", "") for c in json.loads(out or "[]") or []}
 
-    def _remove_left(self, before: dict[str, str], dockerfile: Path) -> None:
-        """A failed build keeps its working container (and its mount): remove the ones it made.
+    def _remove_own(self, before: set[str], nonce: str) -> None:
+        """Remove the working containers the build with `nonce` left (never another build's).
 
-        New since the build started and made from an image its FROM lines name (the lowered
-        Dockerfile names only our local base names), so another build's are left alone unless it
-        started at the same moment from the same base."""
-        ids = set()
-        for line in dockerfile.read_text().splitlines():
-            words = [w for w in line.split() if not w.startswith("--")]
-            if len(words) >= 2 and words[0].upper() == "FROM":
-                proc = subprocess.run(
-                    self._argv(["inspect", "--type", "image", "--format", "{{.FromImageID}}", words[1]]),
-                    capture_output=True,
-                    text=True,
-                    env=self._env(),
-                    timeout=60,
-                )
-                ids.add(proc.stdout.strip())
-        for cid, image in self.containers().items():
-            if cid not in before and image in ids:
-                subprocess.run(self._argv(["rm", cid]), capture_output=True, env=self._env(), timeout=120)
+        A container's build args are in buildah's state file beside it (`buildah inspect` does not
+        show them). Failures are logged, not raised: the build's own outcome is what the caller sees."""
+        try:
+            for cid in set(self.containers()) - before:
+                if _build_args(self.root, cid).get(_MARK) == nonce:
+                    self.run(["rm", cid], f"removing the build's container {cid[:12]}", timeout=120)
+        except (ImageError, OSError) as e:
+            _logger.warning("images: could not remove a build's working containers: %s", e)
+
+    def unpack(self, image: str, dest: Path, timeout: float) -> None:
+        """Copy `image`'s files (owners, modes, links) into `dest`: a working container mounted in a
+        namespace of its own (nothing stays mounted however this ends), removed on every exit."""
+        name = f"miles-env-unpack-{secrets.token_hex(6)}"
+        what = f"unpacking {image[:12]} into {dest}"
+        try:
+            self.run(["from", "--name", name, "--pull=never", image], what, timeout=120)
+            argv = ["sh", "-c", _UNPACK, "unpack", *self._argv([])]
+            self.run(
+                [], what, timeout=timeout, isolated=True, argv=argv, env={"CTR": name, "DEST": str(dest)}
+            )
+        finally:
+            with contextlib.suppress(ImageError):  # `from` may have failed before making it
+                self.run(["rm", name], f"removing {name}", timeout=120)
+
+
+@functools.cache
+def _isolation() -> list[str]:
+    """The prefix that runs a command in a mount and pid namespace of its own, dying with us (root
+    only: rootless buildah makes its own namespaces). Tried once: where root may not make them (a
+    container without CAP_SYS_ADMIN), none, said once."""
+    if os.geteuid() != 0:
+        return []
+    # --kill-child=TERM: when we die (so unshare, by its pdeathsig), buildah cleans up as on a timeout
+    unshare = ["--mount", "--propagation", "private", "--pid", "--fork", "--kill-child=TERM", "--mount-proc"]
+    setpriv, unshare_ = shutil.which("setpriv"), shutil.which("unshare")  # util-linux
+    prefix = [setpriv or "setpriv", "--pdeathsig", "KILL", unshare_ or "unshare", *unshare]
+    try:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=60)
+        why = probe.stderr.strip()[-200:] if probe.returncode != 0 else None
+    except OSError as e:
+        why = str(e)
+    if why is not None:
+        _logger.warning(
+            "images: buildah runs in the host's mount namespace (%s): a build killed mid-way may "
+            "leave a mount under the image cache",
+            why,
+        )
+        return []
+    return prefix
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the call's process group (buildah removes its running step and working
+    container), SIGKILL after the grace period; reaped."""
+    for sig, wait in ((signal.SIGTERM, _GRACE_S), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _rest(proc: subprocess.Popen[bytes]) -> bytes:
+    """What a stopped call had still to say on stdout (a RUN step's output, for the log)."""
+    try:
+        return proc.communicate(timeout=5)[0] or b""
+    except (subprocess.TimeoutExpired, ValueError):
+        return b""
+
+
+def _build_args(root: Path, cid: str) -> dict[str, str]:
+    """A working container's build args, from buildah's state file (`<driver>-containers/<id>/userdata`)."""
+    for state in root.glob(f"*-containers/{cid}/userdata/buildah.json"):
+        args = json.loads(state.read_text()).get("Args") or {}
+        return {str(k): str(v) for k, v in args.items()}
+    return {}
 
 
 class SkopeoProbe:

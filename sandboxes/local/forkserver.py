@@ -35,6 +35,9 @@ from .cgroup import PidsCgroup
 __all__ = ["Zygote", "ZygoteChild", "kill_session", "rlimits", "start_zygote"]
 
 _SCRIPT = Path(__file__).with_name("zygote.py")
+# The zygote's environment: none of ours (each exec brings its own); a python that needs its
+# LD_LIBRARY_PATH to start keeps it.
+_ZYGOTE_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 _PACKET_MAX = 60_000  # a bigger request travels in a memfd (the zygote reads 64 KiB packets)
 
 
@@ -297,7 +300,11 @@ def start_zygote(python: str, cgroup: PidsCgroup | None, ids: tuple[int, int]) -
     argv += [python, "-S", "-E", str(_SCRIPT), str(theirs.fileno()), str(ids[0]), str(ids[1]), procs]
     try:
         process = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=(theirs.fileno(),)
+            argv,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            pass_fds=(theirs.fileno(),),
+            env={**_ZYGOTE_ENV, **{k: v for k, v in os.environ.items() if k == "LD_LIBRARY_PATH"}},
         )
     finally:
         theirs.close()

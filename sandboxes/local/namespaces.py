@@ -41,6 +41,7 @@ __all__ = [
     "move_mount",
     "no_capabilities",
     "set_child_subreaper",
+    "set_title",
 ]
 
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x20000, 0x02000000, 0x04000000
@@ -67,6 +68,7 @@ _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR
     36,
 )
 _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+_PR_SET_NAME = 15
 _CAP_VERSION_3 = 0x20080522
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -100,6 +102,20 @@ def die_with_parent() -> None:
 def set_child_subreaper() -> None:
     """Orphans below us (a sandbox's init once its bwrap monitor exits) become our children."""
     _check(_prctl(_PR_SET_CHILD_SUBREAPER, 1), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def set_title(title: str) -> None:
+    """Make our /proc/<pid>/cmdline `title` (then NULs) and our comm its first 15 bytes, for us
+    and every later fork: the host paths we were started with (python, the script, the cgroup)
+    are overwritten in place, in the argv area the kernel reads cmdline from (its bounds are
+    fields 48-49 of /proc/self/stat; python keeps copies of its argv, never this memory)."""
+    with open("/proc/self/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48, 49; 3 is fields[0])
+    data = title.encode()[: max(0, end - start - 1)]
+    ctypes.memset(start, 0, end - start)
+    ctypes.memmove(start, data, len(data))
+    _libc.prctl(_PR_SET_NAME, title.encode()[:15], 0, 0, 0)
 
 
 class _MountAttr(ctypes.Structure):

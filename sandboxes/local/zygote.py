@@ -31,7 +31,8 @@ so the zygote never writes to the socket; a request too big for one packet comes
   mount {source, target}  fds [answer]: {"ok": true} | {"error"}
   stop {}  fds [answer]: {"stopped": bool}: true once the sandbox's init and all else in our
         cgroup is gone (only then may we serve another); the next init is made before the answer
-argv: <socket fd> <host uid> <span> <cgroup.procs path or "">. On EOF the zygote stops its
+argv: <socket fd> <host uid> <span> <cgroup.procs path or "">, overwritten once read (with the
+python and script paths: no fork shows a host path, nsx.set_title). On EOF the zygote stops its
 sandbox, kills whatever else is left in its cgroup and exits.
 """
 
@@ -326,6 +327,7 @@ def _run_init(read_end: int) -> None:
     handles, and it handles none) or trace it (not dumpable, no capability, and as root another uid)."""
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # python's handler would let a SIGINT end it
+        nsx.set_title("miles-env-init")  # what a sandbox sees as its pid 1
         os.setsid()
         os.chdir("/")
         null = os.open(os.devnull, os.O_RDWR)
@@ -363,6 +365,7 @@ def _answer(fd: int, msg: dict) -> None:
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     zygote = Zygote(sock, int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    nsx.set_title("miles-env-zygote")  # no host path in any fork's cmdline (an exec's, before it execs)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps our children
     nsx.set_child_subreaper()  # each sandbox's init, once the child that made it has exited
     zygote.prepare_init()
