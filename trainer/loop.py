@@ -38,11 +38,11 @@ Dynamic sampling (`dynamic_sampling`, DAPO's; verl's `filter_groups`, slime's
 `trainer.groups.has_signal` (on what would train: its fresh, policy-ended members and their
 baseline) and trains only those with signal; a group whose rewards are all equal is filtered:
 never trained, held and acked with the step's checkpoint like a trained one (its ids are the
-checkpoint's `filtered_episode_ids`: consumed, so a restart acks it and never draws it again). The drain keeps taking
-(sync: rolling more groups out) until the step has `groups_per_step` groups with signal or it
-has drawn `ceil(max_sampling_factor * groups_per_step)` groups; then it trains what it has, and
-with none the step is skipped: `train_step(())` takes no optimizer update but counts, so the run
-always ends (the step's `dynamic_sampling_skipped` is 1). At the drain, not at the producer, so
+checkpoint's `filtered_episode_ids`: consumed, so a restart acks it and never draws it again).
+The drain keeps taking (sync: rolling more groups out) until the step has `groups_per_step`
+groups with signal or it has drawn `ceil(max_sampling_factor * groups_per_step)` groups; then it
+trains what it has, and with none the step is skipped: `train_step(())` takes no optimizer
+update but counts, so the run always ends (the step's `dynamic_sampling_skipped` is 1). At the drain, not at the producer, so
 every mode (sync, fully_async, cluster workers) filters the same way with one rule. Metrics:
 `groups_drawn`, `groups_filtered`; the filtered groups are in `StepResult.filtered`.
 
@@ -237,9 +237,7 @@ class TrainLoop:
                     await self.hooks.evaluate(result.step)
             if self.stopped is None:
                 tg.cancel_scope.cancel()
-        if (
-            self.held or self.held_filtered
-        ):  # stopped between checkpoints: what was trained is made durable and acked
+        if self.held or self.held_filtered:  # stopped between checkpoints: made durable, acked
             await self._checkpoint()
         return self.trainer.step
 
@@ -315,12 +313,15 @@ class TrainLoop:
         budget = cfg.draw_budget
         leases: list[Lease] = []
         filtered: list[Lease] = []
+
+        def remaining() -> int:  # groups still to take: those missing, within the draw budget
+            missing = n - len(leases)
+            return missing if budget is None else min(missing, budget - len(leases) - len(filtered))
+
         while True:
             if held := [*self.held, *self.held_filtered, *leases, *filtered]:
                 await self.queue.renew(held, cfg.lease_s)
-            want = n - len(leases)
-            if budget is not None:
-                want = min(want, budget - len(leases) - len(filtered))
+            want = remaining()
             taken = await self.queue.take(
                 want, current_version=version, max_staleness=cfg.max_staleness, lease_s=cfg.lease_s
             )
@@ -333,10 +334,7 @@ class TrainLoop:
                 return leases, filtered  # stopping, and no group is coming: train what there is
             if cfg.producers == 0 and self.hooks.produces:  # sync: nothing else is coming (docstring)
                 self._reproduced += want - len(taken)  # a take that came short (filtered ones: drawn)
-                more = n - len(leases)
-                if budget is not None:
-                    more = min(more, budget - len(leases) - len(filtered))
-                await self.hooks.produce(more)
+                await self.hooks.produce(remaining())
                 continue
             await anyio.sleep(cfg.poll_s)
 
