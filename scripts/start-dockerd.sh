@@ -28,11 +28,24 @@ fi
 
 answers() { timeout 5 docker -H "unix://$SOCK" info >/dev/null 2>&1; }
 
+# A daemon started by an older script from a temp dir since removed answers `docker info` but fails
+# every exec (runc's process files live in its TMPDIR): restart it.
+for pid in $(pidof dockerd 2>/dev/null); do
+    tmp=$(tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | sed -n 's/^TMPDIR=//p')
+    if [ -n "$tmp" ] && [ ! -d "$tmp" ]; then
+        say "dockerd (pid $pid) runs with TMPDIR=$tmp, which is gone (every exec would fail): restarting it"
+        kill "$pid"; for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+    fi
+done
+
 if ! answers; then
     for driver in ${MILES_DOCKERD_STORAGE:-overlay2 vfs}; do
         say "starting dockerd (storage driver $driver), log $LOG"
-        # setsid + nohup: the daemon outlives this script and the caller's session.
-        setsid nohup dockerd --iptables=false --ip6tables=false --bridge=none \
+        # setsid + nohup: the daemon outlives this script and the caller's session. Without the
+        # caller's TMPDIR: runc keeps each exec's process file there, so a daemon started from a
+        # test's (or a CI run's) private temp dir fails every exec once that dir is removed
+        # ("OCI runtime exec failed: open $TMPDIR/runc-process...: no such file or directory").
+        setsid nohup env -u TMPDIR dockerd --iptables=false --ip6tables=false --bridge=none \
             --storage-driver="$driver" >"$LOG" 2>&1 </dev/null &
         for _ in $(seq 60); do
             answers && break
