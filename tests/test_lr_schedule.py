@@ -1,7 +1,8 @@
 """The learning rate of each step (trainer/lr_schedule.py) on both backends.
 
 Unit: linear warmup from lr / W, then constant or cosine to lr_min, equal at every step to
-megatron-core's own OptimizerParamScheduler (init_lr 0) at num_steps = the update's number; the
+megatron-core's own OptimizerParamScheduler (init_lr 0) as its training loop steps it (warmup one
+step ahead, so the first update moves); the
 config's one-line errors; `miles-env train` decays a cosine over its trainer.steps. On the tiny
 random Llama: the torch backend, the megatron backend's torch step and its own
 DistributedOptimizer (one process) each log `lr` per step as scheduled, and the schedule is what
@@ -55,14 +56,15 @@ def test_warmup_then_constant_or_cosine_as_megatron_schedules_it() -> None:
             lr_decay_steps=decay, lr_decay_style=style, start_wd=0.0, end_wd=0.0, wd_incr_steps=1,
             wd_incr_style="constant",
         )  # fmt: skip
-        for step in range(decay + 3):
-            theirs.num_steps = step + 1
+        for step in range(decay + 3):  # its loop's num_steps after `step` updates; warmup one ahead
+            theirs.num_steps = step + 1 if step < cfg.lr_warmup_steps else step
             assert lr_at(cfg, step) == pytest.approx(theirs.get_lr(opt.param_groups[0]), rel=1e-12), (
                 style,
                 step,
             )
     cosine = cases[1][0]
-    assert lr_at(cosine, 9) == lr_at(cosine, 30) == 1e-4  # at lr_decay_steps and after: lr_min
+    assert lr_at(cosine, 3) == LR and lr_at(cosine, 9) > 1e-4  # the last update of 10 still moves
+    assert lr_at(cosine, 10) == lr_at(cosine, 30) == 1e-4  # from lr_decay_steps on: lr_min
 
 
 def test_the_config_errors_and_the_job_decays_over_its_steps(tiny: Path) -> None:

@@ -1,12 +1,14 @@
 """The learning rate of each optimizer step: linear warmup, then constant or cosine decay.
 
 Concept: `lr_at(config, step)` is the lr of the update that takes the trainer from `step` to
-`step + 1` (the update's number is n = step + 1). Warmup (`lr_warmup_steps` = W > 0): n <= W
-gets lr * n / W, so the first update already moves (lr / W, not 0) and update W is the first at
-the full lr. Then `lr_schedule: constant` keeps lr; `cosine` decays from lr at n = W to
-`lr_min` at n = `lr_decay_steps` (the run's trainer.steps unless set) and stays there. This is
-megatron-core's OptimizerParamScheduler (init_lr 0, linear warmup, cosine or constant style)
-evaluated at num_steps = n; tests/test_lr_schedule.py checks it step by step against it.
+`step + 1` (`step` updates were taken before it). Warmup (`lr_warmup_steps` = W > 0): update
+`step` < W gets lr * (step + 1) / W, so the first update already moves (lr / W, not 0) and update
+W - 1 is the first at the full lr. Then `lr_schedule: constant` keeps lr; `cosine` decays from lr
+at step W to `lr_min` at step `lr_decay_steps` (the run's trainer.steps unless set: its last
+update, step trainer.steps - 1, still moves) and stays there. This is megatron-core's
+OptimizerParamScheduler (init_lr 0, linear warmup, cosine or constant style) as its training loop
+uses it (the update after `step` steps runs at num_steps = step), with the warmup one step
+ahead (num_steps = step + 1); tests/test_lr_schedule.py checks it step by step against it.
 
 Invariant: stateless, a function of the trainer's step alone, so a resumed trainer (whose step is
 restored) continues the schedule exactly, with nothing new in its checkpoint, and the torch and
@@ -25,17 +27,17 @@ __all__ = ["apply_lr", "lr_at"]
 
 def lr_at(config: TrainerConfig, step: int) -> float:
     """The lr of the update from `step` to `step + 1` (module docstring)."""
-    n, warm, peak = step + 1, config.lr_warmup_steps, config.lr
-    if warm > 0 and n <= warm:
-        return peak * n / warm
+    warm, peak = config.lr_warmup_steps, config.lr
+    if step < warm:
+        return peak * (step + 1) / warm
     if config.lr_schedule == "constant":
         return peak
     decay = config.lr_decay_steps
     if decay is None:
         raise ValueError("lr_schedule=cosine needs lr_decay_steps (the job sets the run's trainer.steps)")
-    if n >= decay:
+    if step >= decay:
         return config.lr_min
-    ratio = (n - warm) / (decay - warm)
+    ratio = (step - warm) / (decay - warm)
     return config.lr_min + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (peak - config.lr_min)
 
 
