@@ -9,8 +9,9 @@ re-rolled and dropped ones included, that ended so), `episodes_rerolled`, `group
 `trained_episodes`, `rollouts_per_trained_group` (every episode rolled out, over the groups
 trained: group_size plus re-rolls, plus dynamic sampling's filtered groups) and
 `wasted_rollout_share` (the share of rollout seconds spent on episodes that never train:
-failures and dropped groups; a filtered group's episodes ended by the policy and count as used). `summary()` is the whole run's: episodes by end
-class, re-rolled and dropped, for summary.json and the run's last lines. Failed train episodes that never reach the queue
+failures and dropped groups; a filtered group's episodes ended by the policy and count as
+used). `summary()` is the whole run's: episodes by end class, re-rolled and dropped, for
+summary.json and the run's last lines. Failed train episodes that never reach the queue
 (replaced, or their group dropped) are appended to `RUN_DIR/failed_episodes.jsonl` (no token
 arrays: their journals are in sessions/), so `miles-env view` lists them with their class.
 """
