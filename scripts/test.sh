@@ -31,7 +31,9 @@ bash scripts/install-system.sh
 stage "system packages done"
 
 frameworks() { for a in "$@"; do "$PY" -m miles_env.cli.main adapters install "$a"; done; }
-side clis bash scripts/install-clis.sh
+clis() { for c in "$@"; do bash scripts/install-clis.sh "$c"; done; }
+side clis clis claude-code codex opencode  # npm: mostly unpacking, beside the CPU-bound jobs
+side mini-swe-agent bash scripts/install-clis.sh mini-swe-agent  # its own venv, by pip (read-only in the sandbox: compiled)
 # The five framework venvs in two streams of about equal time (measured: harbor 2.4 min, hud 1.9,
 # nemo-gym 2.0, openenv 0.7, verifiers 0.8); one stream of five was the phase's longest job.
 side frameworks-a frameworks harbor openenv verifiers
