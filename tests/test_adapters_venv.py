@@ -216,6 +216,8 @@ def test_venvs_are_built_by_uv_from_the_lock(tmp_path: Path) -> None:
     target = tmp_path / "v"
     venv._create(sys.executable, target, (), (str(_tiny_wheel(tmp_path)),), 300)
     assert _imports_tinypkg(target) and not (target / "bin" / "pip").exists()
+    # byte-compiled at install: with PYTHONDONTWRITEBYTECODE=1 or a read-only venv no import writes one
+    assert list(target.glob("lib/python3*/site-packages/tinypkg/__pycache__/__init__.*.pyc"))
 
 
 def test_where_uv_fails_pip_installs_and_a_warning_says_so(
