@@ -94,6 +94,22 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """trainer_support's tiny model (its own 96-token vocabulary): the trainer-loop tests'."""
+    from tests.trainer_support import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def trajs(tiny: Path) -> tuple[Any, Any]:
+    """Two sampled trajectories of `tiny` (trainer_support.rollouts) that the episodes reuse."""
+    from tests.trainer_support import rollouts
+
+    return rollouts(tiny)
+
+
 @pytest.fixture(scope="session")
 def megatron_single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict[str, float]]]:
     """The single-process megatron run every dp/pp comparison is measured against (model, out dir,

@@ -31,19 +31,9 @@ from miles_env.trainer.loop import LoopConfig, StepHooks, StepResult, TrainLoop
 from miles_env.trainer.samples import flatten_groups
 from miles_env.trainer.torch_backend import TorchTrainer
 from miles_env.types import POLICY_ENDS, Episode, EpisodeEnd, Status, Trajectory
-from tests.trainer_support import episode, make_tiny_model, rollouts
+from tests.trainer_support import episode
 
 POLICY = tuple(sorted(POLICY_ENDS))
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def trajs(tiny: Path) -> tuple[Trajectory, Trajectory]:
-    return rollouts(tiny)
 
 
 def _group(trajs: tuple[Trajectory, Trajectory], name: str, scores: tuple[float, ...]) -> list[Episode]:

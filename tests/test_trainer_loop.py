@@ -22,17 +22,7 @@ from miles_env.trainer.config import TrainerConfig
 from miles_env.trainer.loop import LoopConfig, StepHooks, StepResult, TrainLoop
 from miles_env.trainer.torch_backend import TorchTrainer
 from miles_env.types import Trajectory
-from tests.trainer_support import episode, make_tiny_model, rollouts
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def trajs(tiny: Path) -> tuple[Trajectory, Trajectory]:
-    return rollouts(tiny)
+from tests.trainer_support import episode
 
 
 class Recorder(StepHooks):
