@@ -97,6 +97,26 @@ def check_bwrap() -> Check:
     return Check("bubblewrap", True, f"{bwrap} (namespaces work)")
 
 
+def check_sandbox_network() -> Check:
+    """slirp4netns and a /dev/net/tun it may open: the network of a local sandbox that asks for one
+    (network 'public', sandboxes/local/network.py)."""
+    from miles_env.errors import SandboxUnavailable
+    from miles_env.sandboxes.local.config import find_slirp4netns
+
+    fix = "bash scripts/install-system.sh (Debian package slirp4netns)"
+    try:
+        slirp = find_slirp4netns()
+    except SandboxUnavailable as e:
+        return Check("sandbox network", False, str(e), fix)
+    if not os.path.exists("/dev/net/tun"):
+        return Check("sandbox network", False, "no /dev/net/tun (the tun module)", "modprobe tun")
+    if os.geteuid() != 0 and not os.access("/dev/net/tun", os.R_OK | os.W_OK):
+        return Check(
+            "sandbox network", False, "/dev/net/tun is not open to this user", "chmod 0666 /dev/net/tun"
+        )
+    return Check("sandbox network", True, f"{slirp} (local sandboxes with network 'public')")
+
+
 def check_cgroup() -> Check:
     from miles_env.sandboxes.local.cgroup import PidsCgroup
 
@@ -264,6 +284,7 @@ CHECKS: dict[str, Callable[[], Check]] = {
     "torch": check_torch,
     "bubblewrap": check_bwrap,
     "pids cgroup": check_cgroup,
+    "sandbox network": check_sandbox_network,
     "default model": check_model,
     "node/npm": check_node,
     "claude-code": check_claude_code,

@@ -4,7 +4,8 @@ Concept: a task declares its own limits in `SandboxSpec.resources` (cpus, memory
 processes, agent and verifier timeouts) and `SandboxSpec.network`; Harbor's task.toml and
 `make_task` both fill those fields. A run may set `rollout.limits` (a `LimitsOverride`),
 which can only TIGHTEN: each field set there replaces the task's value only when it is
-stricter (a smaller number, or `none` network for `host`). A looser value is ignored
+stricter (a smaller number, or a network earlier in NetworkPolicy's order: `none`, then
+`public`, then `host`; so `none` forbids every network a task asks for). A looser value is ignored
 with a logged note, never an error: one run config serves tasks of very different sizes,
 so "at most 2 cpus" must not fail the task that asks for 1.
 
@@ -53,6 +54,8 @@ _NUMERIC = (
     "verifier_timeout_s",
 )
 
+_STRICTNESS = list(NetworkPolicy)  # declared from the strictest (types.py)
+
 
 class LimitsOverride(BaseModel):
     """`rollout.limits`: run-level ceilings over every task's own limits (None = the task's)."""
@@ -67,7 +70,9 @@ class LimitsOverride(BaseModel):
     timeout_s: float | None = Field(None, gt=0, description="per-exec wall-clock default")
     agent_timeout_s: float | None = Field(None, gt=0)
     verifier_timeout_s: float | None = Field(None, gt=0)
-    network: NetworkPolicy | None = Field(None, description="'none' forbids a task's 'host'")
+    network: NetworkPolicy | None = Field(
+        None, description="'none' forbids a task's network; 'public' turns a task's 'host' into 'public'"
+    )
 
 
 class TaskLimits(BaseModel):
@@ -118,8 +123,8 @@ def effective_spec(spec: SandboxSpec, override: LimitsOverride | None) -> Sandbo
                 "rollout.limits.%s=%g is looser than the task's %g: the task's holds", name, ceiling, declared
             )
     update: dict[str, object] = {"resources": res.model_copy(update=changes)} if changes else {}
-    if override.network is NetworkPolicy.NONE and spec.network is not NetworkPolicy.NONE:
-        update["network"] = NetworkPolicy.NONE
+    if override.network is not None and _STRICTNESS.index(override.network) < _STRICTNESS.index(spec.network):
+        update["network"] = override.network
     elif override.network is not None and override.network is not spec.network:
         _log.info(
             "rollout.limits.network=%s is looser than the task's %s: the task's holds",

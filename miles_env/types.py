@@ -95,8 +95,15 @@ def end_of_status(status: str) -> EpisodeEnd:
 
 
 class NetworkPolicy(enum.StrEnum):
+    """A sandbox's network, from the strictest: a run's `rollout.limits.network` may only move a
+    task's policy up this list (miles_env/limits.py)."""
+
     NONE = "none"  # no network at all; the model endpoint arrives through expose()
-    HOST = "host"  # share the host network (debugging only)
+    # Outbound TCP/UDP and DNS to the outside, as a container on a bridge has; never the host's
+    # own loopback (its 127.0.0.1 services: the TITO proxy, Redis, the image registry). What a
+    # task asks for with Harbor's `allow_internet = true` / `network_mode = "public"`.
+    PUBLIC = "public"
+    HOST = "host"  # share the host's own network namespace, its loopback included (debugging only)
 
 
 class Resources(_Model):

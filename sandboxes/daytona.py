@@ -4,7 +4,7 @@ Credentials: DAYTONA_API_KEY (and optionally DAYTONA_API_URL, DAYTONA_TARGET).
 Mapping: spec.image -> CreateSandboxFromImageParams(image=...); spec.build (a Docker build
 context) -> image=Image.from_dockerfile(<context>/Dockerfile), which Daytona builds with the
 context's files; else the default snapshot; ownership labels -> labels (the reaper lists by them); spec.env ->
-env_vars; network NONE -> network_block_all=True; the task's cpus (else
+env_vars; network NONE -> network_block_all=True (public, host: the service's network); the task's cpus (else
 config.cpus), memory_mb and disk_mb -> Resources(cpu, memory GiB, disk GiB; rounded
 up); lifetime (sizing.py: TTL, at least the task's timeouts) -> auto_stop_interval (minutes). Exec output is one combined stream on
 Daytona; the framing in cloud.py separates stdout and stderr again.

@@ -4,7 +4,7 @@ Credentials: E2B_API_KEY (or config.api_key). The SDK is imported when the
 provider is built, so the rest of miles-env never needs it. Mapping: spec.image
 (else config.image, else E2B's "base" template) -> template; ownership labels ->
 metadata (listed and filtered by the reaper); spec.env -> envs; network NONE ->
-allow_internet_access=False; lifetime (sizing.py: TTL, at least the task's timeouts)
+allow_internet_access=False (public, host: True; no cloud sandbox shares this host's network); lifetime (sizing.py: TTL, at least the task's timeouts)
 -> the sandbox's own timeout. A build context (SandboxSpec.build) needs a template built from it
 first (E2B builds templates, not Dockerfiles at create): a ConfigError says so. CPU, memory and
 disk are the template's (E2B sizes at template build, not at create): pick a template sized for
@@ -49,7 +49,7 @@ class E2BAdapter:
             "timeout": int(sizing(spec, self.config.cpus, self.config.ttl_s).lifetime_s),
             "metadata": labels,
             "envs": dict(spec.env),
-            "allow_internet_access": spec.network is NetworkPolicy.HOST,
+            "allow_internet_access": spec.network is not NetworkPolicy.NONE,
             "api_key": self.api_key,
         }
         if self.config.domain:

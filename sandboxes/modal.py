@@ -4,7 +4,7 @@ Credentials: MODAL_TOKEN_ID and MODAL_TOKEN_SECRET (or ~/.modal.toml).
 Mapping: spec.image (else config.image, else debian_slim) -> Image.from_registry; spec.build (a
 Docker build context) -> Image.from_dockerfile(<context>/Dockerfile, context_dir=<context>), which
 Modal builds;
-network NONE -> block_network=True; memory_mb -> memory (MiB); the task's cpus
+network NONE -> block_network=True (public, host: the service's network); memory_mb -> memory (MiB); the task's cpus
 (else config.cpus) -> cpu; lifetime (sizing.py: TTL, at least the task's timeouts) -> timeout;
 disk_mb has no create argument in the pinned SDK (the sandbox's own disk, capped per exec by
 RLIMIT_FSIZE); ownership labels -> sandbox tags (the reaper lists by them);

@@ -3,7 +3,8 @@
 # dpkg run) instead of one per install script: docker.io (the docker sandbox), tmux (Harbor's
 # terminus-2), chromium + fonts (the viewer's browser tests), redis-server (the Redis queue's
 # tests start their own), nodejs + npm (the agent CLIs), buildah, skopeo, mmdebstrap, eatmydata,
-# docker-registry and runc (task images: install-images.sh). Each install-*.sh still installs its own
+# docker-registry and runc (task images: install-images.sh), slirp4netns (the network of a local
+# sandbox whose task asks for one: sandboxes/local/network.py). Each install-*.sh still installs its own
 # package when run alone; this only batches them. Idempotent: installs only what is missing;
 # without root it installs nothing and the per-script checks say what is missing.
 set -euo pipefail
@@ -21,6 +22,7 @@ for tool in buildah skopeo mmdebstrap eatmydata docker-registry runc; do
     command -v "$tool" >/dev/null 2>&1 || bare+=("$tool")
 done
 [ -x /usr/lib/cni/bridge ] || bare+=(containernetworking-plugins)  # buildah RUN steps' private network
+command -v slirp4netns >/dev/null 2>&1 || bare+=(slirp4netns)  # local sandboxes with network 'public'
 [ ${#want[@]} -eq 0 ] && [ ${#bare[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
     echo "install-system: missing ${want[*]} ${bare[*]} and only root can apt-get install them" >&2

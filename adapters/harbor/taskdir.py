@@ -7,8 +7,8 @@ harbor (0.26, harbor/models/task/config.py) defines and we honour:
 
 - `[environment]`: cpus, memory_mb (or memory = "2G"), storage_mb (or storage), docker_image,
   `env` (every exec: agent, solution, verifier), `workdir` (overrides the Dockerfile's WORKDIR),
-  `allow_internet` / `network_mode` (public: the sandbox's network policy is `host`; otherwise
-  none, our default, where Harbor's is public);
+  `allow_internet` / `network_mode` (public: the sandbox's network policy is `public`, outbound
+  network but never the host's loopback; otherwise none, our default, where Harbor's is public);
 - `[agent].timeout_sec`; `[verifier]` timeout_sec (Harbor's default 600 s) and `env` (the
   verifier's exec only); `[solution].env` (the reference solution only). `${VAR}` and
   `${VAR:-default}` values come from the host's environment, as Harbor resolves them;
@@ -131,7 +131,7 @@ def _network(env: _Env) -> NetworkPolicy:
     it; any other runs offline, our default (Harbor's own default is public: the TB2 template says
     `allow_internet = true` explicitly). A run forbids it with `rollout.limits.network: none`."""
     mode = env.network_mode or ("public" if env.allow_internet else "no-network")
-    return NetworkPolicy.HOST if mode == "public" else NetworkPolicy.NONE
+    return NetworkPolicy.PUBLIC if mode == "public" else NetworkPolicy.NONE
 
 
 def read_task_dir(task_dir: Path, env_name: str) -> Task:
@@ -181,7 +181,7 @@ def read_task_dir(task_dir: Path, env_name: str) -> Task:
             "harbor": {
                 "metadata": cfg.metadata,
                 "steps": [s["name"] for s in steps],
-                "allow_internet": network is NetworkPolicy.HOST,
+                "allow_internet": network is not NetworkPolicy.NONE,
             },
         },
     )

@@ -77,7 +77,7 @@ def validate_env(
     network: str | None = None,
 ) -> ValidationReport:
     """Run the gate on `name`; `work_dir` keeps the train stage's run (default: a temporary dir);
-    `network="none"` forbids the network to every task's sandbox (a task's own `host` included)."""
+    `network="none"` forbids the network to every task's sandbox (a task's `public` or `host`)."""
     from miles_env.registry import load_environment
 
     name = resolve_name(name)

@@ -4,7 +4,9 @@ Concept: a sandbox is a container made from `spec.image` (or a local rootfs
 imported once as an image, or `spec.build` built once per content hash by build.py: bases
 resolved through sandboxes/images, RUN steps with a build network),
 kept alive by `sleep infinity` under docker-init, with a named volume at spec.workdir,
-a tmpfs /tmp, no network (`network_mode=none`), and memory, CPU and pids limits. Its
+a tmpfs /tmp, no network (`network_mode=none`; network `public`: the engine's bridge, outbound
+through its NAT and never the host's loopback, refused on an engine without one; `host`: the
+host's own network, loopback included), and memory, CPU and pids limits. Its
 root is always writable (the container's own layer, as `docker run` gives, so apt-get,
 pip and writes under /opt work as for every Harbor user). Where the engine can cap that
 layer at disk_mb (`storage_opt size`: overlay2 on xfs with pquota) the cap is hard;
@@ -88,6 +90,7 @@ class DockerSandboxProvider:
         self._seeds: dict[tuple[str, str], WorkdirSeed] = {}  # (image id, workdir) -> workdir_seed()
         self._configs: dict[str, ImageConfig] = {}  # image id -> its ENV, USER, WORKDIR
         self.layer_quota: bool | None = None  # can the engine cap a container's writable layer?
+        self.has_bridge: bool | None = None  # has the engine a `bridge` network (network 'public')?
         self.run_root = Path(self.config.run_root or Path(tempfile.gettempdir()) / "miles-env-docker")
         self.builder = DockerBuilder(self.client, self.config.images, self.config.build_network)
         self.built_bases: dict[str, tuple[ResolvedImage, ...]] = {}  # build tag -> its resolved bases
@@ -154,6 +157,7 @@ class DockerSandboxProvider:
 
     def _create_sync(self, spec: SandboxSpec, name: str, run_dir: Path, labels: dict[str, str]) -> Any:
         res = spec.resources
+        network_mode = self._network_mode(spec.network)  # before anything is made: it may refuse
         image = self._image_sync(spec)
         seed = self._seed_sync(image, spec.workdir, res.disk_mb, labels)
         # A tmpfs of the local driver: the quota and nosuid,nodev hold on the host side too.
@@ -173,7 +177,7 @@ class DockerSandboxProvider:
             labels=labels,
             hostname="sandbox",
             init=True,
-            network_mode="none" if spec.network is NetworkPolicy.NONE else "host",
+            network_mode=network_mode,
             mem_limit=f"{res.memory_mb}m",
             memswap_limit=f"{res.memory_mb}m",
             nano_cpus=int((res.cpus or self.config.cpus) * 1e9),  # the task's, else the provider's
@@ -196,6 +200,20 @@ class DockerSandboxProvider:
         if seed.tar:
             self.client.api.put_archive(container.id, spec.workdir, seed.tar)
         return container
+
+    def _network_mode(self, network: NetworkPolicy) -> str:
+        """The container's network: none; public, the engine's bridge (blocking: asks the engine once)."""
+        if network is not NetworkPolicy.PUBLIC:
+            return "none" if network is NetworkPolicy.NONE else "host"
+        if self.has_bridge is None:
+            self.has_bridge = bool(self.client.networks.list(names=["bridge"]))
+        if not self.has_bridge:
+            raise ConfigError(
+                "SandboxSpec.network='public': this Docker engine has no `bridge` network (dockerd "
+                "--bridge=none), and the host's network would share its loopback; give the engine a "
+                "bridge, or forbid the network with rollout.limits.network: none"
+            )
+        return "bridge"
 
     def _create_container(self, kwargs: dict[str, Any], disk_mb: int) -> Any:
         """The container, its writable root capped at disk_mb where the engine can (else watched)."""

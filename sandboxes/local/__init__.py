@@ -1,4 +1,5 @@
-"""The embedded local sandbox provider ("local"): bubblewrap, no network, resource limits.
+"""The embedded local sandbox provider ("local"): bubblewrap, no network unless the spec asks for
+`public` (slirp4netns: outbound only, never the host's loopback), resource limits.
 
 Use: `async with await LocalSandboxProvider().create(spec) as sb: await sb.exec("echo hi")`.
 """

@@ -1,4 +1,5 @@
-"""expose(): make a host HTTP endpoint reachable inside a local sandbox that has no network.
+"""expose(): make a host HTTP endpoint reachable inside a local sandbox (which never reaches the
+host's loopback by itself, with network `public` or without).
 
 Concept: the zygote makes a listening socket inside the sandbox's network namespace (on its
 127.0.0.1, at the host port's number, or one from 20000 up when a process inside holds it) and

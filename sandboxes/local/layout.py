@@ -15,7 +15,9 @@ root a tmpfs of `disk_mb`, so they count in the quota) and are gone at close.
     anywhere under /, e.g. /var/log), into its upper layer.
 Then the workspace (`<storage>/work`, seeded from the image's files at that path) at spec.workdir,
 `<storage>/tmp` at /tmp, a private /proc with the host-global knobs read-only, a read-only /dev
-with `<storage>/shm` as /dev/shm, and an /etc/hosts naming localhost and the sandbox.
+with `<storage>/shm` as /dev/shm, and an /etc/hosts naming localhost and the sandbox. A sandbox
+with network (NetworkPolicy.PUBLIC, network.py) also gets an /etc/resolv.conf naming
+slirp4netns's DNS forwarder, over the image's or the host's, as docker writes its own.
 
 `options()` is the bwrap command line for that; the zygote adds the user and pid namespaces (its
 own), the status and block fds and the command.
@@ -28,7 +30,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from miles_env.types import SandboxSpec
+from miles_env.types import NetworkPolicy, SandboxSpec
 
 from .config import LocalSandboxConfig
 from .storage import Storage
@@ -44,6 +46,7 @@ _PROC_RO = ["--ro-bind", "/proc/sys", "/proc/sys"]
 for _path in ("/proc/sysrq-trigger", "/proc/kcore"):
     _PROC_RO += ["--ro-bind-try", _path, _path]
 HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{name}\n"
+RESOLV_CONF = "nameserver 10.0.2.3\n"  # slirp4netns's DNS forwarder (network.py)
 
 
 def _local_dirs() -> list[str]:
@@ -63,8 +66,13 @@ def prepare(storage: Storage, spec: SandboxSpec, hostname: str) -> None:
     storage.mkdir("upper")
     storage.mkdir("ovwork", mode=0o700)
     storage.path("run", "hosts").write_text(HOSTS.format(name=hostname))
+    etc = ["hosts"]
+    if spec.network is NetworkPolicy.PUBLIC:
+        storage.path("run", "resolv.conf").write_text(RESOLV_CONF)
+        etc.append("resolv.conf")
     if storage.ids is not None:
-        os.chown(storage.path("run", "hosts"), *storage.ids)
+        for name in etc:
+            os.chown(storage.path("run", name), *storage.ids)
     if spec.rootfs is not None:
         storage.mkdir("lower", owned=False)
         return
@@ -111,6 +119,8 @@ def options(spec: SandboxSpec, storage: Storage, config: LocalSandboxConfig) -> 
     args += ["--hostname", config.hostname, *_root(spec, storage, config)]
     args += ["--bind", str(storage.path("work")), spec.workdir, "--bind", str(storage.path("tmp")), "/tmp"]
     args += ["--bind", str(storage.path("run", "hosts")), "/etc/hosts"]
+    if spec.network is NetworkPolicy.PUBLIC:
+        args += ["--bind", str(storage.path("run", "resolv.conf")), "/etc/resolv.conf"]
     args += ["--proc", "/proc", *_PROC_RO, "--dev", "/dev", "--bind", str(storage.path("shm")), "/dev/shm"]
     return [*args, "--remount-ro", "/dev"]
 

@@ -23,6 +23,7 @@ no_new_privs) and becomes the image's user.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import signal
 
@@ -38,8 +39,10 @@ __all__ = [
     "idmapped_tree",
     "join",
     "make_userns",
+    "mount",
     "move_mount",
     "no_capabilities",
+    "place_fds",
     "set_child_subreaper",
     "set_title",
 ]
@@ -88,6 +91,25 @@ def unshare(flags: int) -> None:
 
 def join(fd: int, flag: int, what: str = "namespace") -> None:
     _check(_libc.setns(fd, flag), f"setns({what})")
+
+
+def mount(source: str, target: str, fstype: str, flags: int, data: str = "") -> None:
+    """mount(2) (flags: MS_*); as root, in a mount namespace of our own."""
+    result = _libc.mount(
+        source.encode(), target.encode(), fstype.encode(), ctypes.c_ulong(flags), data.encode()
+    )
+    _check(result, f"mount({target})")
+
+
+def place_fds(fds: list[int]) -> None:
+    """Make fds[i] our fd i, for every i, and close everything else (in a child, before exec).
+
+    Each goes through a copy above all of them first: a plain dup2 in order would clobber a
+    source that happens to sit at a lower target's number."""
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in fds]
+    for target, fd in enumerate(high):
+        os.dup2(fd, target)
+    os.closerange(len(fds), os.sysconf("SC_OPEN_MAX"))
 
 
 def _prctl(option: int, arg: int = 0) -> int:

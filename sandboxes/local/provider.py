@@ -5,8 +5,13 @@ ids (or start one: the only cgroup join, zygote.py says why that matters), make 
 (mode 0700) and the sandbox's writable tree (storage.py: as root a tmpfs of `disk_mb` owned by
 the zygote's unprivileged host uid, else plain directories; layout.py: the writable root, the
 workspace seeded with the image's files there), look up the image's user (users.py), have the
-zygote start the sandbox (one bwrap, kept running), then place spec.files. If any step fails,
+zygote start the sandbox (one bwrap, kept running; with network 'public' the zygote then attaches
+slirp4netns to its network namespace, network.py), then place spec.files. If any step fails,
 whatever was made is removed before the error propagates.
+
+Network: `none` (the default) is a network namespace with only `lo`; `public` adds slirp4netns's
+`eth0`: outbound TCP/UDP/DNS, never the host's loopback; `host` (the host's own network namespace,
+its 127.0.0.1 services included) is refused: no sandbox of ours shares it.
 
 Privilege: nothing in a sandbox holds a capability, makes a further user namespace, or sees
 /proc/sys (and /proc/sysrq-trigger, /proc/kcore) writable; /dev is read-only but for /dev/shm
@@ -41,7 +46,7 @@ from ..images.local import LocalImage, LocalImages
 from ..images.oci import ImageConfig
 from . import layout
 from .cgroup import PidsCgroup, remove_orphan_zygote_cgroups
-from .config import LocalSandboxConfig, find_bwrap
+from .config import LocalSandboxConfig, find_bwrap, find_slirp4netns
 from .forkserver import Zygote, start_zygote
 from .reaper import reap_local
 from .sandbox import LocalSandbox
@@ -53,6 +58,7 @@ __all__ = ["LocalSandboxProvider"]
 _log = logging.getLogger(__name__)
 _SPAN = 1 << 16  # host ids per zygote, as root: an image's uids and gids 0..65535 (nobody included)
 _PROCS_OVERHEAD = 2  # the zygote and the sandbox's init: not the sandbox's to count
+_NETWORK_OVERHEAD = 1  # slirp4netns, for a sandbox with network
 
 
 def _dispose(idle: list[tuple[Zygote, PidsCgroup | None]]) -> None:
@@ -94,7 +100,10 @@ class LocalSandboxProvider:
         if spec.rootfs is not None and not os.path.isdir(spec.rootfs):
             raise ConfigError(f"SandboxSpec.rootfs={spec.rootfs!r}: not a directory on the host")
         if spec.network is NetworkPolicy.HOST:
-            raise ConfigError("SandboxSpec.network='host' is not supported by the local provider")
+            raise ConfigError(
+                "SandboxSpec.network='host' is not supported by the local provider (it would share "
+                "the host's loopback); 'public' gives a sandbox outbound network"
+            )
 
     def _host_ids(self) -> tuple[int, int]:
         """(first host uid, span) for a new zygote's sandboxes: a random slot as root, else our uid."""
@@ -103,8 +112,9 @@ class LocalSandboxProvider:
         slots = ((1 << 32) - 2 - self.config.uid_base) // _SPAN
         return self.config.uid_base + secrets.randbelow(slots) * _SPAN, _SPAN
 
-    def _zygote(self, sandbox_id: str, res: Resources) -> tuple[Zygote, PidsCgroup | None]:
-        """An idle zygote and its cgroup, or new ones (no cgroup where none can be made)."""
+    def _zygote(self, sandbox_id: str, res: Resources, overhead: int) -> tuple[Zygote, PidsCgroup | None]:
+        """An idle zygote and its cgroup, or new ones (no cgroup where none can be made); the cgroup
+        holds `overhead` processes that are not the sandbox's beside its own max_procs."""
         while self._idle:
             zygote, cgroup = self._idle.pop()
             if zygote.process.poll() is None:
@@ -114,10 +124,10 @@ class LocalSandboxProvider:
         else:
             cgroup = None
             if self.config.use_cgroup:
-                cgroup = PidsCgroup.create(f"miles-env-z{sandbox_id}", res.max_procs + _PROCS_OVERHEAD)
+                cgroup = PidsCgroup.create(f"miles-env-z{sandbox_id}", res.max_procs + overhead)
             zygote = start_zygote(sys.executable, cgroup, self._host_ids())
         if cgroup is not None:
-            cgroup.set_max(res.max_procs + _PROCS_OVERHEAD)
+            cgroup.set_max(res.max_procs + overhead)
             if not cgroup.set_cpus(res.cpus) and not self._warned_no_cpu:
                 self._warned_no_cpu = True
                 _log.warning("local sandbox: no writable cpu cgroup here; Resources.cpus is not enforced")
@@ -160,10 +170,12 @@ class LocalSandboxProvider:
             built = await anyio.to_thread.run_sync(self._images.get, spec)
             spec = spec.model_copy(update={"rootfs": str(built.rootfs)})
         self._validate(spec)
+        slirp = find_slirp4netns(self.config.slirp4netns) if spec.network is NetworkPolicy.PUBLIC else None
         image = built.config if built is not None else self.image_config(spec)
         sandbox_id = secrets.token_hex(6)
         host_dir = self.root / sandbox_id
-        zygote, cgroup = self._zygote(sandbox_id, spec.resources)
+        overhead = _PROCS_OVERHEAD + (_NETWORK_OVERHEAD if slirp else 0)
+        zygote, cgroup = self._zygote(sandbox_id, spec.resources, overhead)
         storage: Storage | None = None
         try:
             user = resolve_user(spec.rootfs, image.user if image else None, zygote.ids[1])
@@ -171,7 +183,8 @@ class LocalSandboxProvider:
             host_dir.mkdir(mode=0o700)
             storage = self._storage(host_dir, zygote, spec)
             idmap = (spec.rootfs, str(storage.path("lower"))) if spec.rootfs and storage.ids else None
-            init_pid = await zygote.start(self.bwrap, layout.options(spec, storage, self.config), idmap)
+            options = layout.options(spec, storage, self.config)
+            init_pid = await zygote.start(self.bwrap, options, idmap, slirp)
         except BaseException as e:
             if storage is not None:
                 storage.remove()

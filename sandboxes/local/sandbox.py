@@ -6,17 +6,21 @@ made by one bwrap at create and held by its zygote (zygote.py), over a writable 
 layout.py: the writable root, workspace, /tmp). Each exec is a fork of the zygote that enters
 those namespaces and runs the command inside: so a process an exec leaves running (a server)
 is still there for the next exec and the verifier, a port bound in one exec answers the next
-(one network namespace, only `lo`), and files persist. The image's environment applies to every
-exec unless the caller sets a key (execargs.py): its ENV and PATH, its user (users.py) and that
-user's HOME, its WORKDIR as the default cwd.
+(one network namespace: only `lo`, and with network `public` slirp4netns's `eth0`), and files
+persist. The image's environment applies to every exec unless the caller sets a key
+(execargs.py): its ENV and PATH, its user (users.py) and that user's HOME, its WORKDIR as the
+default cwd.
 
-Invariants: nothing inside can reach the network (only `lo`, and what expose() bridges); as
+Invariants: nothing inside reaches the network unless the spec asks for `public`: then outbound
+TCP/UDP/DNS through slirp4netns, never the host's loopback (network.py); either way the host's
+127.0.0.1 services only through what expose() bridges. As
 root, nothing inside runs as host root or holds a capability; after `close()` no process of the
 sandbox is alive (its init, pid 1 of its pid namespace, exits and the kernel kills the rest; the
 zygote checks that its cgroup holds only itself and the next init before it is reused) and its files and mounts are gone. `close()` is
 idempotent and runs on `async with` exit, on cancellation and on Ctrl-C. If the owner dies
 (SIGKILL included), the zygote sees EOF and stops the sandbox; if the zygote dies, the init sees
-EOF on its pipe and exits, which kills the pid namespace: nothing of a killed run survives it.
+EOF on its pipe and exits, which kills the pid namespace, and slirp4netns sees EOF on its exit fd:
+nothing of a killed run survives it.
 """
 
 from __future__ import annotations

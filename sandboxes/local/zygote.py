@@ -15,16 +15,18 @@ orphan (and, SIGCHLD ignored, reaps it at once) and reads a pipe whose only writ
 EOF (`stop`, or the zygote's death, however it dies) it exits, and the kernel kills every process
 of its namespace. No process inside can signal or trace it. So processes an exec starts keep
 running (a server is still there for the next exec and the verifier) until the sandbox stops, and
-nothing outlives it. `exec` forks a child that enters the sandbox (namespaces.enter) and forks the
-command inside; that child stays outside the pid namespace, waits, and reports the command's host
-pid and exit status.
+nothing outlives it. A sandbox with network gets slirp4netns on its network namespace, a child of
+ours that exits at EOF on a pipe only we write to, like the init (network.py). `exec` forks a
+child that enters the sandbox (namespaces.enter) and forks the command inside; that child stays
+outside the pid namespace, waits, and reports the command's host pid and exit status.
 
 This file runs as a script with the host's python (stdlib only, `-S -E`), never imported by us;
 namespaces.py is its sibling import. Protocol over a SOCK_SEQPACKET socket (fd argv[1]): one
 JSON request per packet with SCM_RIGHTS fds; the last fd is where the answer goes (JSON lines),
 so the zygote never writes to the socket; a request too big for one packet comes in a memfd
 (`"memfd": true`, the fd before the answer's). Requests:
-  start {bwrap, options, idmap: [rootfs, target] | null}  fds [answer]: {"init": pid} | {"error": log}
+  start {bwrap, options, idmap: [rootfs, target] | null, slirp4netns: path | null}  fds [answer]:
+        {"init": pid} | {"error": log}; with slirp4netns, the sandbox's network is up first (network.py)
   exec  {argv, env, cwd, ids: [uid, gid, groups], rlimits}  fds [stdin, stdout, stderr, answer]:
         {"child-pid": host pid} then {"exit-code": n} (128+N for signal N) | {"error"}
   listen {port}  fds [answer socket]: {"port": n} with the listening socket's fd (SCM_RIGHTS)
@@ -39,7 +41,6 @@ sandbox, kills whatever else is left in its cgroup and exits.
 from __future__ import annotations
 
 import array
-import fcntl
 import json
 import os
 import select
@@ -49,6 +50,7 @@ import sys
 import time
 
 import namespaces as nsx  # type: ignore[import-not-found]  # sibling modules (sys.path[0])
+import network  # type: ignore[import-not-found]
 import zygote_child  # type: ignore[import-not-found]
 
 _MAX_FDS = 6
@@ -67,6 +69,7 @@ class Zygote:
         self.init_fd = -1  # pidfd of its init
         self.init_pipe = -1  # the write end its init reads: closing it ends the sandbox
         self.next_init: tuple[int, int, int, int] | None = None  # made ahead for the next start
+        self.netstack: network.Netstack | None = None  # the running sandbox's network, if it has one
 
     # -- helpers ---------------------------------------------------------------------------
     def own_fds(self) -> list[int]:
@@ -76,6 +79,7 @@ class Zygote:
             self.init_pipe,
             *self.ns.values(),
             *(self.next_init or ())[1:],
+            *(self.netstack.fds() if self.netstack else ()),
         ]
         if self.userns is not None:
             fds += [self.userns.outer, self.userns.inner]
@@ -119,10 +123,17 @@ class Zygote:
         for fd in (status_w, block_r, log_w):
             os.close(fd)
         try:
-            return self._await_setup(init, status_r, block_w, log_r)
+            answer = self._await_setup(init, status_r, block_w, log_r)
         finally:
             for fd in (status_r, block_w, log_r):
                 os.close(fd)
+        if "init" in answer and req.get("slirp4netns"):
+            try:
+                self.netstack = network.attach(self, req["slirp4netns"])
+            except OSError as e:
+                self.stop()
+                return {"error": str(e)}
+        return answer
 
     def prepare_init(self) -> None:
         """Make the next sandbox's pid namespace and init ahead (when idle: off start's path)."""
@@ -184,7 +195,7 @@ class Zygote:
             self.become_host_uid()
             nsx.die_with_parent()  # set after the uid change, which would clear it
             null = os.open(os.devnull, os.O_RDWR)
-            _place([null, null, log, *fds])
+            nsx.place_fds([null, null, log, *fds])
             os.execv(argv[0], argv)
         except BaseException as e:  # noqa: BLE001 - reported on the log, then die
             os.write(log, f"miles-env zygote: cannot run {argv[0]}: {e}\n".encode())
@@ -217,7 +228,7 @@ class Zygote:
     # -- stop ------------------------------------------------------------------------------
     def stop(self) -> bool:
         """End the running sandbox: its init reads EOF and exits, and with it the kernel kills every
-        process of the pid namespace; True once the init (so all of them) is gone."""
+        process of the pid namespace, then its network's slirp4netns; True once all are gone."""
         if self.init_pipe >= 0:
             os.close(self.init_pipe)
             self.init_pipe = -1
@@ -226,6 +237,9 @@ class Zygote:
             gone = bool(select.select([self.init_fd], [], [], 10.0)[0])
             os.close(self.init_fd)
             self.init_fd = -1
+        if self.netstack is not None:
+            gone = self.netstack.detach() and gone
+            self.netstack = None
         for fd in self.ns.values():
             os.close(fd)
         self.ns = {}
@@ -309,17 +323,6 @@ def _wait(pid: int) -> None:
         pass
 
 
-def _place(fds: list[int]) -> None:
-    """Make fds[i] our fd i, for every i, and close everything else (in a child, before exec).
-
-    Each goes through a copy above all of them first: a plain dup2 in order would clobber a
-    source that happens to sit at a lower target's number."""
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in fds]
-    for target, fd in enumerate(high):
-        os.dup2(fd, target)
-    os.closerange(len(fds), os.sysconf("SC_OPEN_MAX"))
-
-
 def _run_init(read_end: int) -> None:
     """The sandbox's pid 1: adopts every orphan and, as SIGCHLD is ignored, never leaves a zombie;
     at EOF on `read_end` (the zygote closed it, or died) it exits, and the kernel kills the rest of
@@ -331,7 +334,7 @@ def _run_init(read_end: int) -> None:
         os.setsid()
         os.chdir("/")
         null = os.open(os.devnull, os.O_RDWR)
-        _place([read_end, null, null])
+        nsx.place_fds([read_end, null, null])
         nsx.no_capabilities()
         while os.read(0, 64):
             pass
