@@ -15,11 +15,11 @@ size and kills a sandbox that grows it past disk_mb: a soft bound, whose slack i
 interval (`disk_poll_s`) at the host disk's write speed (see watchdog.py). Every
 exec gets the image's ENV, USER, its user's HOME and WORKDIR (sandbox.py, execargs.py).
 
-Privilege: never privileged; every capability dropped (none is added back: the
-exec wrapper, the kill-by-token sweep and file I/O as the container's root need
-none, while CHOWN, DAC_OVERRIDE, FOWNER, MKNOD, SETUID... would let a command make
-device nodes or take over files it does not own); no-new-privileges, so a setuid
-file gains nothing. The workspace volume is a tmpfs of the local driver (`size` =
+Privilege: never privileged; every capability dropped but ROOT_CAPABILITIES, the part of
+Docker's default set that tasks rely on (apt-get's drop to `_apt`, root writing over other
+users' files in its container, a service on port 80), which only the container's root holds;
+never MKNOD (device nodes), NET_RAW or anything beyond Docker's set; no-new-privileges, so a
+setuid file gains nothing. The workspace volume is a tmpfs of the local driver (`size` =
 disk_mb, capped inodes, nosuid,nodev: a setuid-root file made there never acts as
 one on the host; owner and mode those of the image's own directory, files.py), /tmp and /dev/shm are tmpfs of at most disk_mb and 64 MB each.
 The container's root is still host uid 0 unless the engine remaps users
@@ -67,7 +67,21 @@ from .files import WorkdirSeed, workdir_seed
 from .sandbox import DockerSandbox
 from .watchdog import DiskWatchdog
 
-__all__ = ["DockerSandboxProvider"]
+__all__ = ["DockerSandboxProvider", "ROOT_CAPABILITIES"]
+
+# Docker's default set less what tasks do not use (MKNOD, NET_RAW, SETFCAP, SETPCAP, SYS_CHROOT,
+# AUDIT_WRITE): apt-get's drop to `_apt`, root writing over other users' files, port 80. The local
+# provider gives its root the same (sandboxes/local/namespaces.py ROOT_CAPS; a test keeps them one).
+ROOT_CAPABILITIES = (
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "SETGID",
+    "SETUID",
+    "NET_BIND_SERVICE",
+)
 
 
 class DockerSandboxProvider:
@@ -191,6 +205,7 @@ class DockerSandboxProvider:
             working_dir=spec.workdir,
             privileged=False,
             cap_drop=["ALL"],
+            cap_add=list(ROOT_CAPABILITIES),
             security_opt=["no-new-privileges"],
         )
         container = self._create_container(kwargs, res.disk_mb)
