@@ -7,9 +7,9 @@ forked inside the cgroup is in it from birth, with no such write. So the zygote 
 cgroup once, and all of the sandbox (init, bwrap, execs) is a fork of it; the provider recycles
 zygote+cgroup pairs across sandboxes.
 
-What a sandbox is (one at a time per zygote). `start` makes the sandbox's pid namespace (owned by
-the zygote's outer user namespace, namespaces.py) with an init of ours as pid 1, then runs one bwrap
-in it that builds the other namespaces and the mounts, and keeps their fds. The init adopts every
+What a sandbox is (one at a time per zygote). `start` makes its pid namespace (owned by the outer
+user namespace, namespaces.py) with our init as pid 1, runs one bwrap in it that builds the other
+namespaces and mounts, and keeps their fds. The init adopts every
 orphan (and, SIGCHLD ignored, reaps it at once) and reads a pipe whose only writer is the zygote: at
 EOF (`stop`, or the zygote's death, however it dies) it exits, and the kernel kills every process
 of its namespace. No process inside can signal or trace it. So processes an exec starts keep
@@ -25,7 +25,7 @@ JSON request per packet with SCM_RIGHTS fds; the last fd is where the answer goe
 so the zygote never writes to the socket; a request too big for one packet comes in a memfd
 (`"memfd": true`, the fd before the answer's). Requests:
   start {bwrap, options, idmap: [rootfs, target] | null, slirp4netns: path | null}  fds [answer]:
-        {"init": pid} | {"error": log}; with slirp4netns, the sandbox's network is up first (network.py)
+        {"init": pid} (its network up first) | {"error": log}
   exec  {argv, env, cwd, ids: [uid, gid, groups], rlimits}  fds [stdin, stdout, stderr, answer]:
         {"child-pid": host pid} then {"exit-code": n} (128+N for signal N) | {"error"}
   listen {port}  fds [answer socket]: {"port": n} with the listening socket's fd (SCM_RIGHTS)
@@ -72,14 +72,8 @@ class Zygote:
 
     # -- helpers ---------------------------------------------------------------------------
     def own_fds(self) -> list[int]:
-        fds = [
-            self.sock.fileno(),
-            self.init_fd,
-            self.init_pipe,
-            *self.ns.values(),
-            *(self.next_init or ())[1:],
-            *(self.netstack.fds() if self.netstack else ()),
-        ]
+        fds = [self.sock.fileno(), self.init_fd, self.init_pipe, *self.ns.values()]
+        fds += [*(self.next_init or ())[1:], *(self.netstack.fds() if self.netstack else ())]
         if self.userns is not None:
             fds += [self.userns.outer, self.userns.inner]
         return [fd for fd in fds if fd >= 0]
