@@ -230,6 +230,9 @@ class SandboxContract:
             assert made.ok, made
             r = await sb.exec(f"cat /opt/app-{token}/f /etc/app-{token}.conf /var/log/app-{token}/log")
             assert r.stdout == "opt\netc\nlog\n", r
+            # a program built in /tmp runs from there (go test, a compiled test helper), as in a container
+            r = await sb.exec('d=$(mktemp -d) && cp "$(command -v true)" $d/t && $d/t && echo ran')
+            assert r.stdout == "ran\n", r
             async with await provider.create(SandboxSpec()) as other:
                 assert (await other.exec(f"test -e /etc/app-{token}.conf")).exit_code != 0
         assert not os.path.exists(f"/opt/app-{token}") and not os.path.exists(f"/etc/app-{token}.conf")

@@ -196,7 +196,9 @@ class DockerSandboxProvider:
             memswap_limit=f"{res.memory_mb}m",
             nano_cpus=int((res.cpus or self.config.cpus) * 1e9),  # the task's, else the provider's
             pids_limit=res.max_procs,
-            tmpfs={"/tmp": f"rw,nosuid,nodev,size={tmp_mb}m,nr_inodes={inodes},mode=1777"},
+            # exec: a container's /tmp is its root's, where a build and its binary may live (docker's
+            # tmpfs default is noexec: go test/build binaries in /tmp were refused)
+            tmpfs={"/tmp": f"rw,exec,nosuid,nodev,size={tmp_mb}m,nr_inodes={inodes},mode=1777"},
             shm_size=f"{min(64, res.disk_mb)}m",
             volumes={
                 name: {"bind": spec.workdir, "mode": "rw"},
