@@ -3,7 +3,8 @@
 Concept: a sandbox is a container made from `spec.image` (or a local rootfs
 imported once as an image, or `spec.build` built once per content hash by build.py: bases
 resolved through sandboxes/images, RUN steps with a build network),
-kept alive by `sleep infinity` under docker-init, with a named volume at spec.workdir,
+kept alive by `sh -c "sleep infinity"` under docker-init (the image's ENTRYPOINT, if any, gets it as
+its command, as Harbor's compose starts a task), with a named volume at spec.workdir,
 a tmpfs /tmp, no network (`network_mode=none`; network `public`: the engine's bridge, outbound
 through its NAT and never the host's loopback, refused on an engine without one; `host`: the
 host's own network, loopback included), and memory, CPU and pids limits. Its
@@ -56,6 +57,7 @@ from miles_env.errors import ConfigError, SandboxError, SandboxUnavailable
 from miles_env.limits import sandbox_lifetime_s
 from miles_env.types import NetworkPolicy, SandboxSpec
 
+from ..entrypoint import HARBOR_COMMAND
 from ..expose import FORWARDER, INNER_RUN
 from ..images.oci import ImageConfig
 from ..images.resolve import ResolvedImage
@@ -186,7 +188,9 @@ class DockerSandboxProvider:
         tmp_mb = min(self.config.tmp_mb, res.disk_mb)
         kwargs = dict(
             image=image,
-            command=["sleep", "infinity"],
+            command=list(
+                HARBOR_COMMAND
+            ),  # the image's ENTRYPOINT, if any, gets it as Harbor's compose gives it
             name=name,
             labels=labels,
             hostname="sandbox",
