@@ -4,9 +4,9 @@ Concept: Harbor starts a task's container with its image's ENTRYPOINT and the co
 `sh -c "sleep infinity"` (harbor/environments/docker/docker-compose-build.yaml overrides CMD, not
 ENTRYPOINT). Tasks rely on it: an entrypoint that writes /etc/hosts and starts a server in the
 background, then `exec "$@"`, sets the state the verifier checks. A docker sandbox gets this from
-the engine (its container's command is the args of the image's entrypoint). A provider whose
-sandbox is not a container of the image (local: bubblewrap over the unpacked root) calls this
-once the sandbox is up: one exec starts `ENTRYPOINT sh -c "sleep infinity"` in the background (as
+the engine at start, but before our workspace volume is seeded, so the docker provider resets it
+and, like the local provider (bubblewrap over the unpacked root), calls this once the sandbox is
+up and seeded: one exec starts `ENTRYPOINT sh -c "sleep infinity"` in the background (as
 the image's USER, with its ENV and WORKDIR, as every exec) and waits until it is either running
 the command it was given (it exec'd into `sh -c "sleep infinity"`, or that shell into `sleep`) or
 has ended. It keeps running until the sandbox closes, as every process an exec starts.

@@ -3,8 +3,9 @@
 Concept: a sandbox is a container made from `spec.image` (or a local rootfs
 imported once as an image, or `spec.build` built once per content hash by build.py: bases
 resolved through sandboxes/images, RUN steps with a build network),
-kept alive by `sh -c "sleep infinity"` under docker-init (the image's ENTRYPOINT, if any, gets it as
-its command, as Harbor's compose starts a task), with a named volume at spec.workdir,
+kept alive by `sh -c "sleep infinity"` under docker-init (the image's ENTRYPOINT, if any, is started
+by entrypoint.py once the workspace volume is seeded, with that as its command, as Harbor's compose
+starts a task), with a named volume at spec.workdir,
 a tmpfs /tmp, no network (`network_mode=none`; network `public`: the engine's bridge, outbound
 through its NAT and never the host's loopback, refused on an engine without one; `host`: the
 host's own network, loopback included), and memory, CPU and pids limits. Its
@@ -57,7 +58,7 @@ from miles_env.errors import ConfigError, SandboxError, SandboxUnavailable
 from miles_env.limits import sandbox_lifetime_s
 from miles_env.types import NetworkPolicy, SandboxSpec
 
-from ..entrypoint import HARBOR_COMMAND
+from ..entrypoint import HARBOR_COMMAND, start_entrypoint
 from ..expose import FORWARDER, INNER_RUN
 from ..images.oci import ImageConfig
 from ..images.resolve import ResolvedImage
@@ -188,9 +189,8 @@ class DockerSandboxProvider:
         tmp_mb = min(self.config.tmp_mb, res.disk_mb)
         kwargs = dict(
             image=image,
-            command=list(
-                HARBOR_COMMAND
-            ),  # the image's ENTRYPOINT, if any, gets it as Harbor's compose gives it
+            entrypoint=[""],  # the image's ENTRYPOINT starts once the workspace is seeded (create)
+            command=list(HARBOR_COMMAND),
             name=name,
             labels=labels,
             hostname="sandbox",
@@ -250,7 +250,7 @@ class DockerSandboxProvider:
         return self.client.containers.create(**kwargs)
 
     def image_config_sync(self, image_id: str) -> ImageConfig:
-        """The image's ENV, USER and WORKDIR (`docker image inspect`), once per image."""
+        """The image's ENV, USER, WORKDIR and ENTRYPOINT (`docker image inspect`), once per image."""
         if image_id not in self._configs:
             self._configs[image_id] = ImageConfig.from_oci(
                 self.client.api.inspect_image(image_id).get("Config")
@@ -286,6 +286,8 @@ class DockerSandboxProvider:
             sandbox.image_bases = self.built_bases.get(container.attrs["Config"]["Image"], ())
             for path, text in spec.files.items():
                 await sandbox.write_file(path, text)
+            if image.entrypoint:  # after the seed: it sees the image's WORKDIR files, as under compose
+                await start_entrypoint(sandbox, image.entrypoint)
             # A cancellation that arrived while a worker thread ran is delivered at the
             # next checkpoint: take it here, where the cleanup below still applies.
             await anyio.lowlevel.checkpoint_if_cancelled()
