@@ -372,7 +372,7 @@ _WORLD: dict[str, dict[str, str]] = {
         "tests/test_outputs.py": "import os, time, urllib.request\nfrom pathlib import Path\n\n\ndef test_home():\n"
         "    assert os.getuid() == 1234 and str(Path.home()) == '/home/agent'\n"
         "    assert Path('/var/log/app/entrypoint.txt').read_text() == 'entrypoint ran as agent with sh -c sleep infinity\\n'\n"
-        "    for _ in range(50):  # the service the image's ENTRYPOINT started\n"
+        "    for _ in range(300):  # the service the image's ENTRYPOINT started\n"
         "        try:\n"
         "            body = urllib.request.urlopen('http://127.0.0.1:9090/nums.txt', timeout=5).read(); break\n"
         "        except OSError:\n"
