@@ -36,6 +36,7 @@ from rootfs_support import IMAGE, IMAGE_PATH
 
 from miles_env.errors import SandboxError
 from miles_env.sandbox import Sandbox
+from miles_env.sandboxes.docker.provider import ROOT_CAPABILITIES
 from miles_env.types import Resources, SandboxSpec
 
 __all__ = ["HostileContract", "SandboxContract", "host_http_server", "host_pids_with", "live_cmdlines"]
@@ -229,6 +230,9 @@ class SandboxContract:
             assert made.ok, made
             r = await sb.exec(f"cat /opt/app-{token}/f /etc/app-{token}.conf /var/log/app-{token}/log")
             assert r.stdout == "opt\netc\nlog\n", r
+            # a program built in /tmp runs from there (go test, a compiled test helper), as in a container
+            r = await sb.exec("d=$(mktemp -d) && cp /bin/sh $d/t && $d/t -c 'echo ran'")
+            assert r.stdout == "ran\n", r
             async with await provider.create(SandboxSpec()) as other:
                 assert (await other.exec(f"test -e /etc/app-{token}.conf")).exit_code != 0
         assert not os.path.exists(f"/opt/app-{token}") and not os.path.exists(f"/etc/app-{token}.conf")
@@ -261,6 +265,17 @@ class SandboxContract:
             )
             assert own.ok and own.stdout == "key\n", own
             assert (await sb.exec("echo x >> /etc/passwd")).exit_code != 0
+            caps = await sb.exec(
+                "while read -r k v; do case $k in CapPrm:|CapEff:|CapBnd:) echo $k $v;; esac; done < /proc/self/status"
+            )
+            held = dict(zip(caps.stdout.split()[::2], caps.stdout.split()[1::2], strict=True))
+            # none held by a non-root user; the bounding set is the container's on docker (no more than
+            # root's), none on local: either way nothing is had at exec (no-new-privileges)
+            assert held["CapPrm:"] == held["CapEff:"] == "0" * 16, caps
+            assert held["CapBnd:"] in (
+                "0" * 16,
+                f"{sum(1 << _CAP_NUMBERS[n] for n in ROOT_CAPABILITIES):016x}",
+            ), caps
 
     async def test_close_idempotent_and_final(self, provider):
         sb = await provider.create(SandboxSpec())
@@ -274,6 +289,9 @@ class SandboxContract:
 # -- hostile commands every provider must contain ----------------------------------------------
 
 _SYSCTLS = ("kernel/core_pattern", "fs/suid_dumpable", "kernel/core_uses_pid")
+# linux/capability.h: the numbers of the capabilities a sandbox's root may hold.
+_CAP_NUMBERS = {"CHOWN": 0, "DAC_OVERRIDE": 1, "FOWNER": 3, "FSETID": 4, "KILL": 5, "SETGID": 6, "SETUID": 7,
+                "NET_BIND_SERVICE": 10}  # fmt: skip
 
 
 def _host_sysctls() -> dict[str, str]:
@@ -342,6 +360,22 @@ class HostileContract:
                 setuid_root = bool(st.st_mode & stat.S_ISUID) and st.st_uid == 0
                 nosuid = bool(os.statvfs(host).f_flag & os.ST_NOSUID)
                 assert not setuid_root or nosuid, (name, oct(st.st_mode), st.st_uid)
+
+    async def test_root_holds_dockers_task_capabilities_and_no_more(self, provider):
+        """Root gets what Docker's default set gives a container's root that tasks use (apt-get's
+        drop to `_apt`, chown, port 80), never more, even after exec; mknod stays refused (above)."""
+        async with await provider.create(SandboxSpec(files={"f": "x\n"})) as sb:
+            r = await sb.exec(
+                "while read -r k v; do case $k in CapPrm:|CapEff:|CapBnd:) echo $k $v;; esac; done < /proc/self/status"
+            )
+            mask = f"{sum(1 << _CAP_NUMBERS[name] for name in ROOT_CAPABILITIES):016x}"
+            assert r.stdout.split() == ["CapPrm:", mask, "CapEff:", mask, "CapBnd:", mask], r
+            r = await sb.exec(
+                "chown 4321:4321 f && stat -c %u f && "
+                'python3 -c \'import os, socket; s = socket.socket(); s.bind(("127.0.0.1", 80)); '
+                'os.setgid(4321); os.setuid(4321); print(os.getuid(), open("f").read().strip())\''
+            )
+            assert r.stdout == "4321\n4321 x\n", r
 
     async def test_many_small_files_stay_within_disk_mb(self, provider):
         spec = SandboxSpec(resources=Resources(disk_mb=4, timeout_s=60))

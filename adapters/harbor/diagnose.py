@@ -37,8 +37,17 @@ _RULES: tuple[tuple[str, str], ...] = (
 )  # fmt: skip
 
 
+# A pytest run's closing line: the tests ran, so what failed is in them, not in a download before.
+_RAN = re.compile(r"^=+ .*\b(passed|failed|errors?|no tests ran)\b.* in [\d.]+s.* =+$", re.M)
+
+
 def hint(output: str, script: str = "") -> str | None:
-    """One line naming the network need behind `output`'s failure, or None."""
+    """One line naming the network need behind `output`'s failure, or None. Only what was printed
+    after the tests' own summary counts (a harmless offline `curl ... | sh` before tests that then
+    ran and failed is not the reason; with hermetic verification it is the expected no-op)."""
+    ran = list(_RAN.finditer(output))
+    if ran:
+        output = output[ran[-1].end() :]
     for pattern, text in _RULES:
         m = re.search(pattern, output)
         if m is None:

@@ -242,7 +242,7 @@ class HarborTasksEnvironment(Environment):
         js = await _maybe_read(sandbox, f"{logs}/verifier/reward.json")
         stdout = await _maybe_read(sandbox, f"{logs}/verifier/test-stdout.txt")
         await sandbox.exec(f"rm -rf {tests}", timeout=60)
-        output = (res.stdout + res.stderr + (stdout or ""))[-4000:]
+        output = (res.stderr + res.stdout + (stdout or ""))[-4000:]  # the tests' own lines last
         details: dict[str, Any] = {"test_exit_code": res.exit_code, "test_output": output}
         if res.timed_out:
             details["error"] = f"test.sh timed out after {timeout:g}s"

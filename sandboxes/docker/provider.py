@@ -3,7 +3,9 @@
 Concept: a sandbox is a container made from `spec.image` (or a local rootfs
 imported once as an image, or `spec.build` built once per content hash by build.py: bases
 resolved through sandboxes/images, RUN steps with a build network),
-kept alive by `sleep infinity` under docker-init, with a named volume at spec.workdir,
+kept alive by `sh -c "sleep infinity"` under docker-init (the image's ENTRYPOINT, if any, is started
+by entrypoint.py once the workspace volume is seeded, with that as its command, as Harbor's compose
+starts a task), with a named volume at spec.workdir,
 a tmpfs /tmp, no network (`network_mode=none`; network `public`: the engine's bridge, outbound
 through its NAT and never the host's loopback, refused on an engine without one; `host`: the
 host's own network, loopback included), and memory, CPU and pids limits. Its
@@ -15,11 +17,11 @@ size and kills a sandbox that grows it past disk_mb: a soft bound, whose slack i
 interval (`disk_poll_s`) at the host disk's write speed (see watchdog.py). Every
 exec gets the image's ENV, USER, its user's HOME and WORKDIR (sandbox.py, execargs.py).
 
-Privilege: never privileged; every capability dropped (none is added back: the
-exec wrapper, the kill-by-token sweep and file I/O as the container's root need
-none, while CHOWN, DAC_OVERRIDE, FOWNER, MKNOD, SETUID... would let a command make
-device nodes or take over files it does not own); no-new-privileges, so a setuid
-file gains nothing. The workspace volume is a tmpfs of the local driver (`size` =
+Privilege: never privileged; every capability dropped but ROOT_CAPABILITIES, the part of
+Docker's default set that tasks rely on (apt-get's drop to `_apt`, root writing over other
+users' files in its container, a service on port 80), which only the container's root holds;
+never MKNOD (device nodes), NET_RAW or anything beyond Docker's set; no-new-privileges, so a
+setuid file gains nothing. The workspace volume is a tmpfs of the local driver (`size` =
 disk_mb, capped inodes, nosuid,nodev: a setuid-root file made there never acts as
 one on the host; owner and mode those of the image's own directory, files.py), /tmp and /dev/shm are tmpfs of at most disk_mb and 64 MB each.
 The container's root is still host uid 0 unless the engine remaps users
@@ -56,6 +58,7 @@ from miles_env.errors import ConfigError, SandboxError, SandboxUnavailable
 from miles_env.limits import sandbox_lifetime_s
 from miles_env.types import NetworkPolicy, SandboxSpec
 
+from ..entrypoint import HARBOR_COMMAND, start_entrypoint
 from ..expose import FORWARDER, INNER_RUN
 from ..images.oci import ImageConfig
 from ..images.resolve import ResolvedImage
@@ -67,7 +70,21 @@ from .files import WorkdirSeed, workdir_seed
 from .sandbox import DockerSandbox
 from .watchdog import DiskWatchdog
 
-__all__ = ["DockerSandboxProvider"]
+__all__ = ["DockerSandboxProvider", "ROOT_CAPABILITIES"]
+
+# Docker's default set less what tasks do not use (MKNOD, NET_RAW, SETFCAP, SETPCAP, SYS_CHROOT,
+# AUDIT_WRITE): apt-get's drop to `_apt`, root writing over other users' files, port 80. The local
+# provider gives its root the same (sandboxes/local/namespaces.py ROOT_CAPS; a test keeps them one).
+ROOT_CAPABILITIES = (
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "SETGID",
+    "SETUID",
+    "NET_BIND_SERVICE",
+)
 
 
 class DockerSandboxProvider:
@@ -172,7 +189,8 @@ class DockerSandboxProvider:
         tmp_mb = min(self.config.tmp_mb, res.disk_mb)
         kwargs = dict(
             image=image,
-            command=["sleep", "infinity"],
+            entrypoint=[""],  # the image's ENTRYPOINT starts once the workspace is seeded (create)
+            command=list(HARBOR_COMMAND),
             name=name,
             labels=labels,
             hostname="sandbox",
@@ -182,7 +200,9 @@ class DockerSandboxProvider:
             memswap_limit=f"{res.memory_mb}m",
             nano_cpus=int((res.cpus or self.config.cpus) * 1e9),  # the task's, else the provider's
             pids_limit=res.max_procs,
-            tmpfs={"/tmp": f"rw,nosuid,nodev,size={tmp_mb}m,nr_inodes={inodes},mode=1777"},
+            # exec: a container's /tmp is its root's, where a build and its binary may live (docker's
+            # tmpfs default is noexec: go test/build binaries in /tmp were refused)
+            tmpfs={"/tmp": f"rw,exec,nosuid,nodev,size={tmp_mb}m,nr_inodes={inodes},mode=1777"},
             shm_size=f"{min(64, res.disk_mb)}m",
             volumes={
                 name: {"bind": spec.workdir, "mode": "rw"},
@@ -191,6 +211,7 @@ class DockerSandboxProvider:
             working_dir=spec.workdir,
             privileged=False,
             cap_drop=["ALL"],
+            cap_add=list(ROOT_CAPABILITIES),
             security_opt=["no-new-privileges"],
         )
         container = self._create_container(kwargs, res.disk_mb)
@@ -229,7 +250,7 @@ class DockerSandboxProvider:
         return self.client.containers.create(**kwargs)
 
     def image_config_sync(self, image_id: str) -> ImageConfig:
-        """The image's ENV, USER and WORKDIR (`docker image inspect`), once per image."""
+        """The image's ENV, USER, WORKDIR and ENTRYPOINT (`docker image inspect`), once per image."""
         if image_id not in self._configs:
             self._configs[image_id] = ImageConfig.from_oci(
                 self.client.api.inspect_image(image_id).get("Config")
@@ -265,6 +286,8 @@ class DockerSandboxProvider:
             sandbox.image_bases = self.built_bases.get(container.attrs["Config"]["Image"], ())
             for path, text in spec.files.items():
                 await sandbox.write_file(path, text)
+            if image.entrypoint:  # after the seed: it sees the image's WORKDIR files, as under compose
+                await start_entrypoint(sandbox, image.entrypoint)
             # A cancellation that arrived while a worker thread ran is delivered at the
             # next checkpoint: take it here, where the cleanup below still applies.
             await anyio.lowlevel.checkpoint_if_cancelled()

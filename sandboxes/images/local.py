@@ -64,7 +64,7 @@ def _base_name(base: ResolvedImage) -> str:
 class LocalImages:
     """One per provider: resolves through skopeo, builds with buildah, keeps what it resolved."""
 
-    builder_id = "buildah-1"
+    builder_id = "buildah-2"  # part of every build's key: bumped when what an unpacked image keeps changes
 
     def __init__(self, config: ImagesConfig | None = None) -> None:
         self.config = config or ImagesConfig()
@@ -106,8 +106,9 @@ class LocalImages:
             return None
         data = json.loads(meta.read_text())
         bases = tuple(ResolvedImage(**b) for b in data["bases"])
+        c = data["config"]
         config = ImageConfig(
-            env=data["config"]["env"], user=data["config"]["user"], workdir=data["config"]["workdir"]
+            env=c["env"], user=c["user"], workdir=c["workdir"], entrypoint=tuple(c["entrypoint"])
         )
         return LocalImage(key, self._dir(key) / "root", config, bases, built=False)
 
@@ -157,7 +158,12 @@ class LocalImages:
         self._unpack(image_id, dest)
         meta = {
             "key": plan.key,
-            "config": {"env": dict(config.env), "user": config.user, "workdir": config.workdir},
+            "config": {
+                "env": dict(config.env),
+                "user": config.user,
+                "workdir": config.workdir,
+                "entrypoint": list(config.entrypoint),
+            },
             "bases": [{f: getattr(b, f) for f in ResolvedImage.__slots__} for b in plan.bases],
         }
         (dest / "image.json").write_text(json.dumps(meta, indent=1))

@@ -4,7 +4,9 @@ Concept: a container runs each `docker exec` with the image's `Env` (PATH includ
 `User`, in its `WorkingDir`; a sandbox built from the same image must do the same, unless the
 caller sets them. `ImageConfig.from_oci` reads the `config` object of an OCI image config
 (the image-spec's `config.json`, or `docker image inspect`'s `.Config`); missing fields stay
-None / empty, meaning "the provider's default".
+None / empty, meaning "the provider's default". `entrypoint` is the image's ENTRYPOINT, which a
+sandbox starts as Harbor's `docker compose up` does (entrypoint.py); CMD is never run (Harbor
+replaces it with `sh -c "sleep infinity"`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class ImageConfig:
     env: Mapping[str, str] = field(default_factory=dict)  # the image's ENV, in order
     user: str | None = None  # "name", "uid", "uid:gid" or "name:group", as in USER
     workdir: str | None = None  # WORKDIR (absolute)
+    entrypoint: tuple[str, ...] = ()  # ENTRYPOINT (exec form; a shell form is ["/bin/sh", "-c", ...])
 
     @classmethod
     def from_oci(cls, config: Mapping[str, Any] | None) -> ImageConfig:
@@ -31,4 +34,9 @@ class ImageConfig:
             key, sep, value = str(item).partition("=")
             if key and sep:
                 env[key] = value
-        return cls(env=env, user=config.get("User") or None, workdir=config.get("WorkingDir") or None)
+        return cls(
+            env=env,
+            user=config.get("User") or None,
+            workdir=config.get("WorkingDir") or None,
+            entrypoint=tuple(str(a) for a in config.get("Entrypoint") or ()),
+        )

@@ -41,14 +41,18 @@ _ZYGOTE_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 _PACKET_MAX = 60_000  # a bigger request travels in a memfd (the zygote reads 64 KiB packets)
 
 
-def rlimits(res: Resources, *, nproc: bool = False) -> list[list[int]]:
-    """The exec's rlimits. CPU soft < hard, so SIGXCPU names the cause before a SIGKILL would."""
+def rlimits(res: Resources, *, nproc: bool = False, fsize: bool = True) -> list[list[int]]:
+    """The exec's rlimits. CPU soft < hard, so SIGXCPU names the cause before a SIGKILL would.
+    `fsize`: cap each file at disk_mb, where no quota bounds the total (no root); a sandbox on its
+    own tmpfs needs none, and a sparse file bigger than the disk (a test's "it cannot fit") works
+    there as in a container."""
     out = [
         [resource.RLIMIT_CPU, res.cpu_seconds, res.cpu_seconds + 1],
         [resource.RLIMIT_AS, res.memory_mb << 20, res.memory_mb << 20],
-        [resource.RLIMIT_FSIZE, res.disk_mb << 20, res.disk_mb << 20],
         [resource.RLIMIT_CORE, 0, 0],
     ]
+    if fsize:
+        out.append([resource.RLIMIT_FSIZE, res.disk_mb << 20, res.disk_mb << 20])
     if nproc:
         out.append([resource.RLIMIT_NPROC, res.max_procs, res.max_procs])
     return out

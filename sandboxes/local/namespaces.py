@@ -16,8 +16,8 @@ Entering. `enter()` moves the calling (single-threaded) process into a running s
 the sandbox's host uid, join `outer` (its owner gets every capability there), the mount, pid,
 net, ipc, uts and cgroup namespaces (all owned by `outer`), then `inner`. Joining the mount
 namespace sets root and cwd to the sandbox's root. The pid namespace applies to children only,
-so the caller forks next. `drop_to()` then gives up every capability for good (bounding set,
-no_new_privs) and becomes the image's user.
+so the caller forks next. `drop_to()` then becomes the image's user and gives up every
+capability for good (bounding set, no_new_privs), but for ROOT_CAPS when that user is root.
 """
 
 from __future__ import annotations
@@ -324,14 +324,28 @@ def no_capabilities() -> None:
     _check(_libc.capset(ctypes.byref(header), data), "capset")
 
 
+# What a container's root holds under Docker's default set and tasks rely on (apt-get drops to
+# `_apt`: SETUID, SETGID, CHOWN; root writing over other users' files: DAC_OVERRIDE, FOWNER,
+# FSETID; a service on port 80: NET_BIND_SERVICE; KILL), in capability numbers. Held by the
+# sandbox's uid 0 only, and only over what its user namespace owns: files whose ids it maps (never
+# a host file: those show as nobody) and its own network namespace. Not MKNOD, NET_RAW, SETFCAP,
+# SETPCAP, SYS_CHROOT, AUDIT_WRITE (the rest of Docker's set), nor anything beyond it.
+ROOT_CAPS = (0, 1, 3, 4, 5, 6, 7, 10)  # CHOWN DAC_OVERRIDE FOWNER FSETID KILL SETGID SETUID NET_BIND_SERVICE
+
+
 def drop_to(uid: int, gid: int, groups: list[int]) -> None:
-    """After enter(): no capability ever again (bounding set, ambient, no_new_privs), then these ids."""
+    """After enter(): become these ids, with ROOT_CAPS as uid 0 and no capability as any other,
+    for good (bounding set, ambient, no_new_privs: nothing more is had at exec)."""
+    keep = ROOT_CAPS if uid == 0 else ()
     for cap in range(_last_cap() + 1):
-        _prctl(_PR_CAPBSET_DROP, cap)
+        if cap not in keep:
+            _prctl(_PR_CAPBSET_DROP, cap)
     _prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL)
     _check(_prctl(_PR_SET_NO_NEW_PRIVS, 1), "prctl(PR_SET_NO_NEW_PRIVS)")
     os.setgroups(groups)
     os.setresgid(gid, gid, gid)
     os.setresuid(uid, uid, uid)
     header, data = _CapHeader(_CAP_VERSION_3, 0), (_CapData * 2)()
+    mask = sum(1 << cap for cap in keep)  # all below 32: the first word
+    data[0].effective = data[0].permitted = mask
     _check(_libc.capset(ctypes.byref(header), data), "capset")

@@ -50,7 +50,7 @@ from typing import Any
 
 import namespaces as nsx  # type: ignore[import-not-found]  # sibling module (sys.path[0])
 
-__all__ = ["Netstack", "attach"]
+__all__ = ["Netstack", "attach", "open_low_ports"]
 
 NAMESERVER = "10.0.2.3"  # slirp4netns's DNS forwarder (to the host's resolvers)
 _READY_TIMEOUT_S = 20.0
@@ -117,6 +117,33 @@ def attach(zygote: Any, slirp: str) -> Netstack:
     finally:
         os.close(ready_r)
         os.close(log_r)  # it may still write there: SIGPIPE is ignored in it, so it gets EPIPE
+
+
+def open_low_ports(zygote: Any) -> bool:
+    """Let every user of the zygote's running sandbox bind ports below 1024 in its own network
+    namespace (`net.ipv4.ip_unprivileged_port_start = 0`), as Docker does for every container since
+    20.10: a task's server on port 80 works as in a container, and since the namespace is the
+    sandbox's own (no port of the host, nothing forwarded in), it opens nothing to anyone else.
+    The sandbox's root cannot write it itself (its capabilities are in the inner user namespace;
+    the network namespace belongs to the outer one, and /proc/sys is read-only inside). True once
+    set; on failure the sandbox is used as it is (low ports stay refused)."""
+    done_r, done_w = os.pipe()
+    if os.fork() == 0:
+        os.close(done_r)
+        try:
+            zygote.become_host_uid()
+            nsx.join(zygote.userns.outer, nsx.CLONE_NEWUSER, "user")
+            nsx.join(zygote.ns["net"], nsx.CLONE_NEWNET, "net")
+            with open("/proc/sys/net/ipv4/ip_unprivileged_port_start", "w") as f:
+                f.write("0")
+            os.write(done_w, b"1")
+        finally:
+            os._exit(0)
+    os.close(done_w)
+    try:
+        return os.read(done_r, 1) == b"1"  # EOF (b"") once it exits without saying so
+    finally:
+        os.close(done_r)
 
 
 def _exec(zygote: Any, argv: list[str], fds: list[int], log: int) -> None:

@@ -6,8 +6,9 @@ ids (or start one: the only cgroup join, zygote.py says why that matters), make 
 the zygote's unprivileged host uid, else plain directories; layout.py: the writable root, the
 workspace seeded with the image's files there), look up the image's user (users.py), have the
 zygote start the sandbox (one bwrap, kept running; with network 'public' the zygote then attaches
-slirp4netns to its network namespace, network.py), then place spec.files. If any step fails,
-whatever was made is removed before the error propagates.
+slirp4netns to its network namespace, network.py), then place spec.files and start the image's
+ENTRYPOINT as Harbor's `docker compose up` would (entrypoint.py). If any step fails, whatever was
+made is removed before the error propagates.
 
 Network: `none` (the default) is a network namespace with only `lo`; `public` adds slirp4netns's
 `eth0`: outbound TCP/UDP/DNS, never the host's loopback; `host` (the host's own network namespace,
@@ -42,6 +43,7 @@ import anyio
 from miles_env.errors import ConfigError, SandboxError
 from miles_env.types import NetworkPolicy, Resources, SandboxSpec
 
+from ..entrypoint import start_entrypoint
 from ..images.local import LocalImage, LocalImages
 from ..images.oci import ImageConfig
 from . import layout
@@ -210,6 +212,8 @@ class LocalSandboxProvider:
         try:
             for path, text in spec.files.items():
                 await sandbox.write_file(path, text)
+            if image is not None and image.entrypoint:  # as `docker compose up` starts it (entrypoint.py)
+                await start_entrypoint(sandbox, image.entrypoint)
         except BaseException as e:
             await sandbox.close()
             if isinstance(e, OSError):

@@ -114,7 +114,7 @@ class LocalSandbox:
             env=args.env,
             cwd=args.cwd,
             ids=(self.user.uid, self.user.gid, self.user.groups),
-            limits=rlimits(self.spec.resources, nproc=self._cgroup is None),
+            limits=rlimits(self.spec.resources, nproc=self._cgroup is None, fsize=not self.storage.mounted),
             members=self._members,
         )
         return child, args.timeout

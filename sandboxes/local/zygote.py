@@ -2,21 +2,20 @@
 
 Why a zygote. Moving a process into a cgroup v1 (a write to cgroup.procs) takes the kernel's
 global cgroup_threadgroup_rwsem for writing, which waits for an RCU grace period and holds back
-every fork on the host meanwhile: ~0.3 ms on a busy host, ~10-20 ms on an idle one (measured in
-bench/results/sandbox.md; /sys/kernel/rcu_expedited=1 makes it vanish). A child forked by a
-process already inside the cgroup is in it from birth, with no such write. So the zygote joins
-the sandbox's pids cgroup once, and everything of the sandbox (its init, its bwrap, every
-exec) is a fork of it; the provider recycles zygote+cgroup pairs across sandboxes.
+every fork on the host meanwhile: ~0.3 ms busy, ~10-20 ms idle (bench/results/sandbox.md). A child
+forked inside the cgroup is in it from birth, with no such write. So the zygote joins the pids
+cgroup once, and all of the sandbox (init, bwrap, execs) is a fork of it; the provider recycles
+zygote+cgroup pairs across sandboxes.
 
-What a sandbox is (one at a time per zygote). `start` makes the sandbox's pid namespace (owned by
-the zygote's outer user namespace, namespaces.py) with an init of ours as pid 1, then runs one bwrap
-in it that builds the other namespaces and the mounts, and keeps their fds. The init adopts every
+What a sandbox is (one at a time per zygote). `start` makes its pid namespace (owned by the outer
+user namespace, namespaces.py) with our init as pid 1, runs one bwrap in it that builds the other
+namespaces and mounts, and keeps their fds. The init adopts every
 orphan (and, SIGCHLD ignored, reaps it at once) and reads a pipe whose only writer is the zygote: at
 EOF (`stop`, or the zygote's death, however it dies) it exits, and the kernel kills every process
 of its namespace. No process inside can signal or trace it. So processes an exec starts keep
 running (a server is still there for the next exec and the verifier) until the sandbox stops, and
-nothing outlives it. A sandbox with network gets slirp4netns on its network namespace, a child of
-ours that exits at EOF on a pipe only we write to, like the init (network.py). `exec` forks a
+nothing outlives it. Its network namespace opens ports < 1024, as Docker's; with network, it gets
+slirp4netns, a child of ours ending at EOF on a pipe only we write (network.py). `exec` forks a
 child that enters the sandbox (namespaces.enter) and forks the command inside; that child stays
 outside the pid namespace, waits, and reports the command's host pid and exit status.
 
@@ -26,7 +25,7 @@ JSON request per packet with SCM_RIGHTS fds; the last fd is where the answer goe
 so the zygote never writes to the socket; a request too big for one packet comes in a memfd
 (`"memfd": true`, the fd before the answer's). Requests:
   start {bwrap, options, idmap: [rootfs, target] | null, slirp4netns: path | null}  fds [answer]:
-        {"init": pid} | {"error": log}; with slirp4netns, the sandbox's network is up first (network.py)
+        {"init": pid} (its network up first) | {"error": log}
   exec  {argv, env, cwd, ids: [uid, gid, groups], rlimits}  fds [stdin, stdout, stderr, answer]:
         {"child-pid": host pid} then {"exit-code": n} (128+N for signal N) | {"error"}
   listen {port}  fds [answer socket]: {"port": n} with the listening socket's fd (SCM_RIGHTS)
@@ -34,8 +33,8 @@ so the zygote never writes to the socket; a request too big for one packet comes
   stop {}  fds [answer]: {"stopped": bool}: true once the sandbox's init and all else in our
         cgroup is gone (only then may we serve another); the next init is made before the answer
 argv: <socket fd> <host uid> <span> <cgroup.procs path or "">, overwritten once read (with the
-python and script paths: no fork shows a host path, nsx.set_title). On EOF the zygote stops its
-sandbox, kills whatever else is left in its cgroup and exits.
+python and script paths: no fork shows a host path, nsx.set_title). On EOF it stops its sandbox,
+kills what is left in its cgroup and exits.
 """
 
 from __future__ import annotations
@@ -73,14 +72,8 @@ class Zygote:
 
     # -- helpers ---------------------------------------------------------------------------
     def own_fds(self) -> list[int]:
-        fds = [
-            self.sock.fileno(),
-            self.init_fd,
-            self.init_pipe,
-            *self.ns.values(),
-            *(self.next_init or ())[1:],
-            *(self.netstack.fds() if self.netstack else ()),
-        ]
+        fds = [self.sock.fileno(), self.init_fd, self.init_pipe, *self.ns.values()]
+        fds += [*(self.next_init or ())[1:], *(self.netstack.fds() if self.netstack else ())]
         if self.userns is not None:
             fds += [self.userns.outer, self.userns.inner]
         return [fd for fd in fds if fd >= 0]
@@ -127,6 +120,8 @@ class Zygote:
         finally:
             for fd in (status_r, block_w, log_r):
                 os.close(fd)
+        if "init" in answer:
+            network.open_low_ports(self)  # ports < 1024 in its own network namespace, as Docker
         if "init" in answer and req.get("slirp4netns"):
             try:
                 self.netstack = network.attach(self, req["slirp4netns"])
