@@ -142,6 +142,8 @@ def test_aliased_bases_are_substituted_printed_and_recorded(
 ) -> None:
     root = alias_image.rootfs
     assert (root / "opt/six-version.txt").read_text() == "1.17.0\n"  # pip install from PyPI in RUN
+    # pip is PyPI's under /usr/local, as in python:* images: upgradable (Debian's has no RECORD)
+    assert (root / "opt/pip-version.txt").read_text().startswith("pip 24.0 from /usr/local/lib/python3")
     assert os.readlink(root / "usr/local/bin/python") == "/usr/bin/python3"
     assert (root / "opt/ubuntu/uid.txt").read_text() == "1000\n"  # the image's user `ubuntu`
     assert (root / "opt/ubuntu/os.txt").read_text() == "debian-trixie\n"  # what it really is

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from miles_env.errors import ConfigError
-from miles_env.sandboxes.images.aliases import find_alias
 from miles_env.sandboxes.images.config import ImagesConfig
 from miles_env.sandboxes.images.dockerfile import parse_dockerfile
 from miles_env.sandboxes.images.errors import BaseUnavailable
@@ -122,22 +121,6 @@ def test_references_normalize_as_docker_does(text: str, full: str, familiar: str
     assert ref.full == full
     if familiar is not None:
         assert ref.familiar == familiar
-
-
-def test_alias_table_covers_the_bases_of_public_tasks_and_never_a_pinned_one() -> None:
-    for image, suite in [
-        ("ubuntu:24.04", "trixie"),
-        ("python:3.12-slim", "trixie"),
-        ("python:3.11-slim-bookworm", "bookworm"),
-        ("public.ecr.aws/docker/library/golang:1.22-bookworm", "trixie"),
-        ("gcc:13.3.0-bookworm", "trixie"),
-        ("eclipse-temurin:17-jdk-jammy", "bookworm"),
-    ]:
-        alias = find_alias(parse_ref(image))
-        assert alias is not None and alias.suite == suite, image
-    assert find_alias(parse_ref("python:3.12-slim@sha256:" + "b" * 64)) is None
-    assert find_alias(parse_ref("harbor-agents-rich:latest")) is None
-    assert find_alias(parse_ref("alpine:3.20")) is None  # not Debian: no honest substitute
 
 
 def test_a_digest_pinned_base_is_refused_by_name_with_both_remedies() -> None:

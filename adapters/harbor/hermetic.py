@@ -35,14 +35,14 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from miles_env.errors import TaskError
+from miles_env.sandboxes.images.errors import ImageError
+from miles_env.sandboxes.images.wheels import download
 
 __all__ = ["DEFAULT_UV", "VERIFY_ENV", "VerifierNeeds", "hermetic_context", "verifier_needs"]
 
@@ -191,16 +191,13 @@ def uv_binaries(version: str, cache: Path) -> Path:
     if (out / "uv").is_file() and (out / "uvx").is_file():
         return out
     with tempfile.TemporaryDirectory(prefix="miles-uv-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-               "--platform", f"manylinux_2_17_{os.uname().machine}", "-d", tmp, f"uv=={version}"]  # fmt: skip
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        wheels = list(Path(tmp).glob("uv-*.whl"))
-        if res.returncode != 0 or not wheels:
-            raise TaskError(f"uv {version}: its wheel could not be had from the package index: "
-                            f"{(res.stderr or res.stdout).strip()[-300:]}")  # fmt: skip
+        try:
+            wheel = download(f"uv=={version}", Path(tmp))
+        except ImageError as e:
+            raise TaskError(str(e)) from e
         stage = Path(tmp) / "bin"
         stage.mkdir()
-        with zipfile.ZipFile(wheels[0]) as z:
+        with zipfile.ZipFile(wheel) as z:
             for name in z.namelist():
                 if name.endswith(("/scripts/uv", "/scripts/uvx")):
                     target = stage / Path(name).name

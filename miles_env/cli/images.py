@@ -116,9 +116,11 @@ def resolve_command(
 
 @app.command("aliases")
 def aliases_command() -> None:
-    """The built-in alias table: which bases are substituted offline, by what."""
+    """The built-in alias table: which bases are substituted offline, by what (the first suite is
+    the default; a tag naming another of them, `-bookworm`, gets that one)."""
     from miles_env.sandboxes.images.aliases import ALIASES
 
     for a in ALIASES:
         pkgs = " ".join(a.packages) or "-"
-        typer.echo(f"{a.pattern:<60} debian:{a.suite:<9} {pkgs}  ({a.note})")
+        suites = "/".join([a.suite, *(s for s, _ in a.suites)])
+        typer.echo(f"{a.pattern:<60} debian:{suites:<18} {pkgs}  ({a.note})")

@@ -29,6 +29,7 @@ from miles_env.sandboxes.images.context import lock, plan_build
 from miles_env.sandboxes.images.errors import ImageError
 from miles_env.sandboxes.images.refs import ImageRef
 from miles_env.sandboxes.images.resolve import ProbeFailed, ResolvedImage, Resolver
+from miles_env.sandboxes.images.wheels import stage as stage_wheels
 
 __all__ = ["DockerBuilder", "DockerProbe"]
 
@@ -124,7 +125,9 @@ class DockerBuilder:
         if base.recipe is None:
             pulled.tag(name)
             return
-        with tempfile.TemporaryDirectory(prefix="miles-env-alias-") as ctx:
+        cache = self.config.cache()
+        with tempfile.TemporaryDirectory(prefix="miles-env-alias-", dir=cache) as ctx:
+            stage_wheels(tuple(base.wheels), Path(ctx), cache)
             (Path(ctx) / "Dockerfile").write_text(base.recipe_from(base.ref))
             self._build(Path(ctx), Path(ctx) / "Dockerfile", name, f"the substitute for {base.requested}")
 

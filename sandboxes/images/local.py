@@ -36,6 +36,7 @@ from .errors import ImageError
 from .oci import ImageConfig
 from .resolve import ResolvedImage, Resolver
 from .tools import Buildah, SkopeoProbe, log_tail
+from .wheels import stage as stage_wheels
 
 __all__ = ["LocalImage", "LocalImages"]
 
@@ -124,7 +125,9 @@ class LocalImages:
             if base.recipe is None:
                 self.buildah.run(["tag", image_id, name], f"tagging {base.requested}", timeout=60)
                 return
-            with tempfile.TemporaryDirectory(prefix="miles-env-alias-") as ctx:
+            # in the cache: its wheels' files are hard links to the cached ones (wheels.stage)
+            with tempfile.TemporaryDirectory(prefix="miles-env-alias-", dir=self.cache) as ctx:
+                stage_wheels(tuple(base.wheels), Path(ctx), self.cache)
                 df = Path(ctx) / "Dockerfile"
                 df.write_text(base.recipe_from(image_id))
                 log = self.buildah.logs / f"substitute-{name.rsplit(':', 1)[1]}.log"

@@ -56,6 +56,7 @@ class ResolvedImage:
     substituted_from: str | None = None  # set when what runs is not the image asked for
     recipe: str | None = None  # a substitute's Dockerfile (its FROM names the Debian base), built on `ref`
     note: str = ""
+    wheels: tuple[str, ...] = ()  # PyPI wheels the recipe's context holds (wheels.stage), named in the recipe
 
     @property
     def key(self) -> str:
@@ -151,6 +152,7 @@ class Resolver:
                 requested,
                 alias.recipe(f"debian:{alias.suite}"),  # names the base stably: no port in the key
                 note,
+                tuple(req for req, _folder, _dest in alias.wheels),
             )
         if ref.pinned:
             tried.append("pinned by digest: never substituted")
@@ -208,7 +210,15 @@ def _replace(
     found: ResolvedImage, requested: str, source: str, substituted_from: str | None, note: str
 ) -> ResolvedImage:
     return ResolvedImage(
-        requested, found.ref, found.digest, source, found.insecure, substituted_from, found.recipe, note
+        requested,
+        found.ref,
+        found.digest,
+        source,
+        found.insecure,
+        substituted_from,
+        found.recipe,
+        note,
+        found.wheels,
     )
 
 
