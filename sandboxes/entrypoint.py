@@ -64,9 +64,16 @@ async def start_entrypoint(sandbox: Sandbox, entrypoint: Sequence[str], ready_s:
     r = await sandbox.exec(argv, timeout=ready_s + 30)
     head, _, tail = r.stdout.strip().partition("\n")
     if r.exit_code != 0 or not head:
+        how = (
+            "timed out"
+            if r.timed_out
+            else f"killed_by_limit={r.killed_by_limit}"
+            if r.killed_by_limit
+            else ""
+        )
         raise SandboxError(
-            f"starting the image's ENTRYPOINT {shlex.join(entrypoint)} failed "
-            f"(exit {r.exit_code}): {(r.stderr or r.stdout).strip()[-500:]}"
+            f"starting the image's ENTRYPOINT {shlex.join(entrypoint)} failed (exit {r.exit_code}"
+            f"{', ' + how if how else ''}, after {r.duration_s:.1f}s): {(r.stderr or r.stdout).strip()[-500:]}"
         )
     if head.startswith("exited ") and head != "exited 0":
         raise SandboxError(
