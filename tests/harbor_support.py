@@ -308,20 +308,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev p
 RUN pip install --break-system-packages --no-cache-dir six==1.17.0
 RUN useradd -m -u 1234 -s /bin/bash agent && mkdir -p /app /var/log/app && chown agent /app /var/log/app
 COPY data/ /app/data/
-COPY start.sh /usr/local/bin/start.sh
-RUN chmod +x /usr/local/bin/start.sh
 WORKDIR /app
 USER agent
-ENTRYPOINT ["/usr/local/bin/start.sh"]
-"""
-
-# The image's ENTRYPOINT, as public tasks have them: it sets some state up, starts a service in the
-# background, then runs the command it was given (Harbor's `sh -c "sleep infinity"`).
-WORLD_ENTRYPOINT = """#!/bin/bash
-set -e
-echo "entrypoint ran as $(id -un) with $*" > /var/log/app/entrypoint.txt
-cd /app/data && python3 -m http.server 9090 >/dev/null 2>&1 &
-exec "$@"
 """
 
 # The official Terminal-Bench 2.x verifier, unchanged: it installs curl, uv and its pytest set when it runs.
@@ -369,15 +357,8 @@ _WORLD: dict[str, dict[str, str]] = {
         "/var/log/app/run.log.\n",
         "solution/solve.sh": "#!/bin/bash\nmkdir -p ~/.config/app\n"
         "python3 -c 'import six; print(six.__version__)' > ~/.config/app/six.txt\necho ran >> /var/log/app/run.log\n",
-        "tests/test_outputs.py": "import os, time, urllib.request\nfrom pathlib import Path\n\n\ndef test_home():\n"
+        "tests/test_outputs.py": "import os\nfrom pathlib import Path\n\n\ndef test_home():\n"
         "    assert os.getuid() == 1234 and str(Path.home()) == '/home/agent'\n"
-        "    assert Path('/var/log/app/entrypoint.txt').read_text() == 'entrypoint ran as agent with sh -c sleep infinity\\n'\n"
-        "    for _ in range(300):  # the service the image's ENTRYPOINT started\n"
-        "        try:\n"
-        "            body = urllib.request.urlopen('http://127.0.0.1:9090/nums.txt', timeout=5).read(); break\n"
-        "        except OSError:\n"
-        "            time.sleep(0.1)\n"
-        "    assert body == b'10 20 30\\n'\n"
         "    assert (Path.home() / '.config/app/six.txt').read_text() == '1.17.0\\n'\n"
         "    assert Path('/var/log/app/run.log').read_text() == 'ran\\n'\n",
     },
@@ -392,13 +373,12 @@ def make_world_tasks(root: Path) -> Path:
         _write(root / name, {
             "task.toml": 'version = "1.0"\n[agent]\ntimeout_sec = 120.0\n[environment]\nmemory_mb = 1024\n',
             "environment/Dockerfile": WORLD_DOCKERFILE, "environment/data/nums.txt": "10 20 30\n",
-            "environment/start.sh": WORLD_ENTRYPOINT, "tests/test.sh": STOCK_TEST_SH, **files,
+            "tests/test.sh": STOCK_TEST_SH, **files,
         })  # fmt: skip
     step_test = "from pathlib import Path\n\n\ndef test_notes():\n    assert Path('/app/notes.txt').read_text() == {!r}\n"
     _write(root / "two-steps", {
         "task.toml": '[[steps]]\nname = "first"\nmin_reward = 1.0\n[[steps]]\nname = "second"\n',
         "environment/Dockerfile": WORLD_DOCKERFILE, "environment/data/nums.txt": "10 20 30\n",
-        "environment/start.sh": WORLD_ENTRYPOINT,
         "tests/test.sh": STOCK_TEST_SH,
         "steps/first/instruction.md": "Write 'a' to /app/notes.txt.\n",
         "steps/first/solution/solve.sh": "#!/bin/bash\necho a > /app/notes.txt\n",
@@ -437,7 +417,7 @@ def make_sidecar_task(root: Path) -> Path:
         "task.toml": 'version = "1.0"\n',
         "instruction.md": "Save what http://kv:7000/ answers to /app/kv.txt.\n",
         "environment/Dockerfile": WORLD_DOCKERFILE, "environment/data/nums.txt": "10 20 30\n",
-        "environment/start.sh": WORLD_ENTRYPOINT, "environment/docker-compose.yaml": SIDECAR_COMPOSE, "environment/kv/Dockerfile": KV_SERVER,
+        "environment/docker-compose.yaml": SIDECAR_COMPOSE, "environment/kv/Dockerfile": KV_SERVER,
         "tests/test.sh": STOCK_TEST_SH,
         "solution/solve.sh": "#!/bin/bash\npython3 -c \"import urllib.request; "
         "open('/app/kv.txt', 'wb').write(urllib.request.urlopen('http://kv:7000/').read())\"\n",
