@@ -106,7 +106,7 @@ class LocalImages:
         if not meta.is_file():
             return None
         data = json.loads(meta.read_text())
-        bases = tuple(ResolvedImage(**b) for b in data["bases"])
+        bases = tuple(ResolvedImage(**{**b, "wheels": tuple(b.get("wheels") or ())}) for b in data["bases"])
         c = data["config"]
         config = ImageConfig(
             env=c["env"], user=c["user"], workdir=c["workdir"], entrypoint=tuple(c["entrypoint"])
