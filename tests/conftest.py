@@ -162,6 +162,30 @@ def engine_cluster() -> Iterator[Any]:
         yield cluster
 
 
+# -- what the session leaves on the host (tests/host_leftovers.py) ------------------------------
+_IMAGES_BEFORE = pytest.StashKey["frozenset[str] | None"]()
+
+
+def _controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput")  # an xdist worker has it; the controller does not
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if _controller(session.config):
+        from tests.host_leftovers import snapshot
+
+        session.config.stash[_IMAGES_BEFORE] = snapshot()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _controller(session.config) and _IMAGES_BEFORE in session.config.stash:
+        from tests.host_leftovers import remove_new
+
+        n = remove_new(session.config.stash[_IMAGES_BEFORE])
+        if n:
+            print(f"\n[tests] removed {n} docker images this session built")
+
+
 # -- task images: one bootstrap, one build per image per session (tests/images_support.py) ----------
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the image tests' bootstrap and builds in the background once they are selected."""

@@ -251,11 +251,12 @@ def _turns(store: Path) -> list[dict]:
 @needs_vllm
 @pytest.mark.slow
 def test_train_two_steps_on_vllm_syncs_weights(
-    portal, tmp_path: Path, vllm_engine: VLLMEngine, hf_model
+    portal, tmp_path_factory: pytest.TempPathFactory, vllm_engine: VLLMEngine, hf_model
 ) -> None:
     """`miles-env train` on a vLLM server it launches; then the module's server loads the exported
-    weights (the tests after this one restart that server with them)."""
-    run_dir = tmp_path / "run"
+    weights (the tests after this one restart that server with them: so the run lives in a
+    session directory, not in this test's `tmp_path`, which goes when the test passes)."""
+    run_dir = tmp_path_factory.mktemp("vllm-train") / "run"
     sets = [
         f"run_dir={run_dir}", "engine.kind=vllm", "engine.dtype=float32", "engine.nice=15", "trainer.steps=2",
         "rollout.group_size=2", "rollout.groups_per_step=2", "rollout.concurrency=4", "harness.max_tokens=16",

@@ -22,10 +22,11 @@ def test_ok(): pass
 
 
 def _with_our_conftest(pytester: pytest.Pytester) -> None:
-    """Our conftest and the `tests` modules its hooks import (tests/scheduling.py), as in the repo."""
+    """Our conftest and the `tests` modules its hooks import, as in the repo."""
     pytester.makeconftest(CONFTEST)
     pytester.mkpydir("tests")
-    (pytester.path / "tests" / "scheduling.py").write_text((HERE / "scheduling.py").read_text())
+    for hooks_import in ("scheduling.py", "host_leftovers.py"):
+        (pytester.path / "tests" / hooks_import).write_text((HERE / hooks_import).read_text())
 
 
 @pytest.mark.parametrize("ci", ["true", ""])
