@@ -428,6 +428,21 @@ async def test_a_dead_zygote_is_replaced(provider):
         assert (await sb.exec("echo fine")).stdout == "fine\n"
 
 
+async def test_an_exec_the_zygote_never_started_is_a_sandbox_error():
+    """The exec's status pipe ends without a word: the zygote died with the request queued in its
+    socket (a process still held the socket's other end, so the send did not fail). That is the
+    sandbox lost, not the command killed: it was read as exit 137 once (test_a_dead_zygote_is_
+    replaced failed in a CI run here), an end the policy would have been trained on."""
+    from miles_env.sandboxes.local.forkserver import ZygoteChild
+
+    status_r, status_w = os.pipe()
+    os.set_blocking(status_r, False)
+    os.close(status_w)
+    child = ZygoteChild(-1, -1, -1, status_r, list)
+    assert await child.wait() == 126 and child.error is not None and "zygote is gone" in child.error
+    os.close(status_r)
+
+
 async def test_without_cgroup_the_same_results(tmp_path):
     provider = LocalSandboxProvider(LocalSandboxConfig(root_dir=str(tmp_path / "s"), use_cgroup=False))
     async with await provider.create(SandboxSpec()) as sb:

@@ -139,6 +139,10 @@ class ZygoteChild:
             elif "error" in msg:
                 self.error = str(msg["error"])
         if lines.eof and self.returncode is None:
+            if self.pid is None and self.error is None:
+                # Not a word: the request sat in the socket when the zygote died, and went with it.
+                # Exit 137 here (as before) read as the command killed, i.e. the policy's own end.
+                self.error = "the sandbox's zygote is gone: the exec was never started"
             self.returncode = 128 + signal.SIGKILL if self.error is None else 126
 
     def kill(self) -> None:
