@@ -170,10 +170,14 @@ def _controller(config: pytest.Config) -> bool:
     return not hasattr(config, "workerinput")  # an xdist worker has it; the controller does not
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist starts its workers (trylast), so they inherit the owner
 def pytest_sessionstart(session: pytest.Session) -> None:
-    if _controller(session.config):
+    # Only the outermost session: a pytester run inside it (test_no_silent_skips) inherits this
+    # variable and must not remove the images a sibling worker builds meanwhile.
+    if _controller(session.config) and not os.environ.get("MILES_ENV_TEST_IMAGES_OWNER"):
         from tests.host_leftovers import snapshot
 
+        os.environ["MILES_ENV_TEST_IMAGES_OWNER"] = str(os.getpid())
         session.config.stash[_IMAGES_BEFORE] = snapshot()
 
 
