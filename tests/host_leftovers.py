@@ -48,12 +48,17 @@ def snapshot() -> frozenset[str] | None:
     return None if images is None else frozenset(images)
 
 
+def ours_since(before: frozenset[str], after: dict[str, list[str]]) -> list[str]:
+    """The ids in `after` that are not in `before` and whose every name is ours."""
+    return [i for i, names in after.items() if i not in before and all(_OURS.match(n) for n in names)]
+
+
 def remove_new(before: frozenset[str] | None) -> int:
     """Remove the images that are not in `before` and are ours by every name; return how many."""
     after = _images() if before is not None else None
     if after is None or before is None:
         return 0
-    new = [i for i, names in after.items() if i not in before and all(_OURS.match(n) for n in names)]
+    new = ours_since(before, after)
     removed: set[str] = set()
     for _ in range(2):  # a second pass for a base whose child image went in the first
         for image_id in new:
