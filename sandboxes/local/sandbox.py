@@ -46,7 +46,7 @@ from .cgroup import PidsCgroup
 from .forkserver import Zygote, ZygoteChild, all_pids, rlimits
 from .paths import safe_read, safe_write, split_inner_path
 from .process import collect
-from .sidecars import Sidecar, add_host, sidecar_spec
+from .sidecars import Sidecar, add_host, share_owner, sidecar_spec
 from .storage import Storage
 from .users import ExecUser
 
@@ -227,6 +227,7 @@ class LocalSandbox:
             await sandbox.close()
             raise
         self._sidecars.append(sidecar)  # before the wait: one that never gets healthy goes at close
+        share_owner(self.host_dir, sandbox.host_dir)
         add_host(self.storage.path("run", "hosts"), name)
         add_host(sandbox.storage.path("run", "hosts"), name)
         await sidecar.wait_healthy(healthcheck, timeout)

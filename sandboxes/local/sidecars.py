@@ -17,7 +17,7 @@ healthcheck is waited on as docker's (sandboxes/health.py).
 Invariants: nothing of the task sandbox is in a sidecar but the network namespace (it cannot see
 the task's files or processes, nor they its); a sidecar is closed before its task sandbox, with
 everything it started and its files, and like any local sandbox nothing of it outlives a killed
-run (its zygote stops it at EOF). Root only: without root, another sandbox's network namespace
+run (its zygote stops it at EOF); it carries its task sandbox's ownership labels for the reaper. Root only: without root, another sandbox's network namespace
 cannot be joined (the provider says so).
 """
 
@@ -39,7 +39,7 @@ from ..health import wait_healthy
 from ..images.oci import ImageConfig
 from .forkserver import ZygoteChild
 
-__all__ = ["Sidecar", "add_host", "sidecar_argv", "sidecar_spec"]
+__all__ = ["Sidecar", "add_host", "share_owner", "sidecar_argv", "sidecar_spec"]
 
 WORKDIR = "/.miles-env-work"  # a sidecar has no task workspace; its image's files stay as they are
 LOG = "/tmp/.miles-env-sidecar.log"
@@ -91,6 +91,14 @@ def sidecar_argv(name: str, config: ImageConfig | None, command: list[str] | str
     if not argv:
         raise SandboxError(f"sidecar {name!r}: its image has no ENTRYPOINT or CMD and its service no command")
     return ["/bin/sh", "-c", f'exec "$@" </dev/null >>{LOG} 2>&1', "miles-env-sidecar", *argv]
+
+
+def share_owner(main_dir: Path, sidecar_dir: Path) -> None:
+    """The task sandbox's ownership labels (the pool's owner.json), so the reaper judges a sidecar
+    by its task sandbox's owner and TTL, as docker's carries its container's labels."""
+    owner = main_dir / "owner.json"
+    if owner.is_file():
+        (sidecar_dir / "owner.json").write_bytes(owner.read_bytes())
 
 
 def add_host(hosts: Path, name: str) -> None:
