@@ -11,6 +11,7 @@ import pytest
 
 from miles_env.adapters.harbor import HarborTasksEnvironment
 from miles_env.adapters.harbor.hermetic import verifier_needs
+from miles_env.errors import TaskError
 from miles_env.oracle import run_solution
 from miles_env.types import NetworkPolicy
 from miles_env.validate import validate_env
@@ -214,8 +215,16 @@ def test_compose_sidecars_are_refused_by_name_where_they_cannot_run(tmp_path: Pa
         "api", str(d / "environment" / "api"), {"MODE": "test"}, ["CMD", "true"],
     )  # fmt: skip
     assert (db.name, db.image, db.build) == ("db", "redis:7", None)
-    res = _oracle(HarborTasksEnvironment(d))
-    assert "runs sidecar services (api, db)" in (res.error or "") and "use the docker provider" in res.error
+    env = HarborTasksEnvironment(d)
+    (task,) = env.tasks("test")
+
+    class CloudSandbox:  # no start_sidecar: e2b's, daytona's, modal's (local and docker run them)
+        pass
+
+    with pytest.raises(
+        TaskError, match=r"runs sidecar services \(api, db\), which this sandbox \(CloudSandbox\)"
+    ):
+        anyio.run(env.setup, task, CloudSandbox())
 
 
 def test_the_hermetic_layer_wraps_the_tasks_dockerfile(tmp_path: Path) -> None:

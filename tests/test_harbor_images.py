@@ -9,14 +9,19 @@ four tasks share one environment, so each provider builds one image for all of t
 validate` must pass: oracle 1, do-nothing 0, three equal verifies, for every task.
 
 One end-to-end test per provider (each builds its image once, the bulk of its time); the
-sidecar test reuses the docker build and adds a tiny sidecar image.
+sidecar tests reuse each provider's build and add a tiny sidecar image. On local, one more test
+runs a python http server as a sidecar beside a plain sandbox: reached by its service name, apart
+from the task sandbox but for the network, and gone (processes and files) once it is closed.
 """
 
 from __future__ import annotations
 
+import subprocess
+import uuid
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from miles_env.validate import validate_env
@@ -56,3 +61,54 @@ def test_a_compose_sidecar_is_reached_by_its_name_on_docker(
     tmp_path: Path, world: Path, docker_engine: str
 ) -> None:
     _passes(make_sidecar_task(tmp_path), "docker")
+
+
+def test_a_compose_sidecar_is_reached_by_its_name_on_local(tmp_path: Path, world: Path) -> None:
+    _passes(make_sidecar_task(tmp_path), "local")
+
+
+def _procs(tag: str) -> list[str]:
+    return subprocess.run(["pgrep", "-af", tag], capture_output=True, text=True).stdout.splitlines()
+
+
+def test_a_local_sidecar_shares_only_the_network_and_goes_with_its_sandbox(
+    tmp_path: Path, image_bases: Any
+) -> None:
+    from miles_env.errors import SandboxError
+    from miles_env.sandboxes.local import LocalSandboxProvider
+    from miles_env.sandboxes.local.config import LocalSandboxConfig
+    from miles_env.types import SandboxSpec
+    from tests.images_support import images_config
+
+    tag = f"sidecar-{uuid.uuid4().hex[:8]}"
+    server = (
+        "import http.server as h; h.ThreadingHTTPServer(('127.0.0.1', 8000), h.SimpleHTTPRequestHandler)"
+        f".serve_forever()  # {tag}"
+    )
+    probe = "import socket; socket.create_connection(('localhost', 8000), timeout=2)"
+    get = "import urllib.request as u; print(u.urlopen('http://web:8000/').status)"
+    root = tmp_path / "sandboxes"
+
+    async def main() -> tuple[str, list[str], int, str]:
+        provider = LocalSandboxProvider(LocalSandboxConfig(root_dir=str(root), images=images_config()))
+        try:
+            async with await provider.create(SandboxSpec()) as sb:
+                await sb.start_sidecar(
+                    "web", image="python:3.12-slim", command=["python3", "-c", server],
+                    healthcheck=["CMD", "python3", "-c", probe], env={"TAG": tag},
+                )  # fmt: skip
+                bad = "sh -c 'echo boom; exit 3'"  # a string: split as compose splits it
+                with pytest.raises(SandboxError, match=r"sidecar 'bad' exited \(3\): boom"):
+                    await sb.start_sidecar("bad", image="python:3.12-slim", command=bad, healthcheck="false")
+                every_cmdline = "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done"
+                r = await sb.exec(f"python3 -c {get!r} && {every_cmdline}")
+                running, dirs = _procs(tag), len(list(root.iterdir()))
+            return r.stdout, running, dirs, r.stderr
+        finally:
+            await provider.aclose()
+
+    out, running, dirs, err = anyio.run(main)
+    assert out.splitlines()[0] == "200", (out, err)  # by its name, through the shared loopback
+    assert tag not in out  # its processes are not in the task sandbox's pid namespace
+    assert len(running) == 1 and dirs == 3  # the task sandbox, the sidecar, the failed one (until close)
+    assert _procs(tag) == [] and list(root.iterdir()) == []  # closed with it: processes and files

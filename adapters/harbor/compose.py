@@ -4,8 +4,8 @@ Concept: Harbor merges the task's compose file over its own, where service `main
 container (built from environment/Dockerfile); every other service is a sidecar the task needs
 running (a database, an API server the solution talks to by its service name). `sidecars(dir)`
 reads them: name, image or build context (relative to the compose file), environment, command,
-healthcheck. A sandbox that can run sidecars (`miles_env.sandbox.RunsSidecars`, the docker
-provider) starts them in the task container's network namespace, each name resolving to it;
+healthcheck. A sandbox that can run sidecars (`miles_env.sandbox.RunsSidecars`: the docker
+and local providers) starts them in the task container's network namespace, each name resolving to it;
 others refuse the task by name, before any step runs.
 
 Invariant: reading is pure; a malformed file is a TaskError naming it and the service.

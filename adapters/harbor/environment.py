@@ -141,7 +141,7 @@ class HarborTasksEnvironment(Environment):
             names = ", ".join(s.name for s in services)
             raise TaskError(
                 f"task {task.id!r}: environment/docker-compose.yaml runs sidecar services ({names}), which "
-                f"this sandbox ({type(sandbox).__name__}) cannot run beside it; use the docker provider"
+                f"this sandbox ({type(sandbox).__name__}) cannot run beside it; use the local or docker provider"
             )
         for s in services:
             assert isinstance(sandbox, RunsSidecars)

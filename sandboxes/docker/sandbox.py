@@ -264,19 +264,19 @@ class DockerSandbox:
         timeout: float = 120.0,
     ) -> None:
         """RunsSidecars: a container in this one's network namespace, `name` resolving to it here."""
-        from .sidecars import run_sidecar
+        from .sidecars import run_sidecar, wait_sidecar
 
         def start() -> str:
             return run_sidecar(
                 self._provider.client, self._provider.builder, self.container_id, name, image=image,
                 build=build, dockerfile=dockerfile, env=env or {}, command=command,
-                healthcheck=healthcheck, timeout=timeout,
             )  # fmt: skip
 
         cid = await anyio.to_thread.run_sync(start)
-        self._sidecars.append(cid)
+        self._sidecars.append(cid)  # before the wait: one that never gets healthy is removed at close
         # Its own layer is never capped by the engine (no storage_opt): bounded as ours would be.
         self._provider.watchdog.watch(cid, self.spec.resources.disk_mb, owner=self.container_id)
+        await wait_sidecar(self._api, cid, name, healthcheck, timeout)
 
     async def close(self) -> None:
         if self._closed:

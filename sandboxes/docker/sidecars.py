@@ -6,7 +6,8 @@ alias) that shares the sandbox container's network namespace, so it has the sand
 policy (none by default: the two talk over loopback, nothing else); its name resolves to
 127.0.0.1 in the sandbox (a line in the container's hosts file, written from the host side).
 A healthcheck (compose's `test`: ["CMD", ...], ["CMD-SHELL", "..."] or a string) is polled
-until it passes; without one the sidecar need only be running.
+until it passes (sandboxes/health.py, shared with the local provider); without one the sidecar
+need only be running.
 
 Invariant: a sidecar carries the sandbox's ownership labels (the reaper removes it with them)
 and is removed before the sandbox's own container; the same memory and process limits apply.
@@ -15,29 +16,18 @@ and is removed before the sandbox's own container; the same memory and process l
 from __future__ import annotations
 
 import tempfile
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import anyio
 import docker.errors
 
 from miles_env.errors import SandboxError
 
-__all__ = ["health_argv", "run_sidecar"]
+from ..health import wait_healthy
 
-
-def health_argv(test: list[str] | str | None) -> list[str] | None:
-    """compose healthcheck `test` -> an exec argv (None: no check)."""
-    if test is None or test == ["NONE"]:
-        return None
-    if isinstance(test, str):
-        return ["sh", "-c", test]
-    if test[:1] == ["CMD"]:
-        return list(test[1:])
-    if test[:1] == ["CMD-SHELL"]:
-        return ["sh", "-c", " ".join(test[1:])]
-    return list(test)
+__all__ = ["run_sidecar", "wait_sidecar"]
 
 
 def _image(builder: Any, image: str | None, build: str | None, dockerfile: str | None) -> str:
@@ -54,30 +44,38 @@ def _image(builder: Any, image: str | None, build: str | None, dockerfile: str |
     return str(tag)
 
 
-def _wait_healthy(api: Any, cid: str, argv: list[str] | None, name: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    last = ""
-    while time.monotonic() < deadline:
+async def wait_sidecar(
+    api: Any, cid: str, name: str, healthcheck: list[str] | str | None, timeout: float
+) -> None:
+    """Until sidecar container `cid` is healthy (sandboxes/health.py), its probes run in threads."""
+
+    def exited() -> str | None:
         state = api.inspect_container(cid)["State"]
-        if not state.get("Running"):
-            logs = api.logs(cid, tail=20).decode(errors="replace").strip()
-            raise SandboxError(f"sidecar {name!r} exited ({state.get('ExitCode')}): {logs[-500:]}")
-        if argv is None:
-            return
+        if state.get("Running"):
+            return None
+        logs = api.logs(cid, tail=20).decode(errors="replace").strip()
+        return f"({state.get('ExitCode')}): {logs[-500:]}"
+
+    def check(argv: list[str]) -> tuple[bool, str]:
         ex = api.exec_create(cid, argv)
-        last = api.exec_start(ex["Id"]).decode(errors="replace").strip()
-        if api.exec_inspect(ex["Id"])["ExitCode"] == 0:
-            return
-        time.sleep(1.0)
-    raise SandboxError(f"sidecar {name!r}: not healthy after {timeout:g}s (last check: {last[-300:]!r})")
+        out = api.exec_start(ex["Id"]).decode(errors="replace").strip()
+        return api.exec_inspect(ex["Id"])["ExitCode"] == 0, out
+
+    async def exited_async() -> str | None:
+        return await anyio.to_thread.run_sync(exited)
+
+    async def check_async(argv: list[str]) -> tuple[bool, str]:
+        return await anyio.to_thread.run_sync(check, argv)
+
+    await wait_healthy(name, healthcheck, exited=exited_async, check=check_async, timeout=timeout)
 
 
 def run_sidecar(
     client: Any, builder: Any, main_id: str, name: str, *, image: str | None, build: str | None,
     dockerfile: str | None, env: Mapping[str, str], command: list[str] | str | None,
-    healthcheck: list[str] | str | None, timeout: float,
 ) -> str:  # fmt: skip
-    """Start sidecar `name` in container `main_id`'s network namespace; its container id (blocking)."""
+    """Start sidecar `name` in container `main_id`'s network namespace; its container id (blocking;
+    `wait_sidecar` then waits for its healthcheck)."""
     api = client.api
     main = api.inspect_container(main_id)
     host = main["HostConfig"]
@@ -96,5 +94,4 @@ def run_sidecar(
     if hosts:
         with open(hosts, "a") as f:  # the engine's file for this container, on this host
             f.write(f"127.0.0.1\t{name}\n")
-    _wait_healthy(api, c.id, health_argv(healthcheck), name, timeout)
     return str(c.id)

@@ -2,9 +2,9 @@
 
 Concept: `LocalImages.get(spec)` turns a SandboxSpec's `build` (a Docker build context) or
 `image` (a reference) into a `LocalImage`: a directory holding the image's files, exactly as the
-image has them (owners, modes, links), and its ImageConfig (Env, User, WorkingDir). The build is
-the task author's: bases pulled (resolve.py), RUN steps with network (a private bridge by
-default), as `docker build` does. Layout under `<images cache>`:
+image has them (owners, modes, links), and its ImageConfig (Env, User, WorkingDir, Entrypoint,
+Cmd). The build is the task author's: bases pulled (resolve.py), RUN steps with network (a private
+bridge by default), as `docker build` does. Layout under `<images cache>`:
     rootfs/<key>/root/        the image's files (device nodes removed: a sandbox brings its own /dev;
                               /dev, /proc, /sys, /tmp made where missing, as a container runtime does)
     rootfs/<key>/image.json   its ImageConfig, bases and key; written last, so its presence means done
@@ -65,7 +65,7 @@ def _base_name(base: ResolvedImage) -> str:
 class LocalImages:
     """One per provider: resolves through skopeo, builds with buildah, keeps what it resolved."""
 
-    builder_id = "buildah-2"  # part of every build's key: bumped when what an unpacked image keeps changes
+    builder_id = "buildah-3"  # part of every build's key: bumped when what an unpacked image keeps changes
 
     def __init__(self, config: ImagesConfig | None = None) -> None:
         self.config = config or ImagesConfig()
@@ -109,7 +109,11 @@ class LocalImages:
         bases = tuple(ResolvedImage(**{**b, "wheels": tuple(b.get("wheels") or ())}) for b in data["bases"])
         c = data["config"]
         config = ImageConfig(
-            env=c["env"], user=c["user"], workdir=c["workdir"], entrypoint=tuple(c["entrypoint"])
+            env=c["env"],
+            user=c["user"],
+            workdir=c["workdir"],
+            entrypoint=tuple(c["entrypoint"]),
+            cmd=tuple(c["cmd"]),
         )
         return LocalImage(key, self._dir(key) / "root", config, bases, built=False)
 
@@ -166,6 +170,7 @@ class LocalImages:
                 "user": config.user,
                 "workdir": config.workdir,
                 "entrypoint": list(config.entrypoint),
+                "cmd": list(config.cmd),
             },
             "bases": [{f: getattr(b, f) for f in ResolvedImage.__slots__} for b in plan.bases],
         }

@@ -5,8 +5,9 @@ Concept: a container runs each `docker exec` with the image's `Env` (PATH includ
 caller sets them. `ImageConfig.from_oci` reads the `config` object of an OCI image config
 (the image-spec's `config.json`, or `docker image inspect`'s `.Config`); missing fields stay
 None / empty, meaning "the provider's default". `entrypoint` is the image's ENTRYPOINT, which a
-sandbox starts as Harbor's `docker compose up` does (entrypoint.py); CMD is never run (Harbor
-replaces it with `sh -c "sleep infinity"`).
+sandbox starts as Harbor's `docker compose up` does (entrypoint.py); a task's CMD is never run
+(Harbor replaces it with `sh -c "sleep infinity"`), a compose sidecar's is, unless its service
+gives a `command` (sandboxes/local/sidecars.py).
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ class ImageConfig:
     user: str | None = None  # "name", "uid", "uid:gid" or "name:group", as in USER
     workdir: str | None = None  # WORKDIR (absolute)
     entrypoint: tuple[str, ...] = ()  # ENTRYPOINT (exec form; a shell form is ["/bin/sh", "-c", ...])
+    cmd: tuple[str, ...] = ()  # CMD, in the same forms
 
     @classmethod
     def from_oci(cls, config: Mapping[str, Any] | None) -> ImageConfig:
-        """From an OCI config's `config` object (`Env` as "K=V" strings, `User`, `WorkingDir`)."""
+        """From an OCI config's `config` object (`Env` as "K=V" strings, `User`, `WorkingDir`,
+        `Entrypoint`, `Cmd`)."""
         config = config or {}
         env: dict[str, str] = {}
         for item in config.get("Env") or []:
@@ -39,4 +42,5 @@ class ImageConfig:
             user=config.get("User") or None,
             workdir=config.get("WorkingDir") or None,
             entrypoint=tuple(str(a) for a in config.get("Entrypoint") or ()),
+            cmd=tuple(str(a) for a in config.get("Cmd") or ()),
         )

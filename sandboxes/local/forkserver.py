@@ -5,7 +5,7 @@ writes its own pid into the cgroup (the one join), over a SOCK_SEQPACKET pair; t
 the host ids `ids` (uid, span) for every sandbox it runs. `await start(...)` makes its sandbox;
 `spawn(...)` sends an exec and returns at once a ZygoteChild (our ends of its pipes; its host
 pid and exit status arrive on the status pipe, so no reply is awaited before it runs);
-`await listen(port)`, `await mount(...)`, `await stop()`; `close()` (sync) closes the socket, on
+`await listen(port)`, `await netns()`, `await mount(...)`, `await stop()`; `close()` (sync) closes the socket, on
 which the zygote stops its sandbox and exits, and reaps it. Every answer comes on a pipe made
 for that request and is awaited with anyio.wait_readable, so no call blocks the event loop.
 """
@@ -159,6 +159,12 @@ class ZygoteChild:
     def poll(self) -> int | None:
         return self.returncode
 
+    def exited(self) -> int | None:
+        """Its exit status if it has ended (reads what the status pipe has so far), else None."""
+        if self.returncode is None:
+            self._read_status()
+        return self.returncode
+
     async def wait(self) -> int:
         self._read_status()
         while self.returncode is None:
@@ -227,18 +233,25 @@ class Zygote:
         return got
 
     async def start(
-        self, bwrap: str, options: list[str], idmap: tuple[str, str] | None, slirp4netns: str | None = None
+        self,
+        bwrap: str,
+        options: list[str],
+        idmap: tuple[str, str] | None,
+        slirp4netns: str | None = None,
+        netns: int | None = None,
     ) -> int:
-        """Make the sandbox (with `slirp4netns`: and its network, network.py); its init's host pid.
-        A failure raises with bwrap's (or slirp4netns's) own words."""
+        """Make the sandbox (with `slirp4netns`: and its network, network.py; with `netns`, an fd
+        closed here: in that network namespace, another sandbox's, instead of a new one); its
+        init's host pid. A failure raises with bwrap's (or slirp4netns's) own words."""
         request = {
             "op": "start",
             "bwrap": bwrap,
             "options": options,
             "idmap": idmap,
             "slirp4netns": slirp4netns,
+            "netns": netns is not None,
         }
-        got = await self._ask(request)
+        got = await self._ask(request, [] if netns is None else [netns])
         if "init" not in got:
             raise SandboxError(f"starting the sandbox: {got.get('error')}")
         return int(got["init"])
@@ -288,6 +301,22 @@ class Zygote:
         if not fds:
             raise SandboxError(f"expose: no listening socket in the sandbox: {got.get('error')}")
         return socket.socket(fileno=fds[0]), int(got["port"])
+
+    async def netns(self) -> int:
+        """An fd of the running sandbox's network namespace (the caller closes it): for a sidecar."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with ours:
+            ours.setblocking(False)
+            try:
+                self._send({"op": "netns"}, [theirs.fileno()])
+            finally:
+                theirs.close()
+            await anyio.wait_readable(ours)
+            msg, fds, _, _ = socket.recv_fds(ours, 4096, 1)
+        if not fds:
+            got = json.loads(msg) if msg else {"error": "no answer"}
+            raise SandboxError(f"the sandbox's network namespace: {got.get('error')}")
+        return fds[0]
 
     async def mount(self, source: str, target: str) -> None:
         got = await self._ask({"op": "mount", "source": source, "target": target})

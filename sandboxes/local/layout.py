@@ -112,9 +112,13 @@ def _root(spec: SandboxSpec, storage: Storage, config: LocalSandboxConfig) -> li
     return args
 
 
-def options(spec: SandboxSpec, storage: Storage, config: LocalSandboxConfig) -> list[str]:
-    """bwrap's options for the sandbox's namespaces and mounts (no user namespace flags, no command)."""
-    args = ["--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+def options(
+    spec: SandboxSpec, storage: Storage, config: LocalSandboxConfig, *, own_net: bool = True
+) -> list[str]:
+    """bwrap's options for the sandbox's namespaces and mounts (no user namespace flags, no command).
+    `own_net=False`: a sidecar's, in the network namespace the zygote puts bwrap in (sidecars.py)."""
+    args = ["--unshare-net"] if own_net else []
+    args += ["--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     args += ["--assert-userns-disabled", "--cap-drop", "ALL", "--uid", "0", "--gid", "0"]
     args += ["--hostname", config.hostname, *_root(spec, storage, config)]
     args += ["--bind", str(storage.path("work")), spec.workdir, "--bind", str(storage.path("tmp")), "/tmp"]

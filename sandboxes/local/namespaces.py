@@ -281,15 +281,22 @@ def make_userns(uid: int, span: int) -> Userns:
     return Userns(outer, inner, uid, span)
 
 
-def enter(userns: Userns, ns: dict[str, int]) -> None:
-    """Join a running sandbox (the namespaces' fds in `ns`); the caller forks next (pid namespace)."""
+def enter(userns: Userns, ns: dict[str, int], *, foreign_net: bool = False) -> None:
+    """Join a running sandbox (the namespaces' fds in `ns`); the caller forks next (pid namespace).
+    `foreign_net`: its network namespace is another sandbox's (a sidecar's, sandboxes/local/
+    sidecars.py), owned by a user namespace that is not `userns.outer`: joined first, as host root
+    (the only one allowed to), before the uid change."""
+    skip: tuple[str, ...] = ()
+    if foreign_net:
+        join(ns["net"], CLONE_NEWNET, "net (shared)")
+        skip = ("net",)
     if os.geteuid() == 0:
         os.setgroups([])
         os.setresgid(userns.uid, userns.uid, userns.uid)
         os.setresuid(userns.uid, userns.uid, userns.uid)
     join(userns.outer, CLONE_NEWUSER, "user")
     for name, flag in SANDBOX_NS:
-        if name in ns:
+        if name in ns and name not in skip:
             join(ns[name], flag, name)
     join(userns.inner, CLONE_NEWUSER, "user (inner)")
 

@@ -10,6 +10,10 @@ slirp4netns to its network namespace, network.py), then place spec.files and sta
 ENTRYPOINT as Harbor's `docker compose up` would (entrypoint.py). If any step fails, whatever was
 made is removed before the error propagates.
 
+Sidecars (a task's compose services, sidecars.py): `LocalSandbox.start_sidecar` has the provider
+make another sandbox the same way, of the service's image, whose zygote joins the task sandbox's
+network namespace instead of making one (root only); it starts no ENTRYPOINT of its own.
+
 Network: `none` (the default) is a network namespace with only `lo`; `public` adds slirp4netns's
 `eth0`: outbound TCP/UDP/DNS, never the host's loopback; `host` (the host's own network namespace,
 its 127.0.0.1 services included) is refused: no sandbox of ours shares it.
@@ -164,6 +168,19 @@ class LocalSandboxProvider:
     async def create(self, spec: SandboxSpec) -> LocalSandbox:
         if not isinstance(spec, SandboxSpec):
             raise ConfigError(f"create(spec): expected a SandboxSpec, got {type(spec).__name__}")
+        return await self._create(spec)
+
+    async def _sidecar(self, spec: SandboxSpec, beside: Zygote) -> LocalSandbox:
+        """A sandbox in the network namespace of `beside`'s running sandbox, its image's ENTRYPOINT
+        not started: a compose sidecar's (sidecars.py starts its command)."""
+        if self.mount_dir is None:
+            raise SandboxError(
+                "compose sidecars on the local provider need root (joining another sandbox's network "
+                "namespace does); run as root or use the docker provider"
+            )
+        return await self._create(spec, beside=beside)
+
+    async def _create(self, spec: SandboxSpec, beside: Zygote | None = None) -> LocalSandbox:
         built: LocalImage | None = None
         if spec.rootfs is None and (spec.build is not None or spec.image is not None):
             # The task's image, built and unpacked once per content hash (sandboxes/images/local.py):
@@ -172,7 +189,8 @@ class LocalSandboxProvider:
             built = await anyio.to_thread.run_sync(self._images.get, spec)
             spec = spec.model_copy(update={"rootfs": str(built.rootfs)})
         self._validate(spec)
-        slirp = find_slirp4netns(self.config.slirp4netns) if spec.network is NetworkPolicy.PUBLIC else None
+        public = spec.network is NetworkPolicy.PUBLIC and beside is None  # a sidecar has its sandbox's
+        slirp = find_slirp4netns(self.config.slirp4netns) if public else None
         image = built.config if built is not None else self.image_config(spec)
         sandbox_id = secrets.token_hex(6)
         host_dir = self.root / sandbox_id
@@ -185,8 +203,9 @@ class LocalSandboxProvider:
             host_dir.mkdir(mode=0o700)
             storage = self._storage(host_dir, zygote, spec)
             idmap = (spec.rootfs, str(storage.path("lower"))) if spec.rootfs and storage.ids else None
-            options = layout.options(spec, storage, self.config)
-            init_pid = await zygote.start(self.bwrap, options, idmap, slirp)
+            options = layout.options(spec, storage, self.config, own_net=beside is None)
+            netns = await beside.netns() if beside is not None else None
+            init_pid = await zygote.start(self.bwrap, options, idmap, slirp, netns)
         except BaseException as e:
             if storage is not None:
                 storage.remove()
@@ -206,13 +225,15 @@ class LocalSandboxProvider:
             user=user,
             on_close=self._give_back,
             init_pid=init_pid,
+            make_sidecar=self._sidecar,
         )
         if built is not None:  # the bases it was built on (recorded in the episode's metadata)
             sandbox.image_bases = built.bases
         try:
             for path, text in spec.files.items():
                 await sandbox.write_file(path, text)
-            if image is not None and image.entrypoint:  # as `docker compose up` starts it (entrypoint.py)
+            # As `docker compose up` starts it (entrypoint.py); a sidecar runs its own command.
+            if image is not None and image.entrypoint and beside is None:
                 await start_entrypoint(sandbox, image.entrypoint)
         except BaseException as e:
             await sandbox.close()

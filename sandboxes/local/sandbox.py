@@ -9,7 +9,8 @@ is still there for the next exec and the verifier, a port bound in one exec answ
 (one network namespace: only `lo`, and with network `public` slirp4netns's `eth0`), and files
 persist. The image's environment applies to every exec unless the caller sets a key
 (execargs.py): its ENV and PATH, its user (users.py) and that user's HOME, its WORKDIR as the
-default cwd.
+default cwd. Compose sidecars (sidecars.py) are sandboxes of their own in this one's network
+namespace, closed before it.
 
 Invariants: nothing inside reaches the network unless the spec asks for `public`: then outbound
 TCP/UDP/DNS through slirp4netns, never the host's loopback (network.py); either way the host's
@@ -28,7 +29,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import anyio
 
@@ -45,6 +46,7 @@ from .cgroup import PidsCgroup
 from .forkserver import Zygote, ZygoteChild, all_pids, rlimits
 from .paths import safe_read, safe_write, split_inner_path
 from .process import collect
+from .sidecars import Sidecar, add_host, share_owner, sidecar_spec
 from .storage import Storage
 from .users import ExecUser
 
@@ -70,6 +72,7 @@ class LocalSandbox:
         user: ExecUser | None = None,
         on_close: Callable[[Zygote, PidsCgroup | None, bool], None] | None = None,
         init_pid: int = 0,
+        make_sidecar: Callable[[SandboxSpec, Zygote], Awaitable[LocalSandbox]] | None = None,
     ) -> None:
         self.id = sandbox_id
         self.workdir = spec.workdir
@@ -85,6 +88,8 @@ class LocalSandbox:
         self._closed = False
         self._pending_mounts: list[tuple[str, str]] = []
         self._bridge: Bridge | None = None  # made by the first expose()
+        self._make_sidecar = make_sidecar  # the provider's: a sandbox in our network namespace
+        self._sidecars: list[Sidecar] = []  # closed before us
         self.init_pid = init_pid  # host pid of the sandbox's init (pid 1 inside)
         self.mounts = {spec.workdir: str(storage.path("work")), "/tmp": str(storage.path("tmp"))}
         self.mounts_ro: dict[str, str] = {}  # inner path -> host path, added by mount_ro()
@@ -196,6 +201,37 @@ class LocalSandbox:
         self._bridge = self._bridge or Bridge(self._zygote)
         return await self._bridge.expose(url)
 
+    # -- sidecars -----------------------------------------------------------------------
+    async def start_sidecar(
+        self,
+        name: str,
+        *,
+        image: str | None = None,
+        build: str | None = None,
+        dockerfile: str | None = None,
+        env: Mapping[str, str] | None = None,
+        command: list[str] | str | None = None,
+        healthcheck: list[str] | str | None = None,
+        timeout: float = 120.0,
+    ) -> None:
+        """RunsSidecars: a sandbox of its own image in our network namespace, `name` resolving to
+        it here; returns once it is healthy (sidecars.py)."""
+        self._check_open()
+        if self._make_sidecar is None:
+            raise SandboxError(f"sandbox {self.id}: made without a provider that runs sidecars")
+        spec = sidecar_spec(self.spec, name, image, build, dockerfile, env)
+        sandbox = await self._make_sidecar(spec, self._zygote)
+        try:
+            sidecar = Sidecar.start(name, sandbox, command)
+        except BaseException:
+            await sandbox.close()
+            raise
+        self._sidecars.append(sidecar)  # before the wait: one that never gets healthy goes at close
+        share_owner(self.host_dir, sandbox.host_dir)
+        add_host(self.storage.path("run", "hosts"), name)
+        add_host(sandbox.storage.path("run", "hosts"), name)
+        await sidecar.wait_healthy(healthcheck, timeout)
+
     # -- lifecycle ----------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
@@ -206,6 +242,12 @@ class LocalSandbox:
             return
         self._closed = True
         with anyio.CancelScope(shield=True):
+            failed: list[Exception] = []
+            for sidecar in self._sidecars:  # first, as docker removes them before the task container
+                try:
+                    await sidecar.close()
+                except Exception as e:  # noqa: BLE001 - re-raised once we are closed too
+                    failed.append(e)
             stopped = False
             with anyio.move_on_after(20):
                 stopped = await self._stop()
@@ -214,6 +256,8 @@ class LocalSandbox:
             if self._on_close is not None:
                 self._on_close(self._zygote, self._cgroup, stopped)
             self.storage.remove()
+            if failed:
+                raise failed[0]
 
     async def _stop(self) -> bool:
         """Have the zygote end the sandbox; True once its init is gone and the zygote was left alone

@@ -24,8 +24,12 @@ namespaces.py is its sibling import. Protocol over a SOCK_SEQPACKET socket (fd a
 JSON request per packet with SCM_RIGHTS fds; the last fd is where the answer goes (JSON lines),
 so the zygote never writes to the socket; a request too big for one packet comes in a memfd
 (`"memfd": true`, the fd before the answer's). Requests:
-  start {bwrap, options, idmap: [rootfs, target] | null, slirp4netns: path | null}  fds [answer]:
+  start {bwrap, options, idmap: [rootfs, target] | null, slirp4netns: path | null, netns: bool}
+        fds [answer], or with netns [another sandbox's network namespace, answer] (a sidecar's:
+        its sandbox shares that namespace, joined as host root, instead of a new one):
         {"init": pid} (its network up first) | {"error": log}
+  netns {}  fds [answer socket]: the running sandbox's network namespace fd (SCM_RIGHTS), for
+        its sidecars' start
   exec  {argv, env, cwd, ids: [uid, gid, groups], rlimits}  fds [stdin, stdout, stderr, answer]:
         {"child-pid": host pid} then {"exit-code": n} (128+N for signal N) | {"error"}
   listen {port}  fds [answer socket]: {"port": n} with the listening socket's fd (SCM_RIGHTS)
@@ -69,6 +73,7 @@ class Zygote:
         self.init_pipe = -1  # the write end its init reads: closing it ends the sandbox
         self.next_init: tuple[int, int, int, int] | None = None  # made ahead for the next start
         self.netstack: network.Netstack | None = None  # the running sandbox's network, if it has one
+        self.shared_net = False  # the running sandbox's network namespace is another's (a sidecar)
 
     # -- helpers ---------------------------------------------------------------------------
     def own_fds(self) -> list[int]:
@@ -109,9 +114,11 @@ class Zygote:
         log_r, log_w = os.pipe()
         argv = [req["bwrap"], "--userns", "3", "--userns2", "4", "--pidns", "5", "--json-status-fd", "6"]
         argv += ["--block-fd", "7", *req["options"], "--", _NOT_A_COMMAND]
+        netns = fds[0] if req.get("netns") else -1
+        self.shared_net = netns >= 0
         if os.fork() == 0:
             self._exec_bwrap(
-                argv, [self.userns.outer, self.userns.inner, self.ns["pid"], status_w, block_r], log_w
+                argv, [self.userns.outer, self.userns.inner, self.ns["pid"], status_w, block_r], log_w, netns
             )
         for fd in (status_w, block_r, log_w):
             os.close(fd)
@@ -120,7 +127,7 @@ class Zygote:
         finally:
             for fd in (status_r, block_w, log_r):
                 os.close(fd)
-        if "init" in answer:
+        if "init" in answer and not self.shared_net:  # a shared one is its owner's to set
             network.open_low_ports(self)  # ports < 1024 in its own network namespace, as Docker
         if "init" in answer and req.get("slirp4netns"):
             try:
@@ -182,11 +189,13 @@ class Zygote:
         pidns = os.open(f"/proc/{init}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         return init, os.pidfd_open(init), pidns, write_end
 
-    def _exec_bwrap(self, argv: list[str], fds: list[int], log: int) -> None:
+    def _exec_bwrap(self, argv: list[str], fds: list[int], log: int, netns: int = -1) -> None:
         try:
             os.setsid()
             for sig in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGXFSZ):  # ignored here; bwrap waits
                 signal.signal(sig, signal.SIG_DFL)
+            if netns >= 0:  # a sidecar: bwrap (no --unshare-net) keeps the namespace it starts in
+                nsx.join(netns, nsx.CLONE_NEWNET, "net (shared)")
             self.become_host_uid()
             nsx.die_with_parent()  # set after the uid change, which would clear it
             null = os.open(os.devnull, os.O_RDWR)
@@ -238,6 +247,7 @@ class Zygote:
         for fd in self.ns.values():
             os.close(fd)
         self.ns = {}
+        self.shared_net = False
         return gone
 
     def kill_cgroup(self) -> bool:
@@ -353,6 +363,16 @@ def _receive(sock: socket.socket) -> tuple[dict, list[int]] | None:
     return req, got
 
 
+def _send_netns(zygote: Zygote, answer: int) -> None:
+    """The running sandbox's network namespace fd, on the answer socket (for its sidecars)."""
+    net = zygote.ns.get("net", -1)
+    with socket.socket(fileno=os.dup(answer)) as sock:
+        if net < 0:
+            sock.send(json.dumps({"error": "no sandbox is running"}).encode())
+        else:
+            socket.send_fds(sock, [b"{}"], [net])
+
+
 def _answer(fd: int, msg: dict) -> None:
     try:
         os.write(fd, json.dumps(msg).encode() + b"\n")
@@ -379,6 +399,8 @@ def main() -> None:
                 if gone and alone:  # before the answer: an idle zygote's cgroup is then settled
                     zygote.prepare_init()
                 _answer(fds[-1], {"stopped": gone and alone})
+            elif op == "netns":
+                _send_netns(zygote, fds[-1])
             elif op in ("exec", "listen", "mount"):
                 zygote.fork(op, req, fds)
             else:

@@ -76,7 +76,7 @@ def exec(zygote: Any, req: dict[str, Any], fds: list[int]) -> None:  # noqa: A00
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # we wait for the command ourselves
     assert zygote.userns is not None and zygote.ns, "no sandbox is running"
     zygote.close_for_child([*fds, zygote.userns.outer, zygote.userns.inner, *zygote.ns.values()])
-    nsx.enter(zygote.userns, zygote.ns)
+    nsx.enter(zygote.userns, zygote.ns, foreign_net=zygote.shared_net)
     try:
         pid = os.fork()
     except OSError as e:
