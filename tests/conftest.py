@@ -175,9 +175,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     # Only the outermost session: a pytester run inside it (test_no_silent_skips) inherits this
     # variable and must not remove the images a sibling worker builds meanwhile.
     if _controller(session.config) and not os.environ.get("MILES_ENV_TEST_IMAGES_OWNER"):
-        from tests.host_leftovers import snapshot
+        from tests.host_leftovers import NAMESPACE, snapshot
 
         os.environ["MILES_ENV_TEST_IMAGES_OWNER"] = str(os.getpid())
+        # What the session builds in a docker engine is named apart from a user's runs' images
+        os.environ.setdefault("MILES_ENV_IMAGE_NAMESPACE", NAMESPACE)
         session.config.stash[_IMAGES_BEFORE] = snapshot()
 
 
@@ -185,7 +187,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if _controller(session.config) and _IMAGES_BEFORE in session.config.stash:
         from tests.host_leftovers import remove_new
 
-        n = remove_new(session.config.stash[_IMAGES_BEFORE])
+        n = remove_new(session.config.stash[_IMAGES_BEFORE], os.environ["MILES_ENV_IMAGE_NAMESPACE"])
         if n:
             print(f"\n[tests] removed {n} docker images this session built")
 

@@ -23,6 +23,7 @@ import subprocess
 import tarfile
 from pathlib import Path
 
+from miles_env.sandboxes.images.config import ImagesConfig
 from miles_env.sandboxes.images.oci import ImageConfig
 from miles_env.sandboxes.local import LocalSandboxConfig, LocalSandboxProvider
 from miles_env.types import SandboxSpec
@@ -108,7 +109,7 @@ class ImageProvider(LocalSandboxProvider):
 
 def docker_image(client: object, rootfs: Path) -> str:
     """The same tree as a docker image with IMAGE's ENV, USER and WORKDIR (imported once per engine)."""
-    repository, tag = "miles-env/contract-image", "1"
+    repository, tag = ImagesConfig().repo("contract-image"), "1"  # the session's namespace
     api = client.api  # type: ignore[attr-defined]
     try:
         api.inspect_image(f"{repository}:{tag}")

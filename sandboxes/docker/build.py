@@ -10,8 +10,8 @@ An image already in the engine under the name the Dockerfile uses is used as is 
 base, as `docker build` finds it). The result is tagged `miles-env/build:<key>`; a tag present
 means built (the cache), and a per-key lock makes concurrent builds of one context one build.
 
-Names used in the engine are ours only (`miles-env/...`): a substitute never takes the name of
-the image it stands in for.
+Names used in the engine are ours only (`miles-env/...`, or the namespace ImagesConfig names): a
+substitute never takes the name of the image it stands in for.
 """
 
 from __future__ import annotations
@@ -61,10 +61,6 @@ class DockerProbe:
         return ResolvedImage(requested, str(image.id), str(image.id), "local", note=note)
 
 
-def _base_name(base: ResolvedImage) -> str:
-    return f"miles-env/base:{hashlib.sha256(base.key.encode()).hexdigest()[:20]}"
-
-
 def _log_text(build_log: Any) -> str:
     lines = "".join(str(x.get("stream", x.get("error", ""))) for x in build_log if isinstance(x, dict))
     return "\n".join(lines.rstrip().splitlines()[-25:])[-3000:]
@@ -86,6 +82,9 @@ class DockerBuilder:
             self._network = "default" if has_bridge else "host"
         return None if self._network == "default" else self._network
 
+    def _base_name(self, base: ResolvedImage) -> str:
+        return f"{self.config.repo('base')}:{hashlib.sha256(base.key.encode()).hexdigest()[:20]}"
+
     def has(self, name: str) -> bool:
         try:
             self.client.images.get(name)
@@ -95,8 +94,8 @@ class DockerBuilder:
 
     def build(self, context: Path) -> tuple[str, tuple[ResolvedImage, ...]]:
         """The engine's tag of the image built from `context`, and the bases it was built on."""
-        plan = plan_build(context.absolute(), self.resolver, self.builder_id, _base_name)
-        tag = f"miles-env/build:{plan.key[:16]}"
+        plan = plan_build(context.absolute(), self.resolver, self.builder_id, self._base_name)
+        tag = f"{self.config.repo('build')}:{plan.key[:16]}"
         try:
             if self.has(tag):
                 return tag, plan.bases
@@ -112,7 +111,7 @@ class DockerBuilder:
         return tag, plan.bases
 
     def _ensure_base(self, base: ResolvedImage) -> None:
-        name = _base_name(base)
+        name = self._base_name(base)
         if self.has(name):
             return
         if base.source == "local":

@@ -147,7 +147,7 @@ class DockerSandboxProvider:
             return image
         # A local rootfs becomes an image once (tag = hash of its real path).
         real = os.path.realpath(spec.rootfs)
-        tag = "miles-env/rootfs:" + hashlib.sha1(real.encode()).hexdigest()[:12]
+        tag = f"{self.config.images.repo('rootfs')}:" + hashlib.sha1(real.encode()).hexdigest()[:12]
         try:
             self.client.images.get(tag)
         except docker.errors.ImageNotFound:

@@ -7,6 +7,9 @@ environment adds to it, so one machine-wide setting reaches every run:
   A location starting `http://` is plain HTTP (an in-house registry without TLS).
 - `MILES_ENV_IMAGE_ALIASES`: comma-separated `ref=substitute` pairs, the user's own aliases.
 - `MILES_ENV_CACHE`: the cache root (images live in `$MILES_ENV_CACHE/images`).
+- `MILES_ENV_IMAGE_NAMESPACE`: the repository prefix of what is built in a docker engine
+  (`miles-env/build:*`, `miles-env/base:*`): a test session sets its own, so a user's runs on the
+  same engine and the session neither share nor remove each other's images (tests/host_leftovers.py).
 The config's own entries win over the environment's for the same registry or reference.
 """
 
@@ -78,11 +81,21 @@ class ImagesConfig(BaseModel):
         description="network of RUN steps (local builder): `private` = a bridge of its own with NAT, "
         "which reaches the internet but not this host's loopback; `host` = this host's",
     )
+    namespace: str | None = Field(
+        None,
+        pattern=r"^[a-z0-9]+([._-][a-z0-9]+)*$",
+        description="repository prefix of the images built in a docker engine (NS/build:*, NS/base:*); "
+        "None = $MILES_ENV_IMAGE_NAMESPACE or miles-env",
+    )
     build_timeout_s: float = Field(1800.0, gt=0, description="wall time of one image build")
     probe_timeout_s: float = Field(20.0, gt=0, description="wall time of one registry lookup")
 
     def cache(self) -> Path:
         return Path(self.cache_dir) if self.cache_dir else cache_root() / "images"
+
+    def repo(self, name: str) -> str:
+        """The engine's repository for `name` ("build", "base", "rootfs") under the namespace."""
+        return f"{self.namespace or os.environ.get('MILES_ENV_IMAGE_NAMESPACE') or 'miles-env'}/{name}"
 
     def mirror_table(self) -> dict[str, Mirror]:
         table = {**_pairs(os.environ.get("MILES_ENV_REGISTRY_MIRROR"), "docker.io"), **self.mirrors}
