@@ -15,8 +15,8 @@ has ended. It keeps running until the sandbox closes, as every process an exec s
   fine: what it set up is there.
 - One that ends with another status fails the sandbox's creation with its last output lines (a
   container would have stopped: Harbor's `up` fails too).
-- One still doing something else after `ready_s` is left running, and the sandbox is used (Harbor
-  waits for `exec true`, not for the entrypoint).
+- One still doing something else after `ready_s` seconds (wall time) is left running, and the
+  sandbox is used (Harbor waits for `exec true`, not for the entrypoint).
 
 Its output goes to a file that is removed once it is ready (the process keeps writing to it, within
 the sandbox's disk quota); nothing of this stays in the sandbox's files.
@@ -34,21 +34,33 @@ __all__ = ["HARBOR_COMMAND", "start_entrypoint"]
 
 HARBOR_COMMAND = ("sh", "-c", "sleep infinity")  # the command Harbor's compose file gives every task
 # $1: seconds to wait; then the entrypoint and its arguments. Prints "ready", "exited N" (and the
-# output's last lines) or "waiting".
+# output's last lines) or "waiting". The wait is wall time (/proc/uptime, in centiseconds, read by a
+# builtin), not a count of polls: under load a poll (a fork of `tr`, a `sleep 0.1`) takes far more
+# than 0.1 s, and a count would outlast the exec's timeout. An empty cmdline is not an end: the
+# kernel shows one while the process is inside execve (the entrypoint's own exec, its `exec "$@"`,
+# `sh -c` exec'ing `sleep`), a window a loaded machine stretches; read as an end, the starter
+# `wait`ed on a live process until the exec's timeout SIGKILLed it (exit -9). Ended means /proc says
+# so: a zombie, or no /proc entry (the shell reaped it while waiting for a poll's child).
 _STARTER = r"""
 wait_s=$1; shift
 log=$(mktemp)
 "$@" </dev/null >"$log" 2>&1 &
 pid=$!
-n=0
-while [ "$n" -lt $((wait_s * 10)) ]; do
+read -r up _ </proc/uptime
+deadline=$(( ${up%.*}${up#*.} + wait_s * 100 ))
+while :; do
   cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)
   case "$cmd" in
     "sh -c sleep infinity "|"sleep infinity ") rm -f "$log"; echo ready; exit 0 ;;
-    "") wait "$pid"; rc=$?; echo "exited $rc"; tail -n 20 "$log"; rm -f "$log"; exit 0 ;;
   esac
+  state=Z
+  if read -r stat 2>/dev/null <"/proc/$pid/stat"; then state=${stat##*) }; state=${state%% *}; fi
+  if [ "$state" = Z ]; then
+    wait "$pid"; rc=$?; echo "exited $rc"; tail -n 20 "$log"; rm -f "$log"; exit 0
+  fi
+  read -r up _ </proc/uptime
+  [ "${up%.*}${up#*.}" -lt "$deadline" ] || break
   sleep 0.1
-  n=$((n + 1))
 done
 rm -f "$log"
 echo waiting

@@ -63,12 +63,13 @@ EOF
 
 ALIASES = """\
 FROM ubuntu:24.04 AS ubuntu
-RUN id -u ubuntu > /uid.txt && . /etc/os-release && echo "$ID-$VERSION_CODENAME" > /os.txt
+RUN id -u ubuntu > /uid.txt && . /etc/os-release && echo "$ID-$VERSION_CODENAME" > /os.txt \
+    && for t in pgrep ps chattr; do command -v $t || echo "no $t"; done > /tools.txt
 FROM python:3.12-slim
 RUN pip install --no-cache-dir --upgrade pip==24.0 && pip --version > /opt/pip-version.txt
 RUN pip install --no-cache-dir six==1.17.0
 RUN python -c "import six; print(six.__version__)" > /opt/six-version.txt
-COPY --from=ubuntu /uid.txt /os.txt /opt/ubuntu/
+COPY --from=ubuntu /uid.txt /os.txt /tools.txt /opt/ubuntu/
 """
 
 UBUNTU = """\

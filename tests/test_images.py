@@ -147,6 +147,12 @@ def test_aliased_bases_are_substituted_printed_and_recorded(
     assert os.readlink(root / "usr/local/bin/python") == "/usr/bin/python3"
     assert (root / "opt/ubuntu/uid.txt").read_text() == "1000\n"  # the image's user `ubuntu`
     assert (root / "opt/ubuntu/os.txt").read_text() == "debian-trixie\n"  # what it really is
+    # the tools the real ubuntu:24.04 has that Debian's minbase lacks (aliases.py)
+    assert (root / "opt/ubuntu/tools.txt").read_text().split() == [
+        "/usr/bin/pgrep",
+        "/usr/bin/ps",
+        "/usr/bin/chattr",
+    ]
     assert alias_image.substituted_from == ("ubuntu:24.04", "python:3.12-slim")
     meta = alias_image.metadata()["bases"]
     assert [m["source"] for m in meta] == ["substitute", "substitute"] and "offline only" in meta[0]["note"]

@@ -137,6 +137,19 @@ def test_recipes_give_pip_of_its_own_a_jdk_its_man_directory_and_apt_its_pins() 
     assert "allow-downgrades" not in _alias("ubuntu:24.04").recipe("debian:trixie")
 
 
+def test_the_ubuntu_substitute_has_the_tools_the_real_image_ships() -> None:
+    """ubuntu:24.04 ships procps, e2fsprogs and sensible-utils (its package list, docker-library/repo-info);
+    Debian's minbase does not: a verifier's `pgrep` (mq-auto-restart) found no command on the substitute."""
+    recipe = _alias("ubuntu:24.04").recipe("debian:trixie").splitlines()
+    installed = recipe[1].partition("--no-install-recommends ")[2].partition(" && ")[0]
+    assert recipe[1].startswith("RUN apt-get update") and installed.split() == [
+        "procps",
+        "e2fsprogs",
+        "sensible-utils",
+    ]
+    assert recipe[2] == "RUN useradd -m -u 1000 -s /bin/bash ubuntu"
+
+
 def _wheel(path: Path) -> Path:
     with zipfile.ZipFile(path, "w") as z:
         for name, mode in (

@@ -131,12 +131,21 @@ _GOLANG = Alias(
 )
 _JDK = (("JAVA_HOME", "/opt/java/openjdk"),)
 
+# The tools the real ubuntu:24.04 ships that Debian's minbase (Priority: required) does not: its
+# package list (docker-library/repo-info, repos/ubuntu/local/24.04.md) holds procps (ps, pgrep,
+# pkill, top, free), e2fsprogs (chattr, lsattr) and sensible-utils; the rest of its difference is
+# libraries these pull in, and Ubuntu's own ubuntu-keyring and unminimize. A task checks its
+# services with `pgrep` as if it were there, since on Ubuntu it is (mq-auto-restart's verifier).
+_UBUNTU_NOBLE_TOOLS = ("procps", "e2fsprogs", "sensible-utils")
+
 ALIASES: tuple[Alias, ...] = (
     Alias(
         r"ubuntu:(24\.04|noble|latest)",
         "trixie",
+        _UBUNTU_NOBLE_TOOLS,
         steps=("useradd -m -u 1000 -s /bin/bash ubuntu",),
-        note="Debian trixie (Ubuntu 24.04's contemporary), with the image's user `ubuntu` (uid 1000)",
+        note="Debian trixie (Ubuntu 24.04's contemporary) with the tools ubuntu:24.04 ships that Debian's"
+        " minbase lacks (procps, e2fsprogs, sensible-utils), and the image's user `ubuntu` (uid 1000)",
     ),
     Alias(
         r"ubuntu:(22\.04|jammy|20\.04|focal)",
