@@ -387,10 +387,16 @@ async def test_rootfs_directory_becomes_an_image(provider, tmp_path):
     # The rootfs needs a shell: reuse the default image's by exporting nothing; check the file shows up.
     sb_default = await provider.create(SandboxSpec())
     await sb_default.close()
-    with pytest.raises(SandboxError):
-        # No /bin/sh in this rootfs: the exec fails with the engine's reason, nothing leaks.
+    # No /bin/sh in this rootfs: nothing runs, the engine says why, nothing leaks (the fixture checks).
+    # Either the container's init (`sh -c "sleep infinity"` under docker-init) has died by the time
+    # the exec comes (a SandboxError: not running), or, on a loaded machine, not yet, and the
+    # engine refuses to start the exec's `/bin/sh` (its status, 126/127). CI saw both.
+    try:
         async with await provider.create(SandboxSpec(rootfs=str(rootfs))) as sb:
-            await sb.exec("cat /data/marker")
+            r = await sb.exec("cat /data/marker")
+    except SandboxError:
+        return
+    assert r.exit_code in (126, 127) and "from rootfs" not in r.stdout, r
 
 
 # -- the reaper -------------------------------------------------------------------------------------
