@@ -17,8 +17,9 @@ healthcheck is waited on as docker's (sandboxes/health.py).
 Invariants: nothing of the task sandbox is in a sidecar but the network namespace (it cannot see
 the task's files or processes, nor they its); a sidecar is closed before its task sandbox, with
 everything it started and its files, and like any local sandbox nothing of it outlives a killed
-run (its zygote stops it at EOF); it carries its task sandbox's ownership labels for the reaper. Root only: without root, another sandbox's network namespace
-cannot be joined (the provider says so).
+run (its zygote stops it at EOF); it carries its task sandbox's ownership labels for the reaper.
+Root only: without root, another sandbox's network namespace cannot be joined (the provider says
+so).
 """
 
 from __future__ import annotations
