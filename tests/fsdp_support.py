@@ -26,6 +26,7 @@ if __name__ == "__main__":
 import torch
 
 from miles_env.trainer.config import LoraConfig, TrainerConfig
+from miles_env.trainer.ranks import leave
 from miles_env.trainer.torch_backend import TorchTrainer
 from miles_env.types import Episode
 from tests.trainer_support import random_groups
@@ -105,7 +106,7 @@ def run_torchrun(out: Path, nproc: int, *args: str) -> None:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}
 
 
 def _main(out: Path, model: Path, lora: int, resume_from: Path) -> None:
@@ -118,10 +119,8 @@ def _main(out: Path, model: Path, lora: int, resume_from: Path) -> None:
     extra: Any = r.load_checkpoint(resume_from)
     assert extra == {"step": 1}, extra
     save_run(r, out / "resumed", steps(r, 1))
-    import torch.distributed as dist
-
-    dist.barrier()
-    dist.destroy_process_group()
+    del t, r
+    leave()  # the sharded models freed now, not at interpreter exit (trainer/ranks.py)
 
 
 if __name__ == "__main__":

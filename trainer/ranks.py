@@ -10,18 +10,19 @@ rank runs `follow(trainer)`, which receives each call and makes the same one.
 
 Invariant: all ranks make the same trainer calls, in the same order, with the same
 arguments (the batch included), which is what the backend's collectives need.
-Lifecycle: `Leader.close()` broadcasts "stop", the followers return, and all ranks leave the
-process group together (barrier, destroy); if rank 0 dies,
+Lifecycle: `Leader.close()` broadcasts "stop", the followers return, and all ranks drop their
+trainers and leave the process group together (`leave`: collect, barrier, destroy); if rank 0 dies,
 torchrun stops the others. Between calls the followers wait in a broadcast, bounded by
 the process group's timeout (torch's default: 30 minutes per rollout phase).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any
 
-__all__ = ["COLLECTIVE", "Leader", "follow", "torchrun_rank"]
+__all__ = ["COLLECTIVE", "Leader", "follow", "leave", "torchrun_rank"]
 
 # The trainer methods every rank must enter together (export_adapter: a sharded LoRA is gathered).
 COLLECTIVE = frozenset(
@@ -69,26 +70,33 @@ class Leader:
 
     def close(self) -> None:
         _broadcast(("stop", (), {}))
-        _finish()
+        self._trainer = None
+        leave()
 
 
-def _finish() -> None:
-    """Leave the process group together: a world torn down at interpreter exit can abort a rank
-    ("terminate called without an active exception" from gloo's threads)."""
+def leave() -> None:
+    """Free this rank's trainer state, then leave the process group together (barrier, destroy).
+
+    A sharded model sits in reference cycles (FSDP2's module state), so only the garbage collector
+    frees it, and with it the process group's backend it holds; left to interpreter exit, that
+    teardown aborts a gloo rank now and then ("terminate called without an active exception",
+    SIGABRT with no Python frame: 1 run in 40 of tests/fsdp_support.py's worker). So the caller
+    drops its trainer first and this collects it while the interpreter is whole."""
     import torch.distributed as dist
 
+    gc.collect()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 
 
 def follow(trainer: Any) -> int:
-    """Repeat rank 0's trainer calls until it says stop; returns how many calls were made."""
+    """Repeat rank 0's trainer calls until it says stop; returns how many calls were made. The
+    caller then drops `trainer` and calls `leave()`."""
     calls = 0
     while True:
         name, args, kwargs = _broadcast(None)
         if name == "stop":
-            _finish()
             return calls
         if name not in COLLECTIVE:
             raise RuntimeError(f"rank 0 announced {name!r}, which is not a collective trainer call")

@@ -285,11 +285,14 @@ def _progress(console: Console) -> Progress:
 async def _follow(cfg: RunConfig, rank: int) -> dict[str, Any]:
     """A torchrun rank > 0: build the same trainer and repeat rank 0's calls (trainer/ranks.py)."""
     from miles_env.models import resolve_model
-    from miles_env.trainer.ranks import follow
+    from miles_env.trainer.ranks import follow, leave
 
     model = resolve_model(cfg.engine.model)
     trainer = await anyio.to_thread.run_sync(build_job_trainer, cfg, model)
-    return {"rank": rank, "trainer_calls": await anyio.to_thread.run_sync(follow, trainer)}
+    calls = await anyio.to_thread.run_sync(follow, trainer)
+    del trainer  # freed by leave(), before the process group goes
+    await anyio.to_thread.run_sync(leave)
+    return {"rank": rank, "trainer_calls": calls}
 
 
 async def run_training(cfg: RunConfig, console: Console) -> dict[str, Any]:
