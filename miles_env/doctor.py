@@ -218,21 +218,23 @@ def check_image_tools() -> Check:
 
 
 def check_image_bases() -> Check:
-    from miles_env.sandboxes.images.aliases import DEBIAN_SUITES
     from miles_env.sandboxes.images.config import ImagesConfig
+    from miles_env.sandboxes.images.suites import SUITES
 
     cache = ImagesConfig().cache()
-    tags = cache / "registry/data/docker/registry/v2/repositories/library/debian/_manifests/tags"
-    missing = [s for s in DEBIAN_SUITES if not (tags / s).is_dir()]
+    repos = cache / "registry/data/docker/registry/v2/repositories/library"
+    have = {n for n, s in SUITES.items() if (repos / s.distro / "_manifests/tags" / n).is_dir()}
+    missing = [s.image for n, s in SUITES.items() if s.required and n not in have]
     mirror = os.environ.get("MILES_ENV_REGISTRY_MIRROR")
     if missing:
-        detail = (
-            f"not bootstrapped: debian:{', debian:'.join(missing)} (needed where no registry is reachable)"
-        )
+        detail = f"not bootstrapped: {', '.join(missing)} (needed where no registry is reachable)"
         if mirror:
             detail += f"; mirror {mirror} configured"
         return Check("image bases", False, detail, "miles-env images bootstrap")
-    return Check("image bases", True, f"debian:{', debian:'.join(DEBIAN_SUITES)} in {cache / 'registry'}")
+    detail = f"{', '.join(SUITES[n].image for n in SUITES if n in have)} in {cache / 'registry'}"
+    if absent := [s.image for n, s in SUITES.items() if n not in have]:
+        detail += f" ({', '.join(absent)} not made: their aliases use their Debian stand-ins)"
+    return Check("image bases", True, detail)
 
 
 def check_vllm() -> Check:

@@ -339,7 +339,8 @@ _WORLD: dict[str, dict[str, str]] = {
         '  FILE *f = fopen("/app/data/nums.txt", "r"); long s = 0, x;\n'
         '  while (fscanf(f, "%ld", &x) == 1) s += x;\n  printf("%ld\\n", s); return 0;\n}\nEOF\n'
         "gcc -O2 -o /app/sum /app/sum.c\n",
-        "tests/test_outputs.py": "import subprocess\n\n\ndef test_sum():\n"
+        "tests/test_outputs.py": "import subprocess\nimport sys\n\n\ndef test_sum():\n"
+        "    assert sys.version_info[:2] == (3, 13)  # the verifier's `uvx -p 3.13`, provisioned offline\n"
         "    assert open('/app/sum', 'rb').read(4) == b'\\x7fELF'\n"
         "    assert subprocess.run(['/app/sum'], capture_output=True, text=True).stdout == '60\\n'\n",
     },

@@ -35,6 +35,7 @@ from miles_env.sandboxes.images.config import ImagesConfig
 __all__ = [
     "BOOKWORM",
     "ALIASES",
+    "NOBLE",
     "UBUNTU",
     "ROOT",
     "contexts",
@@ -69,6 +70,7 @@ FROM python:3.12-slim
 RUN pip install --no-cache-dir --upgrade pip==24.0 && pip --version > /opt/pip-version.txt
 RUN pip install --no-cache-dir six==1.17.0
 RUN python -c "import six; print(six.__version__)" > /opt/six-version.txt
+RUN python --version > /opt/python-version.txt
 COPY --from=ubuntu /uid.txt /os.txt /tools.txt /opt/ubuntu/
 """
 
@@ -83,8 +85,28 @@ RUN echo "built-as-$(id -un)" > /var/log/task/built.txt
 """
 
 
+# ubuntu:24.04 as Ubuntu noble bootstrapped from the Ubuntu archive (`ubuntu_archive`, the default)
+NOBLE = """\
+FROM ubuntu:24.04
+RUN apt-get update && apt-get install -y --no-install-recommends file && rm -rf /var/lib/apt/lists/*
+RUN . /etc/os-release && echo "$ID-$VERSION_CODENAME" > /os.txt && id -u ubuntu > /uid.txt \
+    && for t in apt-get pgrep chattr file; do command -v $t || echo "no $t"; done > /tools.txt
+"""
+
+
 def images_config() -> ImagesConfig:
     return ImagesConfig(direct=False)
+
+
+def _noble() -> Any:
+    """ubuntu:noble (asked by name: required; a lookup once the session's bootstrap made it), then
+    the NOBLE context built on it."""
+    from miles_env.sandboxes.images.bootstrap import bootstrap
+    from miles_env.sandboxes.images.local import LocalImages
+
+    config = images_config()
+    (base,) = bootstrap(config, ("noble",))
+    return base, LocalImages(config).build(contexts()["noble"])
 
 
 def write_context(path: Path, dockerfile: str, files: dict[str, str] | None = None) -> Path:
@@ -119,12 +141,14 @@ def contexts() -> dict[str, Path]:
                 ),
                 "aliases": write_context(root / "aliases", ALIASES),
                 "ubuntu": write_context(root / "ubuntu", UBUNTU),
+                "noble": write_context(root / "noble", NOBLE),
             }
         return dict(_STATE["contexts"])
 
 
 def prewarm() -> None:
-    """Start the bootstrap, then the local builds of `bookworm` and `aliases`, in one background thread."""
+    """Start the bootstrap, then the local builds of `bookworm` and `aliases`, then noble's bootstrap
+    and build, in one background thread."""
     from miles_env.sandboxes.images.bootstrap import bootstrap
     from miles_env.sandboxes.images.local import LocalImages
 
@@ -137,12 +161,14 @@ def prewarm() -> None:
         images = futures["images"] = pool.submit(LocalImages, images_config())
         for name in ("bookworm", "aliases"):
             futures[name] = pool.submit(lambda n: images.result().build(ctx[n]), name)
+        futures["noble"] = pool.submit(_noble)
         pool.shutdown(wait=False)
         _STATE["futures"] = futures
 
 
 def prewarmed(name: str) -> Any:
-    """`bases`, `images` (the LocalImages builder), `bookworm` or `aliases`: waited for (started if not yet).
+    """`bases`, `images` (the LocalImages builder), `bookworm`, `aliases` or `noble` (its base and image):
+    waited for (started if not yet).
     The bases alone, where no image test started the prewarm: a lookup once scripts/test.sh bootstrapped."""
     if name == "bases" and "futures" not in _STATE:
         from miles_env.sandboxes.images.bootstrap import bootstrap

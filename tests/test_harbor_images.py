@@ -1,10 +1,11 @@
 """Tasks in the shapes of public Terminal-Bench 2 tasks, on real images, on local and docker.
 
 Each task (tests/harbor_support.make_world_tasks) builds `FROM ubuntu:24.04` through the
-session's bootstrapped Debian bases (the alias table's trixie substitute), with apt-get and pip
-installs in RUN, a non-root USER, and the stock TB 2.x verifier (apt-get install curl, astral's
-uv installer, `uvx -p 3.13 -w pytest==8.4.1 -w pytest-json-ctrf==0.3.5`): hermetic verification
-provisions those at build time and every sandbox runs with no network (`--network none`). The
+session's bootstrapped bases (the alias table's Ubuntu noble, from the Ubuntu archive), with
+apt-get and pip installs in RUN, a non-root USER, and the stock TB 2.x verifier (apt-get install
+curl, astral's uv installer, `uvx -p 3.13 -w pytest==8.4.1 -w pytest-json-ctrf==0.3.5`: noble has
+no 3.13, so Debian trixie's, adapters/harbor/pythons.py): hermetic verification provisions those
+at build time and every sandbox runs with no network (`--network none`). The
 four tasks share one environment, so each provider builds one image for all of them. `env
 validate` must pass: oracle 1, do-nothing 0, three equal verifies, for every task.
 

@@ -38,11 +38,16 @@ def _owner(path: Path) -> int:
     return os.lstat(path).st_uid
 
 
-def test_bootstrap_serves_debian_through_the_registry(image_bases: Any) -> None:
-    assert [r.suite for r in image_bases] == ["bookworm", "trixie"]
+def test_bootstrap_serves_debian_and_ubuntu_through_the_registry(image_bases: Any) -> None:
+    assert [(r.image, r.error) for r in image_bases] == [
+        ("debian:bookworm", None),
+        ("debian:trixie", None),
+        ("ubuntu:noble", None),  # this machine reaches the Ubuntu archive (else: skipped, with why)
+        ("ubuntu:jammy", None),
+    ]
     registry = registry_for(images_config().cache())
     for r in image_bases:
-        assert registry.digest("library/debian", r.suite) == r.digest
+        assert registry.digest(f"library/{r.image.split(':')[0]}", r.suite) == r.digest
     resolved = Resolver(images_config(), SkopeoProbe(20)).resolve("debian:bookworm")
     assert resolved.source == "bootstrap" and resolved.ref.startswith("127.0.0.1:") and resolved.insecure
     assert resolved.digest == image_bases[0].digest and resolved.substituted_from is None
@@ -150,9 +155,12 @@ def test_aliased_bases_are_substituted_printed_and_recorded(
     # pip is PyPI's under /usr/local, as in python:* images: upgradable (Debian's has no RECORD)
     assert (root / "opt/pip-version.txt").read_text().startswith("pip 24.0 from /usr/local/lib/python3")
     assert os.readlink(root / "usr/local/bin/python") == "/usr/bin/python3"
+    assert (
+        (root / "opt/python-version.txt").read_text().startswith("Python 3.13.")
+    )  # trixie's (ubuntu_archive off)
     assert (root / "opt/ubuntu/uid.txt").read_text() == "1000\n"  # the image's user `ubuntu`
-    assert (root / "opt/ubuntu/os.txt").read_text() == "debian-trixie\n"  # what it really is
-    # the tools the real ubuntu:24.04 has that Debian's minbase lacks (aliases.py)
+    assert (root / "opt/ubuntu/os.txt").read_text() == "ubuntu-noble\n"  # rebuilt from Ubuntu's archive
+    # the tools the real ubuntu:24.04 has that a minbase lacks (suites.py)
     assert (root / "opt/ubuntu/tools.txt").read_text().split() == [
         "/usr/bin/pgrep",
         "/usr/bin/ps",
@@ -164,6 +172,28 @@ def test_aliased_bases_are_substituted_printed_and_recorded(
     with caplog.at_level(logging.WARNING):
         local_images.build(image_contexts["aliases"])  # cached: printed all the same
     assert sum("substituted (offline only)" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_ubuntu_from_its_own_archive_is_the_real_distribution(image_bases: Any) -> None:
+    """ubuntu:24.04 is Ubuntu noble made from the Ubuntu archive (signed by its keyring): its os-release,
+    apt reaching that archive in RUN (`file`), the image's tools and its user `ubuntu`; every use
+    recorded as a substitute. With `ubuntu_archive` off, the Debian stand-in (test_images_aliases)."""
+    from tests.images_support import prewarmed
+
+    base, image = prewarmed("noble")
+    assert (base.image, base.error) == ("ubuntu:noble", None)
+    assert registry_for(images_config().cache()).digest("library/ubuntu", "noble") == base.digest
+    root = image.rootfs
+    assert (root / "os.txt").read_text() == "ubuntu-noble\n" and (root / "uid.txt").read_text() == "1000\n"
+    assert (root / "tools.txt").read_text().split() == [
+        "/usr/bin/apt-get",
+        "/usr/bin/pgrep",
+        "/usr/bin/chattr",
+        "/usr/bin/file",
+    ]
+    (meta,) = image.metadata()["bases"]
+    assert meta["source"] == "substitute" and "built on ubuntu:noble" in meta["note"]
+    assert meta["digest"] == base.digest
 
 
 def test_a_mirror_and_your_own_aliases(image_bases: Any) -> None:

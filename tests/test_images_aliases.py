@@ -35,8 +35,9 @@ def _alias(image: str) -> aliases.Alias:
 
 def test_alias_table_covers_the_bases_of_public_tasks_and_never_a_pinned_one() -> None:
     for image, suite in [
-        ("ubuntu:24.04", "trixie"),
-        ("python:3.12-slim", "trixie"),
+        ("ubuntu:24.04", "noble"),
+        ("ubuntu:22.04", "jammy"),
+        ("python:3.12-slim", "noble"),
         ("python:3.11-slim-bookworm", "bookworm"),
         ("public.ecr.aws/docker/library/golang:1.22-bookworm", "bookworm"),
         ("gcc:13.3.0-bookworm", "bookworm"),
@@ -55,9 +56,19 @@ def test_a_tag_that_names_its_suite_gets_it_where_the_toolchain_allows() -> None
     assert (gcc.suite, gcc.note) == ("bookworm", "Debian bookworm's GCC 12")
     assert gcc.recipe("debian:bookworm").startswith("FROM debian:bookworm\n")
     assert (_alias("gcc:13").suite, _alias("gcc:13").note) == ("trixie", "Debian trixie's GCC 14")
+    # python:3.12 is Ubuntu noble's 3.12 whatever the tag's suite (the version decides); where noble
+    # is not bootstrapped, its fallback honours the tag as before: bookworm's 3.11, else trixie's 3.13
     py = _alias("python:3.12.7-slim-bookworm")
-    assert (py.suite, py.note) == ("bookworm", "Debian bookworm's Python 3.11")
-    assert _alias("python:3.12-slim").suite == "trixie" and _alias("python:3.12-trixie").suite == "trixie"
+    assert (py.suite, py.note) == (
+        "noble",
+        "Ubuntu noble's Python 3.12 (not the tag's bookworm: the version decides here)",
+    )
+    assert py.fallback is not None and (py.fallback.suite, py.fallback.note) == (
+        "bookworm",
+        "Debian bookworm's Python 3.11",
+    )
+    assert _alias("python:3.12-slim").fallback.suite == "trixie"  # type: ignore[union-attr]
+    assert _alias("python:3.12-trixie").fallback.suite == "trixie"  # type: ignore[union-attr]
     kept = _alias("python:3.11-slim-trixie")  # trixie's Python is 3.13: 3.11 is bookworm's
     assert kept.suite == "bookworm" and "not the tag's trixie" in kept.note
     assert _alias("golang:1.26-bookworm").suite == "bookworm" and _alias("golang:1.26").suite == "trixie"
@@ -102,11 +113,44 @@ class _NoRegistry:
 
 
 class _Loopback:
-    def digest(self, repository: str, tag: str) -> str:
+    """The loopback registry with the Debian suites bootstrapped; `ubuntu`: with Ubuntu's too."""
+
+    def __init__(self, ubuntu: bool = False) -> None:
+        self.ubuntu = ubuntu
+
+    def digest(self, repository: str, tag: str) -> str | None:
+        if repository == "library/ubuntu":
+            return "sha256:" + "u" * 64 if self.ubuntu else None
         return "sha256:" + ("b" if tag == "bookworm" else "c") * 64
 
     def address(self) -> str:
         return "127.0.0.1:5000"
+
+
+@pytest.mark.parametrize(("archive", "bootstrapped"), [(True, True), (True, False), (False, True)])
+def test_ubuntu_bases_build_on_ubuntus_own_suite_else_on_their_debian_stand_in(
+    archive: bool, bootstrapped: bool
+) -> None:
+    """With `ubuntu_archive` on and Ubuntu's suites bootstrapped, ubuntu:24.04 and python:3.12 build on
+    noble; otherwise (off, the default; or the archive unreachable, so bootstrap skipped them) on the
+    Debian stand-ins: each use says which, never silently."""
+    config = ImagesConfig(direct=False, ubuntu_archive=archive)
+    resolver = Resolver(config, _NoRegistry(), _Loopback(bootstrapped))  # type: ignore[arg-type]
+    names = ("ubuntu:24.04", "python:3.12.7-slim-bookworm", "ubuntu:22.04")
+    got = {name: resolver.resolve(name) for name in names}
+    assert all(r.source == "substitute" and r.substituted_from == n for n, r in got.items())
+    noble, py, jammy = got.values()
+    if archive and bootstrapped:
+        assert noble.digest == py.digest == jammy.digest == "sha256:" + "u" * 64
+        assert noble.recipe == "FROM ubuntu:noble\n" and "built on ubuntu:noble" in noble.note
+        assert py.recipe is not None and py.recipe.startswith("FROM ubuntu:noble\n")
+        assert "RUN userdel -r ubuntu" in py.recipe  # python:* images have no user at uid 1000
+        assert jammy.recipe == "FROM ubuntu:jammy\n"
+    else:
+        assert noble.digest == "sha256:" + "c" * 64 and "Debian trixie" in noble.note
+        assert noble.recipe is not None and "useradd -m -u 1000 -s /bin/bash ubuntu" in noble.recipe
+        assert py.digest == jammy.digest == "sha256:" + "b" * 64  # -bookworm honoured; 22.04 -> bookworm
+        assert "Debian bookworm's Python 3.11" in py.note and "userdel" not in (py.recipe or "")
 
 
 def test_the_resolved_substitute_carries_its_wheels_and_keys_on_their_version(
@@ -137,10 +181,13 @@ def test_recipes_give_pip_of_its_own_a_jdk_its_man_directory_and_apt_its_pins() 
     assert "allow-downgrades" not in _alias("ubuntu:24.04").recipe("debian:trixie")
 
 
-def test_the_ubuntu_substitute_has_the_tools_the_real_image_ships() -> None:
+def test_the_debian_stand_in_for_ubuntu_has_the_tools_the_real_image_ships() -> None:
     """ubuntu:24.04 ships procps, e2fsprogs and sensible-utils (its package list, docker-library/repo-info);
-    Debian's minbase does not: a verifier's `pgrep` (mq-auto-restart) found no command on the substitute."""
-    recipe = _alias("ubuntu:24.04").recipe("debian:trixie").splitlines()
+    Debian's minbase does not: a verifier's `pgrep` (mq-auto-restart) found no command on the substitute.
+    (The Ubuntu suites' bootstrap includes them: test_images.py builds on it.)"""
+    fallback = _alias("ubuntu:24.04").fallback
+    assert fallback is not None
+    recipe = fallback.recipe("debian:trixie").splitlines()
     installed = recipe[1].partition("--no-install-recommends ")[2].partition(" && ")[0]
     assert recipe[1].startswith("RUN apt-get update") and installed.split() == [
         "procps",

@@ -14,7 +14,8 @@ registries only), and the verify step then runs with no network:
 - apt-get and pip installs: the same commands, run at the end of the build as root;
 - each `uvx`/`uv tool run` of test.sh run once at build with the tool's `--version`, so uv's
   cache (UV_CACHE_DIR, shared, world-writable) holds the resolved packages; a `-p 3.x` it asks
-  for must already be in the image or come from its Debian (python3.x via apt): uv never
+  for is the image's, else its apt's (python3.x), else a uv-managed CPython made from another
+  distribution's packages (pythons.py: Debian trixie's 3.13 on Ubuntu noble): uv never
   downloads a Python here (UV_PYTHON_DOWNLOADS=never);
 - at verify time: `VERIFY_ENV` (UV_OFFLINE=1, the same UV_CACHE_DIR, PIP_NO_INDEX=1): offline
   the installer's `curl | sh` is a no-op that exits 0, `apt-get update` warns and exits 0, an
@@ -40,6 +41,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles_env.adapters.harbor.pythons import FOREIGN_PYTHONS, INSTALL_SH, python_debs
 from miles_env.errors import TaskError
 from miles_env.sandboxes.images.errors import ImageError
 from miles_env.sandboxes.images.wheels import download
@@ -54,7 +56,7 @@ VERIFY_ENV = {
     "UV_CACHE_DIR": f"{HERMETIC}/uv-cache",
     "PIP_NO_INDEX": "1",
 }
-_RECIPE = "2"  # bump when the layer below changes: every derived context is rebuilt
+_RECIPE = "3"  # bump when the layer below changes: every derived context is rebuilt
 _INSTALLER = re.compile(r"astral\.sh/uv/(?:(\d+\.\d+\.\d+)/)?install\.sh")
 _FETCH = re.compile(r"\b(curl|wget)\b[^|;&\n]*https?://|\bgit clone\b|\bnpm (install|i|ci)\b")
 _APT = re.compile(r"\bapt(?:-get)?\s+(?:-\S+\s+)*install\b")
@@ -133,7 +135,7 @@ def _python_request(warm: str) -> str:
     return ""
 
 
-def _provision_script(needs: VerifierNeeds, user: str | None) -> str:
+def _provision_script(needs: VerifierNeeds, user: str | None, pythons: dict[str, str] | None = None) -> str:
     """The build-time script (run as root): installs, a Python for each uvx, uvx warmed, uv for
     the final user; each step logged, none fatal (the verify says what is missing)."""
     q = shlex.quote
@@ -152,12 +154,18 @@ def _provision_script(needs: VerifierNeeds, user: str | None) -> str:
         "[ -s $ca ] && export UV_NATIVE_TLS=1 SSL_CERT_FILE=$ca PIP_CERT=$ca REQUESTS_CA_BUNDLE=$ca",
     ]
     lines += [f"step {q(cmd)}" for cmd in needs.installs]
+    name = (user or "").split(":")[0] if user not in (None, "root", "0") else ""
     for warm in needs.uvx:
         want = _python_request(warm)
         pkg = f"python{want}" if re.fullmatch(r"3\.\d+", want) else "python3"
         lines.append(
             f"command -v {pkg} >/dev/null 2>&1 || step {q(f'apt-get update && apt-get install -y --no-install-recommends {pkg}')}"
         )
+        if version := (pythons or {}).get(want):
+            glibc = FOREIGN_PYTHONS[want].glibc
+            install = f"sh {HERMETIC}/pythons/install.sh {want} {version} {glibc} {HERMETIC}/pythons/{want} {q(name)}"
+            managed = f"/root/.local/share/uv/python/cpython-{version}-linux-$(uname -m)-gnu"
+            lines.append(f"command -v {pkg} >/dev/null 2>&1 || [ -d {managed} ] || step {q(install)}")
         lines.append(f"step {q(warm)}")
     lines.append("mkdir -p $UV_CACHE_DIR && chmod -R a+rwX $UV_CACHE_DIR")
     if user and user not in ("root", "0"):
@@ -275,7 +283,8 @@ def hermetic_context(env_dir: Path, test_scripts: list[str], cache: Path) -> tup
             shutil.copy2(uv / name, extra / "bin" / name)
         (extra / "bin" / "env").write_text(_ENV_SCRIPT)
         (extra / "bin" / "env").chmod(0o755)
-        (extra / "provision.sh").write_text(_provision_script(needs, user))
+        pythons = _stage_pythons(needs, extra / "pythons", cache)
+        (extra / "provision.sh").write_text(_provision_script(needs, user, pythons))
         (ctx / "Dockerfile").unlink()
         (ctx / "Dockerfile").write_text(_layered(dockerfile, user))
         ignore = ctx / ".dockerignore"
@@ -290,6 +299,22 @@ def hermetic_context(env_dir: Path, test_scripts: list[str], cache: Path) -> tup
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out, needs
+
+
+def _stage_pythons(needs: VerifierNeeds, dest: Path, cache: Path) -> dict[str, str]:
+    """For each `-p 3.X` a distribution here builds: its packages in dest/3.X and install.sh;
+    returns {minor: full version} of what was staged."""
+    staged = {}
+    for minor in dict.fromkeys(_python_request(w) for w in needs.uvx):
+        found = python_debs(minor, cache) if minor in FOREIGN_PYTHONS else None
+        if found is None:
+            continue
+        folder, version = found
+        _copy_tree(folder, dest / minor)
+        staged[minor] = version
+    if staged:
+        (dest / "install.sh").write_text(INSTALL_SH)
+    return staged
 
 
 def _mkdir(p: Path) -> Path:

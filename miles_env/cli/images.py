@@ -1,8 +1,9 @@
-"""`miles-env images`: task images (bootstrap the Debian bases, build, resolve, the alias table).
+"""`miles-env images`: task images (bootstrap the Debian and Ubuntu bases, build, resolve, the alias table).
 
-`bootstrap` makes debian:bookworm and debian:trixie from the Debian archive (mmdebstrap) and
-serves them from the loopback registry: once per machine, for machines that reach no image
-registry. `build CONTEXT` builds a Docker build context as the local provider does (buildah,
+`bootstrap` makes debian:bookworm and debian:trixie from the Debian archive and ubuntu:noble and
+ubuntu:jammy from the Ubuntu archive (mmdebstrap; Ubuntu's skipped with one line where that
+archive is not reachable) and serves them from the loopback registry: once per machine, for
+machines that reach no image registry. `build CONTEXT` builds a Docker build context as the local provider does (buildah,
 unpacked as a root filesystem) or the docker one does (`--provider docker`). `resolve REF`
 says which image a `FROM REF` gets here, and from where. `aliases` lists the built-in
 substitutes. Every command reads mirrors and aliases from `--config` (the run config's
@@ -20,7 +21,9 @@ import typer
 if TYPE_CHECKING:
     from miles_env.sandboxes.images.config import ImagesConfig
 
-app = typer.Typer(no_args_is_help=True, help="Task images: bootstrap Debian bases, build, resolve, aliases.")
+app = typer.Typer(
+    no_args_is_help=True, help="Task images: bootstrap Debian and Ubuntu bases, build, resolve, aliases."
+)
 _Config = Annotated[
     Path | None, typer.Option("--config", help="run config whose sandbox.images to use (mirrors, aliases)")
 ]
@@ -40,7 +43,8 @@ def _images_config(config: Path | None) -> ImagesConfig:
 @app.command("bootstrap")
 def bootstrap_command(
     suite: Annotated[
-        list[str] | None, typer.Option("--suite", help="Debian suite (default: bookworm and trixie)")
+        list[str] | None,
+        typer.Option("--suite", help="a suite (default: Debian's bookworm, trixie; Ubuntu's noble, jammy)"),
     ] = None,
     refresh: Annotated[bool, typer.Option("--refresh", help="make them again even if present")] = False,
     host_ca: Annotated[
@@ -48,20 +52,21 @@ def bootstrap_command(
     ] = True,
     config: _Config = None,
 ) -> None:
-    """Debian bases from the Debian archive, pushed to the loopback registry (skipped when there)."""
-    from miles_env.sandboxes.images.aliases import DEBIAN_SUITES
+    """Debian and Ubuntu bases from their archives, pushed to the loopback registry (skipped when there)."""
     from miles_env.sandboxes.images.bootstrap import bootstrap
 
     start = time.monotonic()
     results = bootstrap(
-        _images_config(config), tuple(suite or DEBIAN_SUITES), refresh=refresh, host_cas=host_ca
+        _images_config(config), tuple(suite) if suite else None, refresh=refresh, host_cas=host_ca
     )
     for r in results:
+        if r.error is not None:
+            typer.echo(f"{r.image}  skipped (optional; its aliases use their Debian stand-ins): {r.error}")
+            continue
         what = f"made in {r.seconds:.0f} s" if r.made else "already there"
-        typer.echo(f"debian:{r.suite}  {r.digest}  {what}")
-    typer.echo(
-        f"bootstrap: {len(results)} base(s) in the loopback registry ({time.monotonic() - start:.0f} s)"
-    )
+        typer.echo(f"{r.image}  {r.digest}  {what}")
+    made = sum(r.error is None for r in results)
+    typer.echo(f"bootstrap: {made} base(s) in the loopback registry ({time.monotonic() - start:.0f} s)")
 
 
 @app.command("build")
@@ -117,10 +122,14 @@ def resolve_command(
 @app.command("aliases")
 def aliases_command() -> None:
     """The built-in alias table: which bases are substituted offline, by what (the first suite is
-    the default; a tag naming another of them, `-bookworm`, gets that one)."""
+    the default; a tag naming another of them, `-bookworm`, gets that one; `else` is the stand-in
+    where the default's Ubuntu suite was not bootstrapped)."""
     from miles_env.sandboxes.images.aliases import ALIASES
+    from miles_env.sandboxes.images.suites import SUITES
 
     for a in ALIASES:
         pkgs = " ".join(a.packages) or "-"
-        suites = "/".join([a.suite, *(s for s, _ in a.suites)])
-        typer.echo(f"{a.pattern:<60} debian:{suites:<18} {pkgs}  ({a.note})")
+        suites = "/".join([SUITES[a.suite].image, *(SUITES[s].image for s, _ in a.suites)])
+        if a.fallback is not None:
+            suites += f" else {SUITES[a.fallback.suite].image}"
+        typer.echo(f"{a.pattern:<60} {suites:<32} {pkgs}  ({a.note})")

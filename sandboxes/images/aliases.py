@@ -1,12 +1,18 @@
-"""The built-in alias table: common base images, substituted by Debian builds when they cannot be had.
+"""The built-in alias table: common base images, substituted by builds on bootstrapped suites when they cannot be had.
 
 Concept: a machine that reaches no image registry (air-gapped, or ours: only PyPI, Debian and
 npm) can still build most tasks, because most bases are "a Debian-like system plus a toolchain".
 Each entry maps references (a regular expression over the familiar name: `ubuntu:24.04`,
 `python:3.12-slim-bookworm`, `golang:1.22-bookworm`, also reached through ECR Public's copy of the
-official images) to a recipe: a bootstrapped Debian suite plus Debian packages and a few steps
+official images) to a recipe: a bootstrapped suite (suites.py) plus its packages and a few steps
 that put things where the original image has them (`python` and a pip of its own under
 /usr/local, Go in /usr/local/go, JAVA_HOME).
+
+Ubuntu's own suites first: `ubuntu:24.04` is Ubuntu noble rebuilt from the Ubuntu archive (the
+packages and versions the real image's apt installs: R 4.3.3, not Debian's 4.5), and
+`python:3.12` is noble's Python 3.12 (no Debian suite has a 3.12). Where the Ubuntu archive is not
+reachable (its suite was not bootstrapped), the entry's `fallback` stands in: the Debian
+contemporary, as before.
 
 Which suite: an entry has a default, chosen for the toolchain's version, not the name's distro;
 a tag that names its suite (`-bookworm`, `-slim-trixie`) gets that suite where the entry builds
@@ -31,11 +37,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from .refs import HUB, ImageRef
+from .suites import UBUNTU_SUITES
 from .wheels import folder_name, index_versions
 
-__all__ = ["Alias", "ALIASES", "find_alias", "go_release", "DEBIAN_SUITES"]
+__all__ = ["Alias", "ALIASES", "find_alias", "go_release"]
 
-DEBIAN_SUITES = ("bookworm", "trixie")
 _APT = (
     "apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends {pkgs} "
     "&& rm -rf /var/lib/apt/lists/*"
@@ -53,7 +59,8 @@ _GO_DIRS = "mkdir -p /go/src /go/bin && chmod -R 1777 /go"
 _GO = "ln -s /usr/lib/go /usr/local/go && " + _GO_DIRS  # Debian's golang-go
 _JAVA = 'ln -s "$(dirname "$(dirname "$(readlink -f "$(command -v java)")")")" /opt/java/openjdk'
 _JAVA_DIR = "mkdir -p /opt/java && " + _JAVA
-_MAN1 = "mkdir -p /usr/share/man/man1"  # the JDK's update-alternatives links its man pages there
+_MAN1 = "mkdir -p /usr/share/man/man1"
+_NO_UBUNTU_USER = "userdel -r ubuntu"  # python:* images have no user at uid 1000; noble's base has `ubuntu`  # the JDK's update-alternatives links its man pages there
 # A substitute's packages are today's (the suite's updates and security), newer than those of the
 # image it stands in for, so a Dockerfile's pin to the release it knew (git=1:2.39.5-0+deb12u2)
 # may be a downgrade here: apt may make it, as the pin meant an upgrade there
@@ -65,7 +72,7 @@ _SUITE_TAG = re.compile(r"-(bookworm|trixie)$")
 @dataclass(frozen=True, slots=True)
 class Alias:
     pattern: str  # fullmatch on the familiar name (Docker Hub's `library/` dropped)
-    suite: str  # the bootstrapped Debian base it builds on (unless the tag names one of `suites`)
+    suite: str  # the bootstrapped suite it builds on (suites.py; unless the tag names one of `suites`)
     packages: tuple[str, ...] = ()
     steps: tuple[str, ...] = ()  # shell steps after the install
     env: tuple[tuple[str, str], ...] = ()
@@ -74,6 +81,7 @@ class Alias:
     suites: tuple[tuple[str, str], ...] = ()  # other suites a tag may name, each with its note
     setup: tuple[str, ...] = ()  # shell steps before the install
     wheels: tuple[tuple[str, str, str], ...] = ()  # (requirement, folder of its wheel, where it goes)
+    fallback: Alias | None = None  # where `suite` was not bootstrapped (an Ubuntu suite, offline)
 
     def recipe(self, base: str) -> str:
         """The substitute's Dockerfile, built FROM `base` (the resolved Debian image); its context
@@ -90,12 +98,33 @@ class Alias:
         return "\n".join(lines) + "\n"
 
 
-def _python(minor: str, suite: str, version: str, also: tuple[tuple[str, str], ...] = ()) -> list[Alias]:
-    """python:3.<minor> on `suite` (Debian's Python `version`); `also`: (suite, version) a tag may name."""
+def _python(
+    minor: str, suite: str, version: str, also: tuple[tuple[str, str], ...] = (), fallback: str | None = None
+) -> list[Alias]:
+    """python:3.<minor> on `suite` (its Python `version`); `also`: (suite, version) a tag may name;
+    `fallback`: "suite:version", the Debian one used where `suite` (Ubuntu's) is not bootstrapped
+    (`also` then applies to it)."""
     base = ("python3", "python3-pip", "python3-venv", "python3-dev", "ca-certificates")
     env = (("LANG", "C.UTF-8"),)
+    vendor = "Ubuntu" if suite in UBUNTU_SUITES else "Debian"
+    setup = (_DOWNGRADES, _NO_UBUNTU_USER) if vendor == "Ubuntu" else (_DOWNGRADES,)
     out = []
     for pattern, pkgs, extra in (("-slim", base, ""), ("", base + _BUILD, " with build tools")):
+        named = tuple((s, f"Debian {s}'s Python {v}{extra}") for s, v in also)
+        back = None
+        if fallback is not None:
+            fb_suite, fb_version = fallback.split(":")
+            back = Alias(
+                "",
+                fb_suite,
+                pkgs,
+                (_PY_LINKS,),
+                env,
+                None,
+                f"Debian {fb_suite}'s Python {fb_version}{extra}",
+                named,
+                (_DOWNGRADES,),
+            )
         out.append(
             Alias(
                 rf"python:3\.{minor}(\.\d+)?{pattern}(-bookworm|-trixie)?",
@@ -104,9 +133,10 @@ def _python(minor: str, suite: str, version: str, also: tuple[tuple[str, str], .
                 (_PY_LINKS,),
                 env,
                 None,
-                f"Debian {suite}'s Python {version}{extra}",
-                tuple((s, f"Debian {s}'s Python {v}{extra}") for s, v in also),
-                (_DOWNGRADES,),
+                f"{vendor} {suite}'s Python {version}{extra}",
+                () if back is not None else named,
+                setup,
+                fallback=back,
             )
         )
     return out
@@ -136,21 +166,35 @@ _JDK = (("JAVA_HOME", "/opt/java/openjdk"),)
 # pkill, top, free), e2fsprogs (chattr, lsattr) and sensible-utils; the rest of its difference is
 # libraries these pull in, and Ubuntu's own ubuntu-keyring and unminimize. A task checks its
 # services with `pgrep` as if it were there, since on Ubuntu it is (mq-auto-restart's verifier).
+# The Ubuntu suites' bootstrap includes the same (suites.py).
 _UBUNTU_NOBLE_TOOLS = ("procps", "e2fsprogs", "sensible-utils")
 
 ALIASES: tuple[Alias, ...] = (
     Alias(
         r"ubuntu:(24\.04|noble|latest)",
-        "trixie",
-        _UBUNTU_NOBLE_TOOLS,
-        steps=("useradd -m -u 1000 -s /bin/bash ubuntu",),
-        note="Debian trixie (Ubuntu 24.04's contemporary) with the tools ubuntu:24.04 ships that Debian's"
-        " minbase lacks (procps, e2fsprogs, sensible-utils), and the image's user `ubuntu` (uid 1000)",
+        "noble",
+        note="Ubuntu 24.04 rebuilt from the Ubuntu archive (mmdebstrap minbase with the tools and the user"
+        " `ubuntu` the image has), not Canonical's image bytes",
+        fallback=Alias(
+            "",
+            "trixie",
+            _UBUNTU_NOBLE_TOOLS,
+            steps=("useradd -m -u 1000 -s /bin/bash ubuntu",),
+            note="Debian trixie (Ubuntu 24.04's contemporary) with the tools ubuntu:24.04 ships that Debian's"
+            " minbase lacks (procps, e2fsprogs, sensible-utils), and the image's user `ubuntu` (uid 1000)",
+        ),
     ),
     Alias(
-        r"ubuntu:(22\.04|jammy|20\.04|focal)",
+        r"ubuntu:(22\.04|jammy)",
+        "jammy",
+        note="Ubuntu 22.04 rebuilt from the Ubuntu archive (mmdebstrap minbase with the tools the image has),"
+        " not Canonical's image bytes",
+        fallback=Alias("", "bookworm", note="Debian bookworm (Ubuntu 22.04's contemporary)"),
+    ),
+    Alias(
+        r"ubuntu:(20\.04|focal)",
         "bookworm",
-        note="Debian bookworm (Ubuntu 22.04's contemporary)",
+        note="Debian bookworm (newer than Ubuntu 20.04: no focal suite here)",
     ),
     Alias(
         r"debian:(12|12\.\d+|bookworm-slim|12-slim|stable-slim)", "bookworm", note="the bootstrapped bookworm"
@@ -158,7 +202,7 @@ ALIASES: tuple[Alias, ...] = (
     Alias(r"debian:(13|13\.\d+|trixie-slim|13-slim|stable|latest)", "trixie", note="the bootstrapped trixie"),
     *_python("11", "bookworm", "3.11"),
     *_python("10", "bookworm", "3.11"),
-    *_python("12", "trixie", "3.13", (("bookworm", "3.11"),)),
+    *_python("12", "noble", "3.12", (("bookworm", "3.11"),), fallback="trixie:3.13"),
     *_python("13", "trixie", "3.13"),
     _GOLANG,
     Alias(
@@ -222,6 +266,8 @@ def find_alias(ref: ImageRef, versions: Callable[[str], tuple[str, ...]] | None 
     for pattern, alias in _COMPILED:
         if pattern.fullmatch(familiar):
             found = _on_named_suite(alias, ref.tag or "")
+            if found.fallback is not None:
+                found = replace(found, fallback=_on_named_suite(found.fallback, ref.tag or ""))
             if alias is _GOLANG:
                 found = _golang(found, ref.tag or "", (versions or index_versions)(_GO_WHEEL))
             return found

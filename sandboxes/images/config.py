@@ -7,6 +7,7 @@ environment adds to it, so one machine-wide setting reaches every run:
   A location starting `http://` is plain HTTP (an in-house registry without TLS).
 - `MILES_ENV_IMAGE_ALIASES`: comma-separated `ref=substitute` pairs, the user's own aliases.
 - `MILES_ENV_CACHE`: the cache root (images live in `$MILES_ENV_CACHE/images`).
+- `MILES_ENV_UBUNTU_ARCHIVE=0`: `ubuntu_archive` off (Debian stand-ins for Ubuntu's images).
 - `MILES_ENV_IMAGE_NAMESPACE`: the repository prefix of what is built in a docker engine
   (`miles-env/build:*`, `miles-env/base:*`): a test session sets its own, so a user's runs on the
   same engine and the session neither share nor remove each other's images (tests/host_leftovers.py).
@@ -75,6 +76,13 @@ class ImagesConfig(BaseModel):
     builtin_aliases: bool = Field(
         True, description="offline only: map common bases (ubuntu, python, golang, gcc...) to Debian builds"
     )
+    ubuntu_archive: bool = Field(
+        True,
+        description="offline substitutes for ubuntu:24.04/22.04 and python:3.12 built on Ubuntu's own noble/jammy "
+        "(bootstrapped from the Ubuntu archive: the real image's packages and versions); where that archive is "
+        "not reachable (bootstrap skipped them), or with this off, on Debian's trixie/bookworm instead; "
+        "$MILES_ENV_UBUNTU_ARCHIVE=0 turns it off",
+    )
     direct: bool = Field(True, description="try each image's own registry (Docker Hub, ghcr.io...) too")
     build_network: Literal["private", "host"] = Field(
         "private",
@@ -96,6 +104,10 @@ class ImagesConfig(BaseModel):
     def repo(self, name: str) -> str:
         """The engine's repository for `name` ("build", "base", "rootfs") under the namespace."""
         return f"{self.namespace or os.environ.get('MILES_ENV_IMAGE_NAMESPACE') or 'miles-env'}/{name}"
+
+    def ubuntu(self) -> bool:
+        """Whether the Ubuntu suites stand in for Ubuntu's images (this config or the environment)."""
+        return self.ubuntu_archive and os.environ.get("MILES_ENV_UBUNTU_ARCHIVE", "1") != "0"
 
     def mirror_table(self) -> dict[str, Mirror]:
         table = {**_pairs(os.environ.get("MILES_ENV_REGISTRY_MIRROR"), "docker.io"), **self.mirrors}

@@ -3,9 +3,10 @@
 Order, first hit wins: (0) the builder's own store, where it has one (an image dockerd already
 holds under that name, as `docker build` uses it); (1) your own alias for exactly this reference (the explicit choice: may
 name a digest-pinned one); (2) each configured mirror of its registry; (3) its own registry
-(Docker Hub, ghcr.io, ...); (4) the loopback registry, for the Debian bases bootstrap made
-(`debian:bookworm`, `debian:trixie`); (5) the built-in alias table (aliases.py), offline only,
-never for a pinned reference. Nothing else: a reference none of them provides is a
+(Docker Hub, ghcr.io, ...); (4) the loopback registry, for the bases bootstrap made
+(`debian:bookworm`, `debian:trixie`, `ubuntu:noble`, ...); (5) the built-in alias table
+(aliases.py), offline only, never for a pinned reference; an entry on an Ubuntu suite takes its
+Debian fallback unless `ubuntu_archive` is on and that suite was bootstrapped. Nothing else: a reference none of them provides is a
 BaseUnavailable naming it, what was tried, and the two remedies (a mirror, an alias).
 
 A lookup asks a registry for the manifest's digest (`Probe`: skopeo for the local builder,
@@ -25,11 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from .aliases import DEBIAN_SUITES, find_alias
+from .aliases import find_alias
 from .config import ImagesConfig
 from .errors import BaseUnavailable, ImageError
 from .refs import HUB, ImageRef, parse_ref
 from .registry import LoopbackRegistry, registry_for
+from .suites import SUITES
 
 __all__ = ["Probe", "ProbeFailed", "ResolvedImage", "Resolver", "unavailable_message"]
 
@@ -139,10 +141,16 @@ class Resolver:
             return _replace(found, requested, found.source, None, found.note)
         alias = None if ref.pinned else (find_alias(ref) if self.config.builtin_aliases else None)
         if alias is not None:
-            base = self._registries(parse_ref(f"debian:{alias.suite}"), tried)
+            base = None
+            if self.config.ubuntu() or alias.fallback is None:
+                base = self._registries(parse_ref(SUITES[alias.suite].image), tried)
+            if base is None and alias.fallback is not None:
+                alias = alias.fallback
+                base = self._registries(parse_ref(SUITES[alias.suite].image), tried)
             if base is None:
                 raise BaseUnavailable(unavailable_message(requested, tried) + _bootstrap_hint(alias.suite))
-            note = f"substituted (offline only): {alias.note}, built on debian:{alias.suite} ({base.source})"
+            image = SUITES[alias.suite].image
+            note = f"substituted (offline only): {alias.note}, built on {image} ({base.source})"
             return ResolvedImage(
                 requested,
                 base.ref,
@@ -150,7 +158,7 @@ class Resolver:
                 "substitute",
                 base.insecure,
                 requested,
-                alias.recipe(f"debian:{alias.suite}"),  # names the base stably: no port in the key
+                alias.recipe(image),  # names the base stably: no port in the key
                 note,
                 tuple(req for req, _folder, _dest in alias.wheels),
             )
@@ -190,10 +198,11 @@ class Resolver:
         return ResolvedImage(ref.familiar, pinned.full, digest, source, insecure, note=f"from {ref.full}")
 
     def _bootstrapped(self, ref: ImageRef, tried: list[str]) -> ResolvedImage | None:
-        if ref.registry != HUB or ref.repository != "library/debian" or ref.tag not in DEBIAN_SUITES:
+        suite = SUITES.get(ref.tag or "")
+        if ref.registry != HUB or suite is None or ref.repository != f"library/{suite.distro}":
             return None
         try:
-            digest = self.registry.digest(ref.repository, ref.tag)
+            digest = self.registry.digest(ref.repository, suite.name)
             addr = self.registry.address()
         except ImageError as e:
             tried.append(str(e))
@@ -202,7 +211,7 @@ class Resolver:
             tried.append(f"loopback registry: no {ref.familiar} (run `miles-env images bootstrap`)")
             return None
         pinned = ImageRef(addr, ref.repository, None, digest)
-        note = f"bootstrapped Debian {ref.tag} (mmdebstrap, the loopback registry)"
+        note = f"bootstrapped {suite.distro.capitalize()} {ref.tag} (mmdebstrap, the loopback registry)"
         return ResolvedImage(ref.familiar, pinned.full, digest, "bootstrap", True, note=note)
 
 
@@ -223,4 +232,4 @@ def _replace(
 
 
 def _bootstrap_hint(suite: str) -> str:
-    return f"; its built-in substitute needs debian:{suite}: run `miles-env images bootstrap`"
+    return f"; its built-in substitute needs {SUITES[suite].image}: run `miles-env images bootstrap`"
