@@ -391,6 +391,30 @@ def make_world_tasks(root: Path) -> Path:
     return root
 
 
+def make_older_glibc_task(root: Path, name: str = "older-glibc") -> Path:
+    """A Debian bookworm task (glibc 2.36) whose verifier asks `uvx -p 3.12`: bookworm's apt has no
+    3.12 and Ubuntu noble's packages need glibc 2.38, so only a portable CPython (its own glibc)
+    runs there; the test checks the version, `ssl`, and that a program it starts runs on the
+    image's own libraries."""
+    test = (
+        "import ssl\nimport subprocess\nimport sys\n\n\ndef test_python():\n"
+        "    assert sys.version_info[:2] == (3, 12) and ssl.OPENSSL_VERSION.startswith('OpenSSL 3')\n"
+        "    libc = subprocess.run(['ldd', '--version'], capture_output=True, text=True).stdout\n"
+        "    assert '2.36' in libc.splitlines()[0]  # the image's glibc, not the interpreter's\n"
+        "    assert open('/app/out.txt').read() == 'done\\n'\n"
+    )
+    return _write(root / name, {
+        "task.toml": 'version = "1.0"\n[agent]\ntimeout_sec = 60.0\n',
+        "instruction.md": "Write 'done' to /app/out.txt.\n",
+        "environment/Dockerfile": "FROM debian:bookworm\nWORKDIR /app\n",
+        "solution/solve.sh": "#!/bin/bash\necho done > /app/out.txt\n",
+        "tests/test.sh": "#!/bin/bash\ncurl -LsSf https://astral.sh/uv/0.9.5/install.sh | sh\n"
+        "source $HOME/.local/bin/env\nuvx -p 3.12 -w pytest==8.4.1 pytest /tests/test_outputs.py -rA\n"
+        "[ $? -eq 0 ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n",
+        "tests/test_outputs.py": test,
+    })  # fmt: skip
+
+
 SIDECAR_COMPOSE = """\
 services:
   main:

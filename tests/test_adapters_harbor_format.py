@@ -257,21 +257,29 @@ def test_the_hermetic_layer_wraps_the_tasks_dockerfile(tmp_path: Path) -> None:
 def test_a_python_the_images_apt_lacks_is_staged_from_the_distribution_that_builds_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`uvx -p 3.13` on Ubuntu noble (no python3.13 in its apt): Debian trixie's packages, downloaded
-    once on the host, go into the context with install.sh, tried after the image's apt and before the
-    uvx warm-up; a minor no distribution here builds stages nothing. (The real download and install
-    run in tests/test_harbor_images.py.)"""
+    """`uvx -p 3.13` on an image whose apt has no python3.13 (Ubuntu noble): a portable CPython made
+    once on the host from Debian trixie's packages goes into the context with install-python.sh,
+    tried after the image's apt and before the uvx warm-up; a minor no distribution here builds
+    stages nothing. (The real download, patch and install run in tests/test_harbor_images.py and
+    tests/test_adapters_harbor_pythons.py.)"""
     from miles_env.adapters.harbor import pythons
     from miles_env.adapters.harbor.hermetic import hermetic_context
 
-    calls = []
+    made = []
 
-    def download(suite: str, packages: tuple[str, ...], dest: Path) -> None:
-        calls.append(suite)
-        for name in packages:
-            (dest / f"{name}_3.13.5-2+deb13u5_amd64.deb").write_bytes(b"!<arch>\n")
+    def make(minor: str, arch: tuple[str, str, str], out: Path, cache: Path) -> str:
+        made.append(minor)
+        _write(
+            out,
+            {
+                "runtime-3.13.5/libc.so.6": "",
+                "cpython-3.13.5-linux-x86_64-gnu/bin/python3.13": "",
+                "VERSION": "3.13.5\n",
+            },
+        )
+        return "3.13.5"
 
-    monkeypatch.setattr(pythons, "_apt_download", download)
+    monkeypatch.setattr(pythons, "_make", make)
     monkeypatch.setattr(pythons.platform, "machine", lambda: "x86_64")
     cache = tmp_path / "cache"
     for name in ("uv", "uvx"):
@@ -284,20 +292,20 @@ def test_a_python_the_images_apt_lacks_is_staged_from_the_distribution_that_buil
             tmp_path / f"env{i}", {"Dockerfile": f"FROM ubuntu:24.04\nRUN echo {i}\nUSER agent\n"}
         )
         ctx, _ = hermetic_context(env_dir, [stock], cache)
-        staged = ctx / ".miles-hermetic" / "pythons"
-        assert sorted(d.name.split("_")[0] for d in (staged / "3.13").iterdir()) == [
-            "libpython3.13-minimal", "libpython3.13-stdlib", "python3.13", "python3.13-minimal",
+        extra = ctx / ".miles-hermetic"
+        assert sorted(p.name for p in (extra / "python").iterdir()) == [
+            "cpython-3.13.5-linux-x86_64-gnu", "runtime-3.13.5",
         ]  # fmt: skip
-        assert (staged / "install.sh").read_text() == pythons.INSTALL_SH
-        script = (ctx / ".miles-hermetic" / "provision.sh").read_text().splitlines()
+        assert (extra / "install-python.sh").read_text() == pythons.INSTALL_SH
+        script = (extra / "provision.sh").read_text().splitlines()
         apt = next(
             i for i, ln in enumerate(script) if "apt-get install -y --no-install-recommends python3.13" in ln
         )
-        ours = next(i for i, ln in enumerate(script) if "pythons/install.sh 3.13 3.13.5 2.38" in ln)
+        ours = next(i for i, ln in enumerate(script) if "install-python.sh 3.13.5 agent" in ln)
         warm = next(i for i, ln in enumerate(script) if "uvx -p 3.13 -w pytest==8.4.1 pytest --version" in ln)
-        assert apt < ours < warm and script[ours].endswith(" agent'")
-    assert calls == ["trixie"]  # downloaded once for both contexts
+        assert apt < ours < warm
+    assert made == ["3.13"]  # made once for both contexts
     env_dir = _write(tmp_path / "old", {"Dockerfile": "FROM ubuntu:24.04\n"})
     ctx, _ = hermetic_context(env_dir, ["uvx -p 3.9 -w pytest==8.4.1 pytest t.py\n"], cache)
-    assert not (ctx / ".miles-hermetic" / "pythons").exists()
-    assert "install.sh" not in (ctx / ".miles-hermetic" / "provision.sh").read_text()
+    assert not (ctx / ".miles-hermetic" / "python").exists()
+    assert "install-python.sh" not in (ctx / ".miles-hermetic" / "provision.sh").read_text()

@@ -27,7 +27,7 @@ import anyio
 import pytest
 
 from miles_env.validate import validate_env
-from tests.harbor_support import make_sidecar_task, make_world_tasks
+from tests.harbor_support import make_older_glibc_task, make_sidecar_task, make_world_tasks
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,13 @@ def test_world_shaped_tasks_pass_on_local(world: Path) -> None:
 
 def test_world_shaped_tasks_pass_on_docker(world: Path, docker_engine: str) -> None:
     _passes(world, "docker")
+
+
+def test_the_verifiers_python_runs_where_its_distribution_cannot(tmp_path: Path, image_bases: Any) -> None:
+    """`uvx -p 3.12` on bookworm (glibc 2.36): the portable CPython from Ubuntu noble's packages
+    (adapters/harbor/pythons.py), offline at verify time; on local (docker places it the same way:
+    the same context and install script)."""
+    _passes(make_older_glibc_task(tmp_path), "local")
 
 
 def test_a_compose_sidecar_is_reached_by_its_name_on_docker(

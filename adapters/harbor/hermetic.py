@@ -14,9 +14,10 @@ registries only), and the verify step then runs with no network:
 - apt-get and pip installs: the same commands, run at the end of the build as root;
 - each `uvx`/`uv tool run` of test.sh run once at build with the tool's `--version`, so uv's
   cache (UV_CACHE_DIR, shared, world-writable) holds the resolved packages; a `-p 3.x` it asks
-  for is the image's, else its apt's (python3.x), else a uv-managed CPython made from another
-  distribution's packages (pythons.py: Debian trixie's 3.13 on Ubuntu noble): uv never
-  downloads a Python here (UV_PYTHON_DOWNLOADS=never);
+  for is the image's, else its apt's (python3.x), else a portable uv-managed CPython made from
+  the packages of the distribution that builds it (pythons.py: Debian trixie's 3.13 on Ubuntu
+  noble, Ubuntu noble's 3.12 on bookworm): uv never downloads a Python here
+  (UV_PYTHON_DOWNLOADS=never);
 - at verify time: `VERIFY_ENV` (UV_OFFLINE=1, the same UV_CACHE_DIR, PIP_NO_INDEX=1): offline
   the installer's `curl | sh` is a no-op that exits 0, `apt-get update` warns and exits 0, an
   installed package's `apt-get install` and a satisfied `pip install` exit 0.
@@ -41,7 +42,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles_env.adapters.harbor.pythons import FOREIGN_PYTHONS, INSTALL_SH, python_debs
+from miles_env.adapters.harbor.pythons import FOREIGN_PYTHONS, INSTALL_SH, portable_python
 from miles_env.errors import TaskError
 from miles_env.sandboxes.images.errors import ImageError
 from miles_env.sandboxes.images.wheels import download
@@ -162,8 +163,7 @@ def _provision_script(needs: VerifierNeeds, user: str | None, pythons: dict[str,
             f"command -v {pkg} >/dev/null 2>&1 || step {q(f'apt-get update && apt-get install -y --no-install-recommends {pkg}')}"
         )
         if version := (pythons or {}).get(want):
-            glibc = FOREIGN_PYTHONS[want].glibc
-            install = f"sh {HERMETIC}/pythons/install.sh {want} {version} {glibc} {HERMETIC}/pythons/{want} {q(name)}"
+            install = f"sh {HERMETIC}/install-python.sh {version} {q(name)}"
             managed = f"/root/.local/share/uv/python/cpython-{version}-linux-$(uname -m)-gnu"
             lines.append(f"command -v {pkg} >/dev/null 2>&1 || [ -d {managed} ] || step {q(install)}")
         lines.append(f"step {q(warm)}")
@@ -283,7 +283,7 @@ def hermetic_context(env_dir: Path, test_scripts: list[str], cache: Path) -> tup
             shutil.copy2(uv / name, extra / "bin" / name)
         (extra / "bin" / "env").write_text(_ENV_SCRIPT)
         (extra / "bin" / "env").chmod(0o755)
-        pythons = _stage_pythons(needs, extra / "pythons", cache)
+        pythons = _stage_pythons(needs, extra, cache)
         (extra / "provision.sh").write_text(_provision_script(needs, user, pythons))
         (ctx / "Dockerfile").unlink()
         (ctx / "Dockerfile").write_text(_layered(dockerfile, user))
@@ -301,19 +301,22 @@ def hermetic_context(env_dir: Path, test_scripts: list[str], cache: Path) -> tup
     return out, needs
 
 
-def _stage_pythons(needs: VerifierNeeds, dest: Path, cache: Path) -> dict[str, str]:
-    """For each `-p 3.X` a distribution here builds: its packages in dest/3.X and install.sh;
-    returns {minor: full version} of what was staged."""
+def _stage_pythons(needs: VerifierNeeds, extra: Path, cache: Path) -> dict[str, str]:
+    """For each `-p 3.X` a distribution here builds: its portable CPython in extra/python (the
+    runtime where the image keeps it, the installation for install-python.sh to place); returns
+    {minor: full version} of what was staged."""
     staged = {}
     for minor in dict.fromkeys(_python_request(w) for w in needs.uvx):
-        found = python_debs(minor, cache) if minor in FOREIGN_PYTHONS else None
+        found = portable_python(minor, cache) if minor in FOREIGN_PYTHONS else None
         if found is None:
             continue
         folder, version = found
-        _copy_tree(folder, dest / minor)
+        for part in sorted(folder.iterdir()):
+            if part.is_dir():
+                _copy_tree(part, extra / "python" / part.name)
         staged[minor] = version
     if staged:
-        (dest / "install.sh").write_text(INSTALL_SH)
+        (extra / "install-python.sh").write_text(INSTALL_SH)
     return staged
 
 

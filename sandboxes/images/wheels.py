@@ -50,10 +50,15 @@ def index_versions(name: str) -> tuple[str, ...]:
 
 def download(requirement: str, dest: Path) -> Path:
     """The wheel of `requirement` ("uv==0.9.5") for this machine, downloaded into `dest`."""
-    plat = f"manylinux_2_17_{os.uname().machine}"
+    machine = os.uname().machine
+    # manylinux 2.17 and the older tags it includes (pip does not widen an explicit --platform)
+    plats = [
+        a
+        for tag in ("manylinux_2_17", "manylinux2014", "manylinux_2_5", "manylinux1")
+        for a in ("--platform", f"{tag}_{machine}")
+    ]
     name = requirement.split("==", 1)[0].replace("-", "_")
-    res = _pip("download", "-q", "--no-deps", "--only-binary=:all:", "--platform", plat, "-d", str(dest),
-               requirement)  # fmt: skip
+    res = _pip("download", "-q", "--no-deps", "--only-binary=:all:", *plats, "-d", str(dest), requirement)
     wheels = sorted(dest.glob(f"{name}-*.whl"))
     if res.returncode != 0 or not wheels:
         why = (res.stderr or res.stdout).strip()[-300:]
