@@ -167,3 +167,19 @@ def test_worker_adapters_record_the_locked_framework_version() -> None:
     pin = next(x for x in lock.read_text().splitlines() if x.startswith("verifiers=="))
     env = load_environment("verifiers:vf_say_word", validate=False)  # no worker is started
     assert env_distribution(env) == {"name": "verifiers", "version": pin.split("==")[1]}
+
+
+def test_a_probe_error_keeps_its_first_line_and_its_last_lines() -> None:
+    """A failed image build's message is a headline, then the builder's log: the report keeps the
+    headline whole and the log's end (the failing step), not the first 500 characters."""
+    from miles_env.errors import SandboxError
+    from miles_env.validate.probes import TAIL_LINES, _headline
+
+    log = "\n".join(f"Setting up package-{i} ..." for i in range(200))
+    e = SandboxError(
+        "building Dockerfile failed: exit 6; a RUN step needs github.com\n" + log + "\nError: exit status 6"
+    )
+    lines = _headline(e).splitlines()
+    assert lines[0] == "SandboxError: building Dockerfile failed: exit 6; a RUN step needs github.com"
+    assert lines[-1] == "Error: exit status 6" and len(lines) == 1 + TAIL_LINES
+    assert _headline(SandboxError("one line")) == "SandboxError: one line"

@@ -3,7 +3,8 @@
 Fast (no build, no bootstrap): what a Dockerfile pulls (ARG defaults, stages, COPY --from), how
 BuildKit's here-documents reach builders that do not parse them (checked against what BuildKit
 runs), how references normalize, and the one-line errors for a base that cannot be had: pinned
-by digest (never substituted), private (not in any registry), both naming the two remedies.
+by digest (never substituted), private (not in any registry), both naming the two remedies; a
+build whose failing step could not reach a host names that host.
 The cloud providers' build-context handoff is checked against the real SDKs' Image classes.
 """
 
@@ -18,7 +19,7 @@ import pytest
 from miles_env.errors import ConfigError
 from miles_env.sandboxes.images.config import ImagesConfig
 from miles_env.sandboxes.images.dockerfile import parse_dockerfile
-from miles_env.sandboxes.images.errors import BaseUnavailable
+from miles_env.sandboxes.images.errors import BaseUnavailable, unreached
 from miles_env.sandboxes.images.refs import parse_ref
 from miles_env.sandboxes.images.resolve import Resolver
 from miles_env.sandboxes.images.tools import SkopeoProbe
@@ -146,6 +147,41 @@ def test_a_private_base_names_itself_and_both_remedies() -> None:
         and "alias" in msg
         and "MILES_ENV_IMAGE_ALIASES='harbor-agents-rich:latest=IMAGE'" in msg
     )
+
+
+# The failing step's own lines, as buildah (interleaved) and dockerd print them; an earlier step's
+# swallowed `curl ... | sh` (it exits 0) names a host too, and is not the cause.
+_KOTLIN = """\
+STEP 5/9: RUN curl -LsSf https://astral.sh/uv/0.5.11/install.sh | sh
+curl: (6) Could not resolve host: astral.sh
+STEP 9/9: RUN curl -fsSL https://github.com/JetBrains/kotlin/releases/download/v1.9.22/k.zip -o /tmp/k.zip
+curl: (6) Could not resolve host: github.com
+Error: building at STEP "RUN curl -fsSL ...": while running runtime: exit status 6
+"""
+
+
+@pytest.mark.parametrize(
+    ("log", "host"),
+    [
+        (_KOTLIN, "github.com"),
+        ("Step 3/4 : RUN go mod download\ngo: example.com/m@v1: Get \"https://proxy.golang.org/x\": "
+         "dial tcp: lookup proxy.golang.org on 10.0.0.2:53: no such host\n", "proxy.golang.org"),
+        ("STEP 2/2: RUN wget -q https://dl.example.org/a.tgz\n"
+         "wget: unable to resolve host address 'dl.example.org'\n", "dl.example.org"),
+        ("STEP 2/2: RUN apt-get update\nW: Failed to fetch http://x/InRelease  "
+         "Temporary failure resolving 'deb.example.org'\n", "deb.example.org"),
+        ("STEP 1/2: RUN pip install six\nWARNING: Retrying ... NewConnectionError('Failed to establish "
+         "a new connection: [Errno -3] Temporary failure in name resolution')\n", "a host"),
+        ("STEP 5/9: RUN curl -LsSf https://astral.sh/uv/install.sh | sh\ncurl: (6) Could not resolve "
+         "host: astral.sh\nSTEP 6/9: RUN make\nmain.c:1: error: expected ';'\n", None),
+    ],
+)  # fmt: skip
+def test_a_build_that_cannot_reach_a_host_names_it(log: str, host: str | None) -> None:
+    why = unreached(log)
+    if host is None:
+        assert why is None  # a compile error after an earlier, swallowed download: not the network
+    else:
+        assert why == f"a RUN step needs {host}, which this machine does not reach (no route or name)"
 
 
 def test_config_reads_mirrors_and_aliases_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

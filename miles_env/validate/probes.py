@@ -43,6 +43,13 @@ def tail(text: str, n: int = TAIL_LINES) -> str:
     return "\n".join(lines[-n:])
 
 
+def _headline(e: Exception) -> str:
+    """An error's first line (what failed, and why where known), then its own last lines: a failed
+    image build's message ends with the builder's log, whose end is the failing step."""
+    first, _, rest = str(e).partition("\n")
+    return f"{type(e).__name__}: {first[:500]}" + (f"\n{tail(rest)}" if rest.strip() else "")
+
+
 @dataclass(frozen=True, slots=True)
 class Probe:
     task_id: str
@@ -115,7 +122,7 @@ async def _probe(
     except anyio.get_cancelled_exc_class():
         raise
     except Exception as e:  # a bad task is data: record it, keep going
-        return Probe(task.id, error=f"{type(e).__name__}: {str(e)[:500]}", solution_tail=tail(out),
+        return Probe(task.id, error=_headline(e), solution_tail=tail(out),
                      duration_s=time.monotonic() - t0)  # fmt: skip
     d = rewards[0].details
     verified = str(d.get("test_output") or d.get("error") or "")

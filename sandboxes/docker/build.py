@@ -19,14 +19,13 @@ from __future__ import annotations
 import hashlib
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import docker
 import docker.errors
 
 from miles_env.sandboxes.images.config import ImagesConfig
 from miles_env.sandboxes.images.context import lock, plan_build
-from miles_env.sandboxes.images.errors import ImageError
+from miles_env.sandboxes.images.errors import ImageError, unreached
 from miles_env.sandboxes.images.refs import ImageRef
 from miles_env.sandboxes.images.resolve import ProbeFailed, ResolvedImage, Resolver
 from miles_env.sandboxes.images.wheels import stage as stage_wheels
@@ -61,9 +60,8 @@ class DockerProbe:
         return ResolvedImage(requested, str(image.id), str(image.id), "local", note=note)
 
 
-def _log_text(build_log: Any) -> str:
-    lines = "".join(str(x.get("stream", x.get("error", ""))) for x in build_log if isinstance(x, dict))
-    return "\n".join(lines.rstrip().splitlines()[-25:])[-3000:]
+def _log_text(log: str) -> str:
+    return "\n".join(log.rstrip().splitlines()[-25:])[-3000:]
 
 
 class DockerBuilder:
@@ -143,6 +141,11 @@ class DockerBuilder:
                 timeout=int(self.config.build_timeout_s),
             )
         except docker.errors.BuildError as e:
-            raise ImageError(f"docker build of {what} failed: {e}\n{_log_text(e.build_log)}") from e
+            log = "".join(
+                str(x.get("stream", x.get("error", ""))) for x in e.build_log if isinstance(x, dict)
+            )
+            why = unreached(log)
+            cause = f"{e}; {why}" if why else str(e)
+            raise ImageError(f"docker build of {what} failed: {cause}\n{_log_text(log)}") from e
         except docker.errors.APIError as e:
             raise ImageError(f"docker build of {what} failed: {e.explanation or e}") from e

@@ -32,7 +32,7 @@ from miles_env.types import SandboxSpec
 
 from .config import ImagesConfig
 from .context import BuildPlan, lock, plan_build
-from .errors import ImageError
+from .errors import ImageError, unreached
 from .oci import ImageConfig
 from .resolve import ResolvedImage, Resolver
 from .tools import Buildah, SkopeoProbe, log_tail
@@ -151,6 +151,8 @@ class LocalImages:
             ImageError
         ) as e:  # its cause ("buildah exited 1 (log ...)", "still running after 1800 s"), then the log
             cause = str(e).splitlines()[0].rsplit(": ", 1)[-1]
+            why = unreached(log.read_text(errors="replace")) if log.is_file() else None
+            cause += f"; {why}" if why else ""
             raise ImageError(f"building {what} failed: {cause}\n{log_tail(log)}") from e
 
     def _build_and_unpack(self, plan: BuildPlan, label: str) -> LocalImage:

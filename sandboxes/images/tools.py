@@ -105,15 +105,19 @@ class Buildah:
         isolated: bool = False,
         argv: list[str] | None = None,
         env: dict[str, str] | None = None,
+        interleaved: bool = False,
     ) -> str:
         """Run buildah (or `argv`); its stdout on success, an ImageError with the log's tail otherwise.
 
-        `isolated`: in a mount and pid namespace of its own (as root; the module says why)."""
+        `isolated`: in a mount and pid namespace of its own (as root; the module says why).
+        `interleaved`: stdout goes to the log with stderr, in the order printed, and "" is returned
+        (a build: its RUN steps print on both, and the failing step's own lines must end the log)."""
         log = log or self.logs / "last.log"
         command = (_isolation() if isolated else []) + (argv or self._argv(args))
         with log.open("wb") as out:
+            stdout, stderr = (out, subprocess.STDOUT) if interleaved else (subprocess.PIPE, out)
             proc = subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=out, env=self._env(env), start_new_session=True
+                command, stdout=stdout, stderr=stderr, env=self._env(env), start_new_session=True
             )
             try:
                 stdout_b, _ = proc.communicate(timeout=timeout)
@@ -124,6 +128,7 @@ class Buildah:
                 if isinstance(e, subprocess.TimeoutExpired):
                     raise ImageError(f"{what}: still running after {timeout:.0f} s\n{log_tail(log)}") from e
                 raise
+        stdout_b = stdout_b or b""
         if proc.returncode != 0:
             with log.open("ab") as out:
                 out.write(stdout_b)
@@ -168,7 +173,9 @@ class Buildah:
         args += ["--isolation", "oci", "--iidfile", str(iid), "-f", str(dockerfile), "-t", tag, str(context)]
         before = set(self.containers())
         try:
-            self.run(args, f"building {dockerfile}", timeout=timeout, log=log, isolated=True)
+            self.run(
+                args, f"building {dockerfile}", timeout=timeout, log=log, isolated=True, interleaved=True
+            )
         finally:
             self._remove_own(before, nonce)
         return iid.read_text().strip()
