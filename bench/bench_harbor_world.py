@@ -57,7 +57,10 @@ def _reason(oracle, nop) -> str:  # type: ignore[no-untyped-def]
     from miles_env.adapters.harbor.diagnose import hint
 
     if oracle.error:
-        return "oracle: " + one_line(hint(oracle.error) or oracle.error.split("\n")[0])
+        first = oracle.error.split("\n")[0]
+        if "; a RUN step needs " in first:  # a build names the host its failing step needs
+            return "oracle: " + one_line(first.rsplit("; ", 1)[1])
+        return "oracle: " + one_line(hint(oracle.error) or first)
     if oracle.score < 1.0:
         why = one_line(oracle.verifier_tail) or one_line(oracle.solution_tail) or "no output"
         return f"oracle {oracle.score:g}: {why}"

@@ -83,6 +83,14 @@ def build_rootfs(parent: Path) -> Path:
     tool.write_text("#!/bin/sh\necho tool from the image PATH\n")
     tool.chmod(0o755)
     (root / "root").mkdir(mode=0o700)
+    (root / "root/secret").write_text("root's own\n")
+    os.chmod(root / "root/secret", 0o600)
+    # a setuid-root helper, as a task gives its non-root user a root-only file (a copy of cat)
+    rootcat = root / "usr/local/bin/rootcat"
+    rootcat.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(os.path.realpath(shutil.which("cat") or "/bin/cat"), rootcat)
+    _own(rootcat, 0, 0)
+    os.chmod(rootcat, 0o4755)
     proj = root / "home/app/proj"
     proj.mkdir(parents=True)
     (proj / "owned.txt").write_text("app's file\n")
@@ -109,7 +117,7 @@ class ImageProvider(LocalSandboxProvider):
 
 def docker_image(client: object, rootfs: Path) -> str:
     """The same tree as a docker image with IMAGE's ENV, USER and WORKDIR (imported once per engine)."""
-    repository, tag = ImagesConfig().repo("contract-image"), "1"  # the session's namespace
+    repository, tag = ImagesConfig().repo("contract-image"), "2"  # the session's namespace
     api = client.api  # type: ignore[attr-defined]
     try:
         api.inspect_image(f"{repository}:{tag}")

@@ -270,12 +270,34 @@ class SandboxContract:
             )
             held = dict(zip(caps.stdout.split()[::2], caps.stdout.split()[1::2], strict=True))
             # none held by a non-root user; the bounding set is the container's on docker (no more than
-            # root's), none on local: either way nothing is had at exec (no-new-privileges)
+            # root's), none on local: no exec gets more (the next test: not even a setuid-root one)
             assert held["CapPrm:"] == held["CapEff:"] == "0" * 16, caps
             assert held["CapBnd:"] in (
                 "0" * 16,
                 f"{sum(1 << _CAP_NUMBERS[n] for n in ROOT_CAPABILITIES):016x}",
             ), caps
+
+    async def test_an_image_setuid_helper_acts_as_in_docker_and_gains_no_more(self, provider, image_spec):
+        """A task lets its non-root user reach a root-only file through a setuid-root helper of its
+        image (git-bisect-flaky-test's flake-rate): it runs as the sandbox's uid 0, as in Docker,
+        with no capability beyond the container's bounding set (local: none; the hostile suite
+        below: still no host file, sysctl or device)."""
+        async with await provider.create(image_spec) as sb:
+            r = await sb.exec("id -u; cat /root/secret; rootcat /root/secret")
+            assert r.stdout == "1000\nroot's own\n", r  # app cannot; its helper can
+            r = await sb.exec(
+                "rootcat /proc/self/status | while read -r k a b c d; do "
+                "case $k in Uid:|CapEff:|CapBnd:|NoNewPrivs:) echo $k $a $b;; esac; done"
+            )
+            status = {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines()}
+            assert status["Uid:"] == ["1000", "0"] and status["NoNewPrivs:"] == ["0"], r  # real, effective
+            bounding = int(status["CapBnd:"][0], 16)
+            assert bounding & ~self._root_mask() == 0, r  # never beyond Docker's task set
+            assert int(status["CapEff:"][0], 16) == bounding, r  # what a setuid-root exec gets: the bound
+
+    @staticmethod
+    def _root_mask() -> int:
+        return sum(1 << _CAP_NUMBERS[n] for n in ROOT_CAPABILITIES)
 
     async def test_close_idempotent_and_final(self, provider):
         sb = await provider.create(SandboxSpec())

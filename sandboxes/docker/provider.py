@@ -20,8 +20,9 @@ exec gets the image's ENV, USER, its user's HOME and WORKDIR (sandbox.py, execar
 Privilege: never privileged; every capability dropped but ROOT_CAPABILITIES, the part of
 Docker's default set that tasks rely on (apt-get's drop to `_apt`, root writing over other
 users' files in its container, a service on port 80), which only the container's root holds;
-never MKNOD (device nodes), NET_RAW or anything beyond Docker's set; no-new-privileges, so a
-setuid file gains nothing. The workspace volume is a tmpfs of the local driver (`size` =
+never MKNOD (device nodes), NET_RAW or anything beyond Docker's set, at exec either: an image's
+setuid-root helper (a task's way to give its non-root user a root-only file) runs as the
+container's root, as Docker's default runs it, with those capabilities and no more. The workspace volume is a tmpfs of the local driver (`size` =
 disk_mb, capped inodes, nosuid,nodev: a setuid-root file made there never acts as
 one on the host; owner and mode those of the image's own directory, files.py), /tmp and /dev/shm are tmpfs of at most disk_mb and 64 MB each.
 The container's root is still host uid 0 unless the engine remaps users
@@ -212,7 +213,8 @@ class DockerSandboxProvider:
             privileged=False,
             cap_drop=["ALL"],
             cap_add=list(ROOT_CAPABILITIES),
-            security_opt=["no-new-privileges"],
+            # no no-new-privileges: an image's setuid helper acts as Docker runs it (its bounding
+            # set above caps what it gets: ROOT_CAPABILITIES, never more)
         )
         container = self._create_container(kwargs, res.disk_mb)
         if not self.layer_quota:  # watched from before it starts: no write goes unmeasured

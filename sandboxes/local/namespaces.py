@@ -17,7 +17,13 @@ the sandbox's host uid, join `outer` (its owner gets every capability there), th
 net, ipc, uts and cgroup namespaces (all owned by `outer`), then `inner`. Joining the mount
 namespace sets root and cwd to the sandbox's root. The pid namespace applies to children only,
 so the caller forks next. `drop_to()` then becomes the image's user and gives up every
-capability for good (bounding set, no_new_privs), but for ROOT_CAPS when that user is root.
+capability for good (bounding set), but for ROOT_CAPS when that user is root.
+
+Setuid files act as in Docker (no no_new_privs): an image's setuid-root helper (a task's way to let
+its non-root user reach a root-only file) runs as the sandbox's uid 0, with no capability beyond
+the bounding set (none, for a non-root user) and only over files the sandbox's user namespace
+maps. What the sandbox writes lands on the host's nosuid storage (storage.py): a setuid bit set
+inside never acts outside it.
 """
 
 from __future__ import annotations
@@ -63,13 +69,7 @@ _SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442
 _OPEN_TREE_CLONE, _OPEN_TREE_CLOEXEC, _AT_RECURSIVE, _AT_EMPTY_PATH = 1, 0o2000000, 0x8000, 0x1000
 _MOVE_MOUNT_F_EMPTY_PATH = 4
 _ATTR_RDONLY, _ATTR_NOSUID, _ATTR_NODEV, _ATTR_IDMAP = 0x1, 0x2, 0x4, 0x100000
-_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_SET_CHILD_SUBREAPER = (
-    1,
-    4,
-    24,
-    38,
-    36,
-)
+_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_CHILD_SUBREAPER = 1, 4, 24, 36
 _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 _PR_SET_NAME = 15
 _CAP_VERSION_3 = 0x20080522
@@ -342,13 +342,13 @@ ROOT_CAPS = (0, 1, 3, 4, 5, 6, 7, 10)  # CHOWN DAC_OVERRIDE FOWNER FSETID KILL S
 
 def drop_to(uid: int, gid: int, groups: list[int]) -> None:
     """After enter(): become these ids, with ROOT_CAPS as uid 0 and no capability as any other,
-    for good (bounding set, ambient, no_new_privs: nothing more is had at exec)."""
+    for good (bounding set, ambient and inheritable cleared: no exec, setuid-root files included,
+    gets a capability outside the bounding set)."""
     keep = ROOT_CAPS if uid == 0 else ()
     for cap in range(_last_cap() + 1):
         if cap not in keep:
             _prctl(_PR_CAPBSET_DROP, cap)
     _prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL)
-    _check(_prctl(_PR_SET_NO_NEW_PRIVS, 1), "prctl(PR_SET_NO_NEW_PRIVS)")
     os.setgroups(groups)
     os.setresgid(gid, gid, gid)
     os.setresuid(uid, uid, uid)
