@@ -119,6 +119,27 @@ def test_a_directory_with_malformed_tasks_loads_the_rest(tmp_path: Path) -> None
     assert report.stage("oracle").summary.startswith("1/1 ")  # the good one still ran
 
 
+def test_a_separate_verifier_is_refused_by_name_never_run_in_the_agents_sandbox(tmp_path: Path) -> None:
+    """Harbor 0.26 runs such a verifier in a container of its own with only the declared artifacts
+    (mcm-2023-c-wordle); run in the agent's sandbox its tests would miss their tools, and read
+    whatever the agent left. Explicit `shared` loads."""
+    for name, toml in [
+        ("separate", '[verifier]\nenvironment_mode = "separate"\n'),
+        ("implied", '[verifier.environment]\ndocker_image = "python:3.12-slim"\n'),
+        ("shared", '[verifier]\nenvironment_mode = "shared"\n'),
+    ]:
+        make_task(tmp_path, name)
+        (tmp_path / name / "task.toml").write_text(toml)
+    env = HarborTasksEnvironment(tmp_path)
+    assert [t.id for t in env.tasks("test")] == ["shared"]
+    problems = dict(p.split(": ", 1) for p in env.load_problems())
+    for name in ("separate", "implied"):
+        assert problems[name].endswith(
+            "task.toml: [verifier] environment_mode = 'separate' (a verifier container of its own, "
+            "given only the declared artifacts) is not supported here; only 'shared'"
+        ), problems[name]
+
+
 def test_validate_shows_the_last_lines_of_a_failing_task(tmp_path: Path) -> None:
     d = make_task(tmp_path, "fails")
     (d / "solution" / "solve.sh").write_text("#!/bin/bash\necho step one done\necho wrote nothing >&2\n")

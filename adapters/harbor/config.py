@@ -33,6 +33,15 @@ class _Env(_Section):
 class _Phase(_Section):
     timeout_sec: float | None = Field(None, gt=0)
     env: dict[str, str] = Field(default_factory=dict)
+    environment_mode: str | None = Field(None, pattern="^(shared|separate)$")  # [verifier] only
+    environment: dict[str, Any] | None = None  # [verifier.environment]: implies separate
+
+    @property
+    def separate(self) -> bool:
+        """Harbor's verifier_mode: an explicit mode wins, else an environment means separate."""
+        return self.environment_mode == "separate" or (
+            self.environment_mode is None and self.environment is not None
+        )
 
 
 class _Health(_Section):

@@ -14,6 +14,8 @@ harbor (0.26, harbor/models/task/config.py) defines and we honour:
   `${VAR:-default}` values come from the host's environment, as Harbor resolves them;
 - `[[steps]]` with `steps/<name>/{instruction.md,tests/,solution/,workdir/}` (steps.py), each
   step's agent/verifier timeout_sec and min_reward, and `multi_step_reward_strategy`.
+Refused by name, never run with other semantics: `[verifier] environment_mode = "separate"` (or a
+`[verifier.environment]`, which implies it), Harbor 0.26's verifier container of its own.
 
 Invariant: reading is pure (nothing runs); every TaskError names the file (and field) at fault.
 """
@@ -144,6 +146,14 @@ def read_task_dir(task_dir: Path, env_name: str) -> Task:
         raise TaskError(f"{df}: {e}") from e
     if not df.is_file() and not cfg.environment.docker_image:
         raise TaskError(f"{df}: missing (and no [environment] docker_image)")
+    for where, phase in [("[verifier]", cfg.verifier)] + [
+        (f"step {s.name!r}", s.verifier) for s in cfg.steps or []
+    ]:
+        if phase.separate:  # run in the agent's sandbox, its tests would find nothing they need
+            raise TaskError(
+                f"{toml}: {where} environment_mode = 'separate' (a verifier container of its own, "
+                "given only the declared artifacts) is not supported here; only 'shared'"
+            )
     workdir = _workdir(stage, cfg.environment.workdir)
     sol_env = resolve_env(cfg.solution.env, f"{toml} [solution.env]")
     steps = read_steps(task_dir, cfg, workdir, sol_env)
