@@ -135,8 +135,9 @@ class TestFramingContractOverFakeE2B(SandboxContract):
 
     # An E2B sandbox's image is its template: E2B applies the template's ENV, user and workdir
     # itself, the service's behaviour that no double here can stand for; the framing adds only
-    # the spec's own env (test_e2b_create_params_and_labels).
+    # the spec's own env (test_e2b_create_params_and_labels). Its setuid files likewise.
     test_the_image_environment_applies_to_every_exec = None
+    test_an_image_setuid_helper_acts_as_in_docker_and_gains_no_more = None
 
     async def test_the_writable_root_is_within_the_disk_quota(self, provider):
         """E2B's disk is its template's size, set when the template is built, not per sandbox:
@@ -357,8 +358,10 @@ class TestRealCloudContract(SandboxContract):
         return real_provider
 
     # the image is the service's template (E2B, Daytona, Modal images, AgentEnv backends): its
-    # ENV/USER/WORKDIR are the service's to apply; the contract's own image fixture is a local rootfs
+    # ENV/USER/WORKDIR (and setuid files) are the service's to apply; the contract's own image
+    # fixture is a local rootfs
     test_the_image_environment_applies_to_every_exec = None
+    test_an_image_setuid_helper_acts_as_in_docker_and_gains_no_more = None
 
     async def test_expose_reaches_host_http(self, provider, host_http_server):  # noqa: F811
         pytest.skip(
