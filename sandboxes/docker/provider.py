@@ -22,9 +22,10 @@ Docker's default set that tasks rely on (apt-get's drop to `_apt`, root writing 
 users' files in its container, a service on port 80), which only the container's root holds;
 never MKNOD (device nodes), NET_RAW or anything beyond Docker's set, at exec either: an image's
 setuid-root helper (a task's way to give its non-root user a root-only file) runs as the
-container's root, as Docker's default runs it, with those capabilities and no more. The workspace volume is a tmpfs of the local driver (`size` =
-disk_mb, capped inodes, nosuid,nodev: a setuid-root file made there never acts as
-one on the host; owner and mode those of the image's own directory, files.py), /tmp and /dev/shm are tmpfs of at most disk_mb and 64 MB each.
+container's root, as Docker's default runs it, with those capabilities and no more. The
+workspace volume is a tmpfs of the local driver (`size` = disk_mb, capped inodes, nosuid,nodev:
+a setuid-root file made there never acts as one on the host; owner and mode those of the image's
+own directory, files.py), /tmp and /dev/shm are tmpfs of at most disk_mb and 64 MB each.
 The container's root is still host uid 0 unless the engine remaps users
 (dockerd --userns-remap); that is the engine's configuration, not ours.
 
