@@ -274,7 +274,7 @@ class SandboxContract:
             assert held["CapPrm:"] == held["CapEff:"] == "0" * 16, caps
             assert held["CapBnd:"] in (
                 "0" * 16,
-                f"{sum(1 << _CAP_NUMBERS[n] for n in ROOT_CAPABILITIES):016x}",
+                f"{_ROOT_MASK:016x}",
             ), caps
 
     async def test_an_image_setuid_helper_acts_as_in_docker_and_gains_no_more(self, provider, image_spec):
@@ -292,12 +292,8 @@ class SandboxContract:
             status = {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines()}
             assert status["Uid:"] == ["1000", "0"] and status["NoNewPrivs:"] == ["0"], r  # real, effective
             bounding = int(status["CapBnd:"][0], 16)
-            assert bounding & ~self._root_mask() == 0, r  # never beyond Docker's task set
+            assert bounding & ~_ROOT_MASK == 0, r  # never beyond Docker's task set
             assert int(status["CapEff:"][0], 16) == bounding, r  # what a setuid-root exec gets: the bound
-
-    @staticmethod
-    def _root_mask() -> int:
-        return sum(1 << _CAP_NUMBERS[n] for n in ROOT_CAPABILITIES)
 
     async def test_close_idempotent_and_final(self, provider):
         sb = await provider.create(SandboxSpec())
@@ -314,6 +310,7 @@ _SYSCTLS = ("kernel/core_pattern", "fs/suid_dumpable", "kernel/core_uses_pid")
 # linux/capability.h: the numbers of the capabilities a sandbox's root may hold.
 _CAP_NUMBERS = {"CHOWN": 0, "DAC_OVERRIDE": 1, "FOWNER": 3, "FSETID": 4, "KILL": 5, "SETGID": 6, "SETUID": 7,
                 "NET_BIND_SERVICE": 10}  # fmt: skip
+_ROOT_MASK = sum(1 << _CAP_NUMBERS[name] for name in ROOT_CAPABILITIES)  # as /proc/<pid>/status shows it
 
 
 def _host_sysctls() -> dict[str, str]:
@@ -390,7 +387,7 @@ class HostileContract:
             r = await sb.exec(
                 "while read -r k v; do case $k in CapPrm:|CapEff:|CapBnd:) echo $k $v;; esac; done < /proc/self/status"
             )
-            mask = f"{sum(1 << _CAP_NUMBERS[name] for name in ROOT_CAPABILITIES):016x}"
+            mask = f"{_ROOT_MASK:016x}"
             assert r.stdout.split() == ["CapPrm:", mask, "CapEff:", mask, "CapBnd:", mask], r
             r = await sb.exec(
                 "chown 4321:4321 f && stat -c %u f && "
