@@ -27,9 +27,9 @@ from miles_env.sandboxes.images.errors import ImageError
 from miles_env.sandboxes.images.local import LocalImages
 from miles_env.sandboxes.images.registry import registry_for
 from miles_env.sandboxes.images.resolve import Resolver
-from miles_env.sandboxes.images.tools import SkopeoProbe
+from miles_env.sandboxes.images.tools import _MARK, Buildah, SkopeoProbe, _build_args
 from miles_env.types import SandboxSpec
-from tests.images_support import docker_ready, images_config, prewarmed, write_context
+from tests.images_support import docker_ready, images_config, write_context
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -126,19 +126,29 @@ def test_concurrent_builds_of_one_context_are_one_build(tmp_path: Path, local_im
     )
 
 
-def test_a_failing_run_shows_the_log_tail(tmp_path: Path, local_images: LocalImages) -> None:
+def test_a_failing_run_shows_the_log_tail(
+    tmp_path: Path, local_images: LocalImages, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ctx = write_context(
         tmp_path / "f", "FROM debian:bookworm\nRUN echo marker-before-the-failure && exit 3\n"
     )
-    # This worker's background builds (images_support.prewarm) share the storage: done first, so a
-    # container of theirs neither comes nor goes meanwhile (CI: one went, and the test failed)
-    prewarmed("bookworm")
-    prewarmed("aliases")
-    before = local_images.buildah.containers()
+    # The storage is shared with the other workers' builds (and this worker's prewarm), whose
+    # containers come and go meanwhile (CI: a set difference of all containers failed on one):
+    # this build's own containers are the ones carrying its nonce
+    nonces: list[str] = []
+    remove_own = Buildah._remove_own
+
+    def _recorded(self: Buildah, before: set[str], nonce: str) -> None:
+        nonces.append(nonce)
+        remove_own(self, before, nonce)
+
+    monkeypatch.setattr(Buildah, "_remove_own", _recorded)
     with pytest.raises(ImageError) as e:
         local_images.build(ctx)
-    left = set(local_images.buildah.containers()) - set(before)
-    assert not left  # its working container (and mount) removed
+    (nonce,) = nonces
+    buildah = local_images.buildah
+    own = [c for c in buildah.containers() if _build_args(buildah.root, c).get(_MARK) == nonce]
+    assert not own  # its working container (and mount) removed
     assert str(e.value).startswith(f"building {ctx / 'Dockerfile'} failed")
     msg = str(e.value)
     # in the order printed (the builder's stdout and stderr in one log): the step's own output,
