@@ -37,7 +37,13 @@ class Sandbox(Protocol):
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
         stdin: bytes | str | None = None,
-    ) -> ExecResult: ...
+        user: str | None = None,
+    ) -> ExecResult:
+        """Run `cmd`. `user`: who runs it, as `docker exec -u` takes it (`name`, `uid`, `name:group`,
+        `uid:gid`), looked up in the image's /etc/passwd and /etc/group; None: the sandbox's own
+        user (the image's USER). A provider that cannot run an exec as another user raises
+        SandboxError for a `user`, never runs it as someone else."""
+        ...
 
     async def write_file(self, path: str, data: bytes | str) -> None: ...
 

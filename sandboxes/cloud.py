@@ -196,7 +196,13 @@ class CloudSandbox:
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
         stdin: bytes | str | None = None,
+        user: str | None = None,
     ) -> ExecResult:
+        if user is not None:  # the SDKs run every command as the template's user (E2B: two names)
+            raise SandboxError(
+                f"sandbox {self.id}: exec as user {user!r}: {self._provider.name} runs every command as "
+                "the template's user; run this task on the local or docker provider"
+            )
         args = exec_args(self.spec, self.workdir, timeout=timeout, cwd=cwd, env=env, stdin=stdin)
         limit = args.timeout
         script = frame_script(

@@ -75,8 +75,9 @@ class PooledSandbox:
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
         stdin: bytes | str | None = None,
+        user: str | None = None,
     ) -> ExecResult:
-        return await self.inner.exec(cmd, timeout=timeout, cwd=cwd, env=env, stdin=stdin)
+        return await self.inner.exec(cmd, timeout=timeout, cwd=cwd, env=env, stdin=stdin, user=user)
 
     async def write_file(self, path: str, data: bytes | str) -> None:
         await self.inner.write_file(path, data)

@@ -295,6 +295,21 @@ class SandboxContract:
             assert bounding & ~_ROOT_MASK == 0, r  # never beyond Docker's task set
             assert int(status["CapEff:"][0], 16) == bounding, r  # what a setuid-root exec gets: the bound
 
+    async def test_an_exec_runs_as_the_user_it_names(self, provider, image_spec):
+        """`exec(user=)` is `docker exec -u` (Harbor's `[verifier] user`): that one exec runs as the
+        image's user it names (ids, groups, HOME), the next as the image's USER again; a user the
+        image lacks is a SandboxError naming it, never a run as someone else."""
+        async with await provider.create(image_spec) as sb:
+            r = await sb.exec('echo "$(id -u) $(id -G) $HOME"; cat /root/secret', user="root")
+            assert r.stdout == "0 0 /root\nroot's own\n", r
+            r = await sb.exec('echo "$(id -u) $(id -G) $HOME"; cat /root/secret', user="nobody")
+            assert r.stdout == "65534 65534 /nonexistent\n" and r.exit_code != 0, r
+            r = await sb.exec('echo "$(id -u):$(id -g)"', user="1000:50")
+            assert r.stdout == "1000:50\n", r
+            assert (await sb.exec("id -u")).stdout == "1000\n"  # the image's USER again
+            with pytest.raises(SandboxError, match="nobody-here"):
+                await sb.exec("true", user="nobody-here")
+
     async def test_close_idempotent_and_final(self, provider):
         sb = await provider.create(SandboxSpec())
         await sb.exec("true")

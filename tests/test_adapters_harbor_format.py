@@ -15,7 +15,7 @@ from miles_env.errors import TaskError
 from miles_env.oracle import run_solution
 from miles_env.types import NetworkPolicy
 from miles_env.validate import validate_env
-from tests.harbor_support import _write, make_env_task, make_steps_task, make_task
+from tests.harbor_support import TEST_SH, _write, make_env_task, make_steps_task, make_task
 
 # The tasks build FROM ubuntu:24.04 / python:3.x-slim: the Debian bases they alias to (a lookup in CI).
 pytestmark = pytest.mark.usefixtures("image_bases")
@@ -138,6 +138,34 @@ def test_a_separate_verifier_is_refused_by_name_never_run_in_the_agents_sandbox(
             "task.toml: [verifier] environment_mode = 'separate' (a verifier container of its own, "
             "given only the declared artifacts) is not supported here; only 'shared'"
         ), problems[name]
+
+
+def test_the_verifier_runs_as_its_user_and_an_agent_user_is_refused(tmp_path: Path) -> None:
+    """`[verifier] user` (Harbor: test.sh as that user, so agent code the tests import cannot read
+    root's files): test.sh runs as nobody, who cannot list root's home, and still writes its
+    reward. `[agent] user` is refused by name: run as the image's USER instead, the agent could do
+    what the task forbids."""
+    graded = make_task(tmp_path / "a", "graded")
+    toml = graded / "task.toml"
+    toml.write_text(toml.read_text().replace("[verifier]\n", '[verifier]\nuser = "nobody"\n'))
+    (graded / "tests" / "test.sh").write_text(
+        TEST_SH.replace('if [ "$(', 'if [ "$(id -un)" = nobody ] && ! ls /root >/dev/null 2>&1 && [ "$(', 1)
+    )
+    refused = make_task(tmp_path / "b", "agent-user")
+    toml = refused / "task.toml"
+    toml.write_text(toml.read_text().replace("[agent]\n", "[agent]\nuser = 1000\n"))
+    env = HarborTasksEnvironment(tmp_path / "a")
+    (task,) = env.tasks("test")
+    assert task.verifier["user"] == "nobody"
+    res = _oracle(env)
+    assert res.error is None and res.score == 1.0, res.details
+    assert _oracle(env, "true").score == 0.0
+    with pytest.raises(TaskError) as e:
+        HarborTasksEnvironment(tmp_path / "b").tasks("test")
+    assert str(e.value) == (
+        f"{refused / 'task.toml'}: [agent] user = 1000 (the agent's commands as a user other than the "
+        "image's USER) is not supported here; set USER in environment/Dockerfile"
+    )
 
 
 def test_validate_shows_the_last_lines_of_a_failing_task(tmp_path: Path) -> None:

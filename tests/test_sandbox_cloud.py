@@ -139,6 +139,14 @@ class TestFramingContractOverFakeE2B(SandboxContract):
     test_the_image_environment_applies_to_every_exec = None
     test_an_image_setuid_helper_acts_as_in_docker_and_gains_no_more = None
 
+    async def test_an_exec_runs_as_the_user_it_names(self, provider):
+        """The SDKs run every command as the template's user: an exec for another is refused in one
+        line, never run as the template's."""
+        async with await provider.create(SandboxSpec()) as sb:
+            with pytest.raises(SandboxError, match="exec as user 'nobody'.*local or docker provider"):
+                await sb.exec("touch ran", user="nobody")
+            assert (await sb.exec("test -e ran")).exit_code != 0
+
     async def test_the_writable_root_is_within_the_disk_quota(self, provider):
         """E2B's disk is its template's size, set when the template is built, not per sandbox:
         what the framing bounds is each file, at disk_mb (a larger one is killed_by_limit disk)."""
@@ -362,6 +370,14 @@ class TestRealCloudContract(SandboxContract):
     # fixture is a local rootfs
     test_the_image_environment_applies_to_every_exec = None
     test_an_image_setuid_helper_acts_as_in_docker_and_gains_no_more = None
+
+    async def test_an_exec_runs_as_the_user_it_names(self, provider):
+        """The SDKs run every command as the template's user: an exec for another is refused in one
+        line, never run as the template's."""
+        async with await provider.create(SandboxSpec()) as sb:
+            with pytest.raises(SandboxError, match="exec as user 'nobody'.*local or docker provider"):
+                await sb.exec("touch ran", user="nobody")
+            assert (await sb.exec("test -e ran")).exit_code != 0
 
     async def test_expose_reaches_host_http(self, provider, host_http_server):  # noqa: F811
         pytest.skip(

@@ -35,6 +35,11 @@ class _Phase(_Section):
     env: dict[str, str] = Field(default_factory=dict)
     environment_mode: str | None = Field(None, pattern="^(shared|separate)$")  # [verifier] only
     environment: dict[str, Any] | None = None  # [verifier.environment]: implies separate
+    user: str | int | None = None  # who runs the phase (a name or uid); None: the image's USER
+
+    @property
+    def user_name(self) -> str | None:
+        return None if self.user is None else str(self.user)
 
     @property
     def separate(self) -> bool:

@@ -219,8 +219,13 @@ class HarborTasksEnvironment(Environment):
     ) -> tuple[dict[str, float] | None, dict[str, Any]]:
         """Upload the tests, run test.sh, read the reward files: (rewards or None, details)."""
         logs, tests = f"{HARBOR_ROOT}/logs", f"{HARBOR_ROOT}/tests"
+        spec: dict[str, Any] = next((s for s in task.verifier.get("steps") or [] if s["name"] == step), {})
+        user = spec.get("verifier_user") or task.verifier.get("user")
+        # the log folders writable by whoever test.sh runs as (Harbor's reset_dirs: chmod 777)
         prep = await sandbox.exec(
-            f"rm -rf {logs} {tests} && mkdir -p {logs}/verifier {logs}/agent", timeout=60
+            f"rm -rf {logs} {tests} && mkdir -p {logs}/verifier {logs}/agent "
+            f"&& chmod 777 {logs}/verifier {logs}/agent",
+            timeout=60,
         )
         dirs, script = step_tests(Path(task.verifier["task_dir"]), step)
         try:
@@ -230,13 +235,13 @@ class HarborTasksEnvironment(Environment):
                 await upload(sandbox, tests, read_tree(d))
         except TaskError as e:
             raise TaskError(f"task {task.id!r}: could not upload tests: {e}") from e
-        spec: dict[str, Any] = next((s for s in task.verifier.get("steps") or [] if s["name"] == step), {})
         timeout = spec.get("verifier_timeout_s") or task.verifier.get("timeout_s", 600.0)
         res = await sandbox.exec(
             f"bash {tests}/{script}",
             timeout=timeout,
             cwd=sandbox.workdir,
             env={**(self._verify_env(task) or {}), **spec.get("verifier_env", {})} or None,
+            user=user,  # None: the image's USER; a sandbox that cannot run as another user refuses one
         )
         txt = await _maybe_read(sandbox, f"{logs}/verifier/reward.txt")
         js = await _maybe_read(sandbox, f"{logs}/verifier/reward.json")

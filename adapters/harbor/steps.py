@@ -55,6 +55,7 @@ def read_steps(
             "solution": solution_script(sdir / "solution", workdir, sol_env),
             "agent_timeout_s": s.agent.timeout_sec or cfg.agent.timeout_sec,
             "verifier_timeout_s": s.verifier.timeout_sec,
+            "verifier_user": s.verifier.user_name or cfg.verifier.user_name,
             "verifier_env": resolve_env(s.verifier.env, f"{task_dir / 'task.toml'} [steps.verifier.env] of {s.name!r}"),
             "healthcheck": s.healthcheck.model_dump() if s.healthcheck else None,
             "min_reward": s.min_reward,

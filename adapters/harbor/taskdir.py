@@ -12,10 +12,13 @@ harbor (0.26, harbor/models/task/config.py) defines and we honour:
 - `[agent].timeout_sec`; `[verifier]` timeout_sec (Harbor's default 600 s) and `env` (the
   verifier's exec only); `[solution].env` (the reference solution only). `${VAR}` and
   `${VAR:-default}` values come from the host's environment, as Harbor resolves them;
+- `[verifier] user` (a name or uid of the image: test.sh runs as that user, as `docker exec -u`;
+  the log folders are made writable for it, as Harbor does);
 - `[[steps]]` with `steps/<name>/{instruction.md,tests/,solution/,workdir/}` (steps.py), each
-  step's agent/verifier timeout_sec and min_reward, and `multi_step_reward_strategy`.
+  step's agent/verifier timeout_sec, verifier user and min_reward, and `multi_step_reward_strategy`.
 Refused by name, never run with other semantics: `[verifier] environment_mode = "separate"` (or a
-`[verifier.environment]`, which implies it), Harbor 0.26's verifier container of its own.
+`[verifier.environment]`, which implies it), Harbor 0.26's verifier container of its own; and
+`[agent] user` (every exec of the agent as that user: our harnesses' execs run as the image's USER).
 
 Invariant: reading is pure (nothing runs); every TaskError names the file (and field) at fault.
 """
@@ -154,6 +157,16 @@ def read_task_dir(task_dir: Path, env_name: str) -> Task:
                 f"{toml}: {where} environment_mode = 'separate' (a verifier container of its own, "
                 "given only the declared artifacts) is not supported here; only 'shared'"
             )
+    for where, phase in [("[agent]", cfg.agent)] + [
+        (f"step {s.name!r} [agent]", s.agent) for s in cfg.steps or []
+    ]:
+        if (
+            phase.user is not None
+        ):  # run as the image's USER instead, the agent could do what the task forbids
+            raise TaskError(
+                f"{toml}: {where} user = {phase.user!r} (the agent's commands as a user other than the "
+                "image's USER) is not supported here; set USER in environment/Dockerfile"
+            )
     workdir = _workdir(stage, cfg.environment.workdir)
     sol_env = resolve_env(cfg.solution.env, f"{toml} [solution.env]")
     steps = read_steps(task_dir, cfg, workdir, sol_env)
@@ -182,6 +195,7 @@ def read_task_dir(task_dir: Path, env_name: str) -> Task:
             "task_dir": str(task_dir),
             "timeout_s": verifier_s,
             "env": resolve_env(cfg.verifier.env, f"{toml} [verifier.env]"),
+            "user": cfg.verifier.user_name,  # test.sh as this user (`docker exec -u`); None: the image's USER
             "steps": steps,
             "reward_strategy": cfg.multi_step_reward_strategy or "mean",
         },

@@ -35,9 +35,9 @@ def kill_token_argv(token: str) -> list[str]:
     return ["/bin/sh", "-c", _KILL, "sh", token]
 
 
-def _kill(api: Any, container: str, token: str) -> None:
+def _kill(api: Any, container: str, token: str, user: str) -> None:
     try:
-        api.exec_start(api.exec_create(container, kill_token_argv(token))["Id"])
+        api.exec_start(api.exec_create(container, kill_token_argv(token), user=user)["Id"])
     except Exception:  # noqa: BLE001 - the container is gone: nothing is left to kill
         pass
 
@@ -142,11 +142,13 @@ def run_exec(
     token: str,
     stop: threading.Event,
     kill_factor: int = 4,
+    user: str = "",
 ) -> ExecOutcome:
+    """`user`: `docker exec -u` ("": the container's user); the killer runs as the same user."""
     start = time.perf_counter()
-    eid = api.exec_create(container, list(argv), stdin=stdin is not None, environment=dict(env), workdir=cwd)[
-        "Id"
-    ]
+    eid = api.exec_create(
+        container, list(argv), stdin=stdin is not None, environment=dict(env), workdir=cwd, user=user
+    )["Id"]
     attached = api.exec_start(eid, socket=True)
     sock = _raw_socket(attached)
     sock.settimeout(0.05)
@@ -159,7 +161,7 @@ def run_exec(
         if reason is not None:
             # Keep draining while the killer runs: an engine whose output pipe is
             # full may not start another exec in the same container.
-            killer = threading.Thread(target=_kill, args=(api, container, token), daemon=True)
+            killer = threading.Thread(target=_kill, args=(api, container, token, user), daemon=True)
             killer.start()
             _read(sock, demux, time.monotonic() + 5.0, None, 1 << 62)
             killer.join(5.0)

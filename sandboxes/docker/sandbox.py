@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ContainerOwner", "DockerSandbox"]
 
+_NO_SUCH_USER = (b"unable to find user ", b"unable to find group ")  # runc's, on an exec's `-u`
+
 
 class ContainerOwner(Protocol):
     """What a DockerSandbox needs of the provider that built it (DockerSandboxProvider is one)."""
@@ -114,6 +116,7 @@ class DockerSandbox:
         stdin: bytes | None,
         timeout: float,
         cap: int,
+        user: str = "",
     ) -> ExecOutcome:
         self._check_open()
         token = secrets.token_hex(8)
@@ -123,7 +126,7 @@ class DockerSandbox:
 
         def work() -> ExecOutcome:
             return run_exec(
-                self._api, self.container_id, argv, full_env, cwd, stdin, timeout, cap, token, stop
+                self._api, self.container_id, argv, full_env, cwd, stdin, timeout, cap, token, stop, user=user
             )
 
         try:
@@ -134,13 +137,15 @@ class DockerSandbox:
             if outcome is None:  # cancelled or failed: make sure nothing of it keeps running
                 stop.set()
                 with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-                    await self._kill_token(token)
+                    await self._kill_token(token, user)
         self._check_quota()  # the watchdog ended it: the exit code is its SIGKILL, not the command's
         return outcome
 
-    async def _kill_token(self, token: str) -> None:
+    async def _kill_token(self, token: str, user: str = "") -> None:
+        """SIGKILL the exec's processes, by an exec as its user (who may read their environ)."""
+
         def kill() -> None:
-            eid = self._api.exec_create(self.container_id, kill_token_argv(token))["Id"]
+            eid = self._api.exec_create(self.container_id, kill_token_argv(token), user=user)["Id"]
             self._api.exec_start(eid)
 
         try:
@@ -176,9 +181,11 @@ class DockerSandbox:
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
         stdin: bytes | str | None = None,
+        user: str | None = None,
     ) -> ExecResult:
         res = self.spec.resources
         # No HOME: the engine sets the exec user's passwd home itself, as `docker exec` does.
+        # `user` is `docker exec -u`: the engine looks it up in the container's /etc/passwd.
         args = exec_args(
             self.spec, self.workdir, timeout=timeout, cwd=cwd, env=env, stdin=stdin, image=self.image_config
         )
@@ -189,7 +196,12 @@ class DockerSandbox:
             stdin=args.stdin,
             timeout=args.timeout,
             cap=res.output_bytes,
+            user=user or "",
         )
+        if user and out.raw.returncode == 126 and out.raw.stdout.startswith(_NO_SUCH_USER):
+            # runc's lookup failed before the command ran (`docker exec -u` prints it, exits 126)
+            why = out.raw.stdout.decode("utf-8", "replace").splitlines()[0]
+            raise SandboxError(f"sandbox {self.id}: exec user {user!r}: {why}")
         code, killed_by = classify(out.raw, procs_refused=False)
         if out.raw.timed_out:
             code = -9

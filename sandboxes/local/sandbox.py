@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 import anyio
 
-from miles_env.errors import SandboxError
+from miles_env.errors import ConfigError, SandboxError
 from miles_env.sandbox import Command
 from miles_env.types import ExecResult, SandboxSpec
 
@@ -48,7 +48,7 @@ from .paths import safe_read, safe_write, split_inner_path
 from .process import collect
 from .sidecars import Sidecar, add_host, share_owner, sidecar_spec
 from .storage import Storage
-from .users import ExecUser
+from .users import ExecUser, exec_user
 
 __all__ = ["LocalSandbox"]
 
@@ -100,10 +100,17 @@ class LocalSandbox:
         return self._cgroup.pids() if self._cgroup is not None else all_pids()
 
     def start_child(
-        self, cmd: Command, *, cwd: str | None, env: Mapping[str, str] | None, timeout: float | None = None
+        self,
+        cmd: Command,
+        *,
+        cwd: str | None,
+        env: Mapping[str, str] | None,
+        timeout: float | None = None,
+        user: str | None = None,
     ) -> tuple[ZygoteChild, float]:
         """Start `cmd` in the sandbox (exec's and spawn's first half); the child and its time limit."""
-        home = self.user.home if self.image_config is not None else None
+        who = self.user if user is None else self._exec_user(user)
+        home = who.home if self.image_config is not None else None
         args = exec_args(
             self.spec,
             self.workdir,
@@ -118,11 +125,18 @@ class LocalSandbox:
             command_argv(cmd),
             env=args.env,
             cwd=args.cwd,
-            ids=(self.user.uid, self.user.gid, self.user.groups),
+            ids=(who.uid, who.gid, who.groups),
             limits=rlimits(self.spec.resources, nproc=self._cgroup is None, fsize=not self.storage.mounted),
             members=self._members,
         )
         return child, args.timeout
+
+    def _exec_user(self, user: str) -> ExecUser:
+        """`user` looked up in the image's files (the lower layer, which nothing inside can change)."""
+        try:
+            return exec_user(self.spec.rootfs, user, self._zygote.ids[1])
+        except ConfigError as e:
+            raise SandboxError(f"sandbox {self.id}: {e}") from e
 
     async def exec(
         self,
@@ -132,12 +146,13 @@ class LocalSandbox:
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
         stdin: bytes | str | None = None,
+        user: str | None = None,
     ) -> ExecResult:
         self._check_open()
         await self._apply_mounts()
         start = time.perf_counter()
         refused_before = self._cgroup.max_events() if self._cgroup else 0
-        child, limit = self.start_child(cmd, cwd=cwd, env=env, timeout=timeout)
+        child, limit = self.start_child(cmd, cwd=cwd, env=env, timeout=timeout, user=user)
         data = stdin.encode() if isinstance(stdin, str) else stdin
         raw = await collect(
             child, stdin=data, timeout=limit, output_cap=self.spec.resources.output_bytes, start=start

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from miles_env.errors import ConfigError
 
-__all__ = ["ExecUser", "resolve_user"]
+__all__ = ["ExecUser", "exec_user", "resolve_user"]
 
 _log = logging.getLogger(__name__)
 _warned = False
@@ -59,18 +59,18 @@ def _group_id(groups: list[list[str]], who: str) -> int | None:
     return None
 
 
-def _lookup(rootfs: str, user: str) -> ExecUser:
+def _lookup(rootfs: str, user: str, what: str) -> ExecUser:
     name, _, group = user.partition(":")
     passwd, groups = _table(rootfs, "passwd"), _table(rootfs, "group")
     entry = _passwd_entry(passwd, name)
     if entry is None and not name.isdigit():
-        raise ConfigError(f"image USER {user!r}: no user {name!r} in {rootfs}/etc/passwd")
+        raise ConfigError(f"{what}: no user {name!r} in {rootfs.rstrip('/')}/etc/passwd")
     uid = int(entry[2]) if entry else int(name)
     gid = int(entry[3]) if entry and entry[3].isdigit() else 0
     if group:
         found = _group_id(groups, group)
         if found is None:
-            raise ConfigError(f"image USER {user!r}: no group {group!r} in {rootfs}/etc/group")
+            raise ConfigError(f"{what}: no group {group!r} in {rootfs.rstrip('/')}/etc/group")
         gid = found
     login = entry[0] if entry else name
     extra = [int(r[2]) for r in groups if len(r) >= 4 and r[2].isdigit() and login in r[3].split(",")]
@@ -84,7 +84,7 @@ def resolve_user(rootfs: str | None, user: str | None, span: int) -> ExecUser:
     if rootfs is None or not user:
         root = _passwd_entry(_table(rootfs or "/", "passwd"), "0") if rootfs else None
         return ExecUser(0, 0, (0,), root[5] if root and root[5] else "/root", "root")
-    found = _lookup(rootfs, user)
+    found = _lookup(rootfs, user, f"image USER {user!r}")
     ids = (found.uid, found.gid, *found.groups)
     if max(ids) >= span and span == 1:
         if not _warned:
@@ -97,4 +97,18 @@ def resolve_user(rootfs: str | None, user: str | None, span: int) -> ExecUser:
         raise ConfigError(
             f"image USER {user!r}: id {max(ids)} is outside the sandbox's {span} mapped ids (0-{span - 1})"
         )
+    return found
+
+
+def exec_user(rootfs: str | None, user: str, span: int) -> ExecUser:
+    """The ids and HOME of one exec's `user` (Sandbox.exec's `user=`, as `docker exec -u` takes it),
+    looked up in the image's own files as the image's USER is (None: the host's view, its /etc).
+
+    Unlike the image's USER, never run as someone else: where the sandbox maps one id only (not
+    root), a user other than root is a ConfigError, as is an id outside the mapped range."""
+    found = _lookup(rootfs or "/", user, f"exec user {user!r}")
+    ids = (found.uid, found.gid, *found.groups)
+    if max(ids) >= span:
+        why = "without root a local sandbox maps one id" if span == 1 else f"the sandbox maps {span} ids"
+        raise ConfigError(f"exec user {user!r}: id {max(ids)} cannot be had ({why}: 0-{span - 1})")
     return found
