@@ -15,7 +15,7 @@ from miles_env.errors import TaskError
 from miles_env.oracle import run_solution
 from miles_env.types import NetworkPolicy
 from miles_env.validate import validate_env
-from tests.harbor_support import TEST_SH, _write, make_env_task, make_steps_task, make_task
+from tests.harbor_support import DOCKERFILE, TEST_SH, _write, make_env_task, make_steps_task, make_task
 
 # The tasks build FROM ubuntu:24.04 / python:3.x-slim: the Debian bases they alias to (a lookup in CI).
 pytestmark = pytest.mark.usefixtures("image_bases")
@@ -140,32 +140,62 @@ def test_a_separate_verifier_is_refused_by_name_never_run_in_the_agents_sandbox(
         ), problems[name]
 
 
-def test_the_verifier_runs_as_its_user_and_an_agent_user_is_refused(tmp_path: Path) -> None:
+def test_the_verifier_runs_as_its_user(tmp_path: Path) -> None:
     """`[verifier] user` (Harbor: test.sh as that user, so agent code the tests import cannot read
     root's files): test.sh runs as nobody, who cannot list root's home, and still writes its
-    reward. `[agent] user` is refused by name: run as the image's USER instead, the agent could do
-    what the task forbids."""
-    graded = make_task(tmp_path / "a", "graded")
+    reward (the log folder is given to it)."""
+    graded = make_task(tmp_path, "graded")
     toml = graded / "task.toml"
     toml.write_text(toml.read_text().replace("[verifier]\n", '[verifier]\nuser = "nobody"\n'))
     (graded / "tests" / "test.sh").write_text(
         TEST_SH.replace('if [ "$(', 'if [ "$(id -un)" = nobody ] && ! ls /root >/dev/null 2>&1 && [ "$(', 1)
     )
-    refused = make_task(tmp_path / "b", "agent-user")
-    toml = refused / "task.toml"
-    toml.write_text(toml.read_text().replace("[agent]\n", "[agent]\nuser = 1000\n"))
-    env = HarborTasksEnvironment(tmp_path / "a")
+    env = HarborTasksEnvironment(tmp_path)
     (task,) = env.tasks("test")
     assert task.verifier["user"] == "nobody"
     res = _oracle(env)
     assert res.error is None and res.score == 1.0, res.details
     assert _oracle(env, "true").score == 0.0
-    with pytest.raises(TaskError) as e:
-        HarborTasksEnvironment(tmp_path / "b").tasks("test")
-    assert str(e.value) == (
-        f"{refused / 'task.toml'}: [agent] user = 1000 (the agent's commands as a user other than the "
-        "image's USER) is not supported here; set USER in environment/Dockerfile"
+
+
+def test_the_agent_runs_as_its_user_and_the_tests_as_the_images(tmp_path: Path) -> None:
+    """`[agent] user`: the oracle (every exec of the agent) runs as that user, made the image's USER;
+    test.sh as the Dockerfile's own (root here), as Harbor runs them. Refused by name: steps whose
+    agents differ, and an agent user on a prebuilt docker_image (no build to set it in)."""
+    d = make_task(tmp_path / "a", "as-ubuntu", dockerfile=DOCKERFILE + "RUN chown ubuntu /app\n")
+    toml = d / "task.toml"
+    toml.write_text(toml.read_text().replace("[agent]\n", '[agent]\nuser = "ubuntu"\n'))
+    (d / "tests" / "test.sh").write_text(
+        TEST_SH.replace(
+            'if [ "$(', 'if [ "$(id -u)" = 0 ] && [ "$(stat -c %U /app/out/hello.txt)" = ubuntu ] && [ "$(', 1
+        )
     )
+    env = HarborTasksEnvironment(tmp_path / "a")
+    (task,) = env.tasks("test")
+    assert (task.verifier["agent_user"], task.verifier["image_user"]) == ("ubuntu", "root")
+    assert env.sandbox_spec(task).build is not None
+    assert Path(env.sandbox_spec(task).build, "Dockerfile").read_text().endswith("\nUSER ubuntu\n")
+    res = _oracle(env)
+    assert res.error is None and res.score == 1.0, res.details
+    assert _oracle(env, "true").score == 0.0
+    refusals = {
+        "prebuilt": (
+            '[agent]\nuser = 1000\n[environment]\ndocker_image = "ubuntu:24.04"\n',
+            "task.toml: [agent] user = '1000' with [environment] docker_image: not supported here",
+        ),
+        "mixed": (
+            '[agent]\nuser = "ubuntu"\n[[steps]]\nname = "one"\n[[steps]]\nname = "two"\n[steps.agent]\nuser = "root"\n',
+            "task.toml: steps run their agents as different users ('root', 'ubuntu'): not supported here",
+        ),
+    }
+    for name, (toml_text, _) in refusals.items():
+        make_task(tmp_path / "b", name)
+        (tmp_path / "b" / name / "task.toml").write_text(toml_text)
+    env = HarborTasksEnvironment(tmp_path / "b")
+    assert env.tasks("test") == []
+    problems = dict(p.split(": ", 1) for p in env.load_problems())
+    for name, (_, why) in refusals.items():
+        assert why in problems[name], problems
 
 
 def test_validate_shows_the_last_lines_of_a_failing_task(tmp_path: Path) -> None:

@@ -39,6 +39,8 @@ def test_without_the_ids_an_exec_user_is_refused_never_run_as_root(rootfs: str) 
     assert exec_user(rootfs, "root", 1).uid == 0
     with pytest.raises(ConfigError, match="exec user 'app': id 1000 cannot be had .without root"):
         exec_user(rootfs, "app", 1)
-    with pytest.raises(ConfigError, match="exec user '70000': id 70000 cannot be had .the sandbox maps 65536"):
+    with pytest.raises(
+        ConfigError, match="exec user '70000': id 70000 cannot be had .the sandbox maps 65536"
+    ):
         exec_user(rootfs, "70000", 65536)
     assert resolve_user(rootfs, "app", 1).uid == 0  # the image's USER: root inside, logged once

@@ -6,7 +6,7 @@ so a wrong type is a one-line error naming its field (taskdir.py).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -35,7 +35,8 @@ class _Phase(_Section):
     env: dict[str, str] = Field(default_factory=dict)
     environment_mode: str | None = Field(None, pattern="^(shared|separate)$")  # [verifier] only
     environment: dict[str, Any] | None = None  # [verifier.environment]: implies separate
-    user: str | int | None = None  # who runs the phase (a name or uid); None: the image's USER
+    # who runs the phase: a name or uid, `:group` optional (`docker exec -u`); None: the image's USER
+    user: int | Annotated[str, Field(pattern=r"^[\w][\w.-]*(:[\w][\w.-]*)?$")] | None = None
 
     @property
     def user_name(self) -> str | None:

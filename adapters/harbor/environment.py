@@ -29,7 +29,12 @@ from miles_env.adapters.framework_harness import FRAMEWORK_ROLE, framework_rewar
 from miles_env.adapters.harbor.compose import sidecars
 from miles_env.adapters.harbor.diagnose import hint
 from miles_env.adapters.harbor.files import HARBOR_ROOT, read_tree, rebase_paths, upload
-from miles_env.adapters.harbor.hermetic import VERIFY_ENV, hermetic_context, verifier_needs
+from miles_env.adapters.harbor.hermetic import (
+    VERIFY_ENV,
+    agent_user_context,
+    hermetic_context,
+    verifier_needs,
+)
 from miles_env.adapters.harbor.steps import StepLedger, combine, passes, step_tests
 from miles_env.adapters.harbor.taskdir import TaskProblem, find_task_dirs, load_tasks, read_task_dir
 from miles_env.environment import Environment, Transcript
@@ -120,6 +125,8 @@ class HarborTasksEnvironment(Environment):
         context = env_dir
         if self.hermetic:
             context, _ = hermetic_context(env_dir, _test_scripts(task), cache_dir() / "harbor")
+        if agent_user := task.verifier.get("agent_user"):
+            context = agent_user_context(context, agent_user, cache_dir() / "harbor")
         return task.sandbox.model_copy(update={"build": str(context)})
 
     def _verify_env(self, task: Task) -> dict[str, str] | None:
@@ -220,19 +227,22 @@ class HarborTasksEnvironment(Environment):
         """Upload the tests, run test.sh, read the reward files: (rewards or None, details)."""
         logs, tests = f"{HARBOR_ROOT}/logs", f"{HARBOR_ROOT}/tests"
         spec: dict[str, Any] = next((s for s in task.verifier.get("steps") or [] if s["name"] == step), {})
-        user = spec.get("verifier_user") or task.verifier.get("user")
-        # the log folders writable by whoever test.sh runs as (Harbor's reset_dirs: chmod 777)
-        prep = await sandbox.exec(
-            f"rm -rf {logs} {tests} && mkdir -p {logs}/verifier {logs}/agent "
-            f"&& chmod 777 {logs}/verifier {logs}/agent",
-            timeout=60,
-        )
+        # The sandbox's USER is the agent's where the task names one: the tests, and what clears and
+        # removes them, run as the image's own (Harbor: the verifier's user, else the image's USER)
+        own = task.verifier.get("image_user") if task.verifier.get("agent_user") else None
+        user = spec.get("verifier_user") or task.verifier.get("user") or own
+        mkdir = f"rm -rf {logs} {tests} && mkdir -p {logs}/verifier {logs}/agent"
+        if user is not None and user != own:  # the log folders test.sh's to write: given to its user
+            # where the clearing runs as root, else world-writable (Harbor's reset_dirs: chmod 777)
+            both = f"{logs}/verifier {logs}/agent"
+            mkdir += f" && {{ chown {shlex.quote(user)} {both} 2>/dev/null || chmod 777 {both}; }}"
+        prep = await sandbox.exec(mkdir, timeout=60, user=own)
         dirs, script = step_tests(Path(task.verifier["task_dir"]), step)
         try:
             if not prep.ok:
                 raise TaskError(prep.stderr.strip()[-500:])
             for d in dirs:
-                await upload(sandbox, tests, read_tree(d))
+                await upload(sandbox, tests, read_tree(d), user=own)
         except TaskError as e:
             raise TaskError(f"task {task.id!r}: could not upload tests: {e}") from e
         timeout = spec.get("verifier_timeout_s") or task.verifier.get("timeout_s", 600.0)
@@ -246,7 +256,7 @@ class HarborTasksEnvironment(Environment):
         txt = await _maybe_read(sandbox, f"{logs}/verifier/reward.txt")
         js = await _maybe_read(sandbox, f"{logs}/verifier/reward.json")
         stdout = await _maybe_read(sandbox, f"{logs}/verifier/test-stdout.txt")
-        await sandbox.exec(f"rm -rf {tests}", timeout=60)
+        await sandbox.exec(f"rm -rf {tests}", timeout=60, user=own)
         output = (res.stderr + res.stdout + (stdout or ""))[-4000:]  # the tests' own lines last
         details: dict[str, Any] = {"test_exit_code": res.exit_code, "test_output": output}
         if res.timed_out:

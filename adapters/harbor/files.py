@@ -76,24 +76,25 @@ def read_tree(root: Path) -> list[TaskFile]:
     return out
 
 
-async def upload(sandbox: Sandbox, base: str, files: list[TaskFile]) -> None:
-    """Write `files` under `base` in the sandbox, then give each its mode (one exec)."""
+async def upload(sandbox: Sandbox, base: str, files: list[TaskFile], user: str | None = None) -> None:
+    """Write `files` under `base` in the sandbox, then give each its mode (one exec); the folders
+    made and the modes given by `user` (None: the sandbox's USER)."""
     for f in files:
         target = f"{base}/{f.rel}"
-        mk = await sandbox.exec(f"mkdir -p {shlex.quote(str(Path(target).parent))}", timeout=30)
+        mk = await sandbox.exec(f"mkdir -p {shlex.quote(str(Path(target).parent))}", timeout=30, user=user)
         if not mk.ok:
             raise TaskError(f"{target}: cannot create its folder: {mk.stderr.strip()[-300:]}")
         await sandbox.write_file(target, f.data)
     if files:
         modes = " && ".join(f"chmod {f.mode:o} {shlex.quote(f'{base}/{f.rel}')}" for f in files)
-        res = await sandbox.exec(modes, timeout=60)
+        res = await sandbox.exec(modes, timeout=60, user=user)
         if not res.ok:  # a non-root USER cannot chmod what write_file made: own a copy, then chmod
             own = " && ".join(
                 f"cp -f {q} {q}.miles && mv -f {q}.miles {q} && chmod {f.mode:o} {q}"
                 for f in files
                 for q in [shlex.quote(f"{base}/{f.rel}")]
             )
-            res = await sandbox.exec(own, timeout=120)
+            res = await sandbox.exec(own, timeout=120, user=user)
         if not res.ok:
             raise TaskError(f"{base}: cannot set file modes: {res.stderr.strip()[-300:]}")
 

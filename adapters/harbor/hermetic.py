@@ -26,6 +26,9 @@ What is not provisioned (downloads from other hosts: `curl`/`wget` of a URL, `gi
 is listed in `/opt/miles-hermetic/provision.log` with every step that failed, and the verifier's
 output says so.
 
+`agent_user_context` derives one more context the same way: Harbor's `[agent] user` as a last
+`USER` line (the image's USER for every exec that names no other).
+
 Invariant: the derived context is content-addressed (the task's context, test.sh, this recipe);
 the task's own files are never changed; nothing here runs at verify time.
 """
@@ -47,7 +50,14 @@ from miles_env.errors import TaskError
 from miles_env.sandboxes.images.errors import ImageError
 from miles_env.sandboxes.images.wheels import download
 
-__all__ = ["DEFAULT_UV", "VERIFY_ENV", "VerifierNeeds", "hermetic_context", "verifier_needs"]
+__all__ = [
+    "DEFAULT_UV",
+    "VERIFY_ENV",
+    "VerifierNeeds",
+    "agent_user_context",
+    "hermetic_context",
+    "verifier_needs",
+]
 
 DEFAULT_UV = "0.9.5"  # the stock TB 2.x test.sh's installer version
 HERMETIC = "/opt/miles-hermetic"
@@ -318,6 +328,31 @@ def _stage_pythons(needs: VerifierNeeds, extra: Path, cache: Path) -> dict[str, 
     if staged:
         (extra / "install-python.sh").write_text(INSTALL_SH)
     return staged
+
+
+def agent_user_context(context: Path, user: str, cache: Path) -> Path:
+    """`context` (the task's, or its hermetic one) with a last `USER <user>`: Harbor's `[agent] user`
+    as the image's USER, so every exec runs as it unless it names another (the verifier does).
+    Made once per content; the hermetic layer before it keeps provisioning for the task's own USER."""
+    dockerfile = (context / "Dockerfile").read_text()
+    key = hashlib.sha256("\0".join(["agent-user", _tree_key(context), dockerfile, user]).encode())
+    out = cache / "contexts" / key.hexdigest()[:32]
+    if (out / "Dockerfile").is_file():
+        return out
+    tmp = Path(tempfile.mkdtemp(prefix="ctx-", dir=_mkdir(cache / "contexts")))
+    try:
+        _copy_tree(context, tmp / "ctx")
+        (tmp / "ctx" / "Dockerfile").unlink()  # a hard link to the task's own: replaced, never written
+        (tmp / "ctx" / "Dockerfile").write_text(
+            dockerfile.rstrip("\n") + f"\n\n# miles-env: Harbor's [agent] user\nUSER {user}\n"
+        )
+        try:
+            (tmp / "ctx").rename(out)
+        except OSError:  # another process made it first: same content
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def _mkdir(p: Path) -> Path:

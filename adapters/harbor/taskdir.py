@@ -13,12 +13,14 @@ harbor (0.26, harbor/models/task/config.py) defines and we honour:
   verifier's exec only); `[solution].env` (the reference solution only). `${VAR}` and
   `${VAR:-default}` values come from the host's environment, as Harbor resolves them;
 - `[verifier] user` (a name or uid of the image: test.sh runs as that user, as `docker exec -u`;
-  the log folders are made writable for it, as Harbor does);
+  the log folders are made writable for it, as Harbor does); `[agent] user` (the built image's
+  USER: every exec of the agent, of the oracle and of setup runs as it; test.sh as the verifier's
+  user, else the Dockerfile's own last USER, else root, as in Harbor);
 - `[[steps]]` with `steps/<name>/{instruction.md,tests/,solution/,workdir/}` (steps.py), each
   step's agent/verifier timeout_sec, verifier user and min_reward, and `multi_step_reward_strategy`.
 Refused by name, never run with other semantics: `[verifier] environment_mode = "separate"` (or a
-`[verifier.environment]`, which implies it), Harbor 0.26's verifier container of its own; and
-`[agent] user` (every exec of the agent as that user: our harnesses' execs run as the image's USER).
+`[verifier.environment]`, which implies it), Harbor 0.26's verifier container of its own; steps
+whose agents run as different users; `[agent] user` with a prebuilt `docker_image`.
 
 Invariant: reading is pure (nothing runs); every TaskError names the file (and field) at fault.
 """
@@ -157,16 +159,7 @@ def read_task_dir(task_dir: Path, env_name: str) -> Task:
                 f"{toml}: {where} environment_mode = 'separate' (a verifier container of its own, "
                 "given only the declared artifacts) is not supported here; only 'shared'"
             )
-    for where, phase in [("[agent]", cfg.agent)] + [
-        (f"step {s.name!r} [agent]", s.agent) for s in cfg.steps or []
-    ]:
-        if (
-            phase.user is not None
-        ):  # run as the image's USER instead, the agent could do what the task forbids
-            raise TaskError(
-                f"{toml}: {where} user = {phase.user!r} (the agent's commands as a user other than the "
-                "image's USER) is not supported here; set USER in environment/Dockerfile"
-            )
+    agent_user = _agent_user(toml, cfg, df.is_file() and not cfg.environment.docker_image)
     workdir = _workdir(stage, cfg.environment.workdir)
     sol_env = resolve_env(cfg.solution.env, f"{toml} [solution.env]")
     steps = read_steps(task_dir, cfg, workdir, sol_env)
@@ -196,6 +189,8 @@ def read_task_dir(task_dir: Path, env_name: str) -> Task:
             "timeout_s": verifier_s,
             "env": resolve_env(cfg.verifier.env, f"{toml} [verifier.env]"),
             "user": cfg.verifier.user_name,  # test.sh as this user (`docker exec -u`); None: the image's USER
+            "agent_user": agent_user,  # the image's USER of the sandbox (sandbox_spec); None: the Dockerfile's
+            "image_user": ([i.args.strip() for i in stage if i.op == "USER"] or ["root"])[-1],
             "steps": steps,
             "reward_strategy": cfg.multi_step_reward_strategy or "mean",
         },
@@ -209,6 +204,23 @@ def read_task_dir(task_dir: Path, env_name: str) -> Task:
             },
         },
     )
+
+
+def _agent_user(toml: Path, cfg: HarborConfig, built: bool) -> str | None:
+    """`[agent] user` (each step's, else the task's): one user for the whole episode, made the
+    image's USER by a last `USER` line (sandbox_spec), so every exec of the agent and of the oracle
+    runs as it on every provider that builds; what the adapter runs after (the tests) names its own."""
+    users = {s.agent.user_name or cfg.agent.user_name for s in cfg.steps or []} or {cfg.agent.user_name}
+    if len(users) > 1:
+        named = ", ".join(sorted(repr(u) if u else "the image's USER" for u in users))
+        raise TaskError(f"{toml}: steps run their agents as different users ({named}): not supported here")
+    (user,) = users
+    if user is not None and not built:
+        raise TaskError(
+            f"{toml}: [agent] user = {user!r} with [environment] docker_image: not supported here (the "
+            "user is set as the built image's USER); build it from environment/Dockerfile"
+        )
+    return user
 
 
 def _single_step(task_dir: Path, workdir: str, sol_env: dict[str, str]) -> tuple[str, str | None]:
