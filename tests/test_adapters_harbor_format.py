@@ -15,7 +15,7 @@ from miles_env.errors import TaskError
 from miles_env.oracle import run_solution
 from miles_env.types import NetworkPolicy
 from miles_env.validate import validate_env
-from tests.harbor_support import DOCKERFILE, TEST_SH, _write, make_env_task, make_steps_task, make_task
+from tests.harbor_support import TEST_SH, _write, make_env_task, make_steps_task, make_task
 
 # The tasks build FROM ubuntu:24.04 / python:3.x-slim: the Debian bases they alias to (a lookup in CI).
 pytestmark = pytest.mark.usefixtures("image_bases")
@@ -158,26 +158,10 @@ def test_the_verifier_runs_as_its_user(tmp_path: Path) -> None:
     assert _oracle(env, "true").score == 0.0
 
 
-def test_the_agent_runs_as_its_user_and_the_tests_as_the_images(tmp_path: Path) -> None:
-    """`[agent] user`: the oracle (every exec of the agent) runs as that user, made the image's USER;
-    test.sh as the Dockerfile's own (root here), as Harbor runs them. Refused by name: steps whose
-    agents differ, and an agent user on a prebuilt docker_image (no build to set it in)."""
-    d = make_task(tmp_path / "a", "as-ubuntu", dockerfile=DOCKERFILE + "RUN chown ubuntu /app\n")
-    toml = d / "task.toml"
-    toml.write_text(toml.read_text().replace("[agent]\n", '[agent]\nuser = "ubuntu"\n'))
-    (d / "tests" / "test.sh").write_text(
-        TEST_SH.replace(
-            'if [ "$(', 'if [ "$(id -u)" = 0 ] && [ "$(stat -c %U /app/out/hello.txt)" = ubuntu ] && [ "$(', 1
-        )
-    )
-    env = HarborTasksEnvironment(tmp_path / "a")
-    (task,) = env.tasks("test")
-    assert (task.verifier["agent_user"], task.verifier["image_user"]) == ("ubuntu", "root")
-    assert env.sandbox_spec(task).build is not None
-    assert Path(env.sandbox_spec(task).build, "Dockerfile").read_text().endswith("\nUSER ubuntu\n")
-    res = _oracle(env)
-    assert res.error is None and res.score == 1.0, res.details
-    assert _oracle(env, "true").score == 0.0
+def test_an_agent_user_that_cannot_be_one_for_the_episode_is_refused(tmp_path: Path) -> None:
+    """`[agent] user` becomes the built image's USER (tests/test_harbor_images.py runs it on both
+    providers): refused by name where that cannot hold, steps whose agents differ and a prebuilt
+    docker_image (no build to set it in)."""
     refusals = {
         "prebuilt": (
             '[agent]\nuser = 1000\n[environment]\ndocker_image = "ubuntu:24.04"\n',
@@ -189,9 +173,9 @@ def test_the_agent_runs_as_its_user_and_the_tests_as_the_images(tmp_path: Path) 
         ),
     }
     for name, (toml_text, _) in refusals.items():
-        make_task(tmp_path / "b", name)
-        (tmp_path / "b" / name / "task.toml").write_text(toml_text)
-    env = HarborTasksEnvironment(tmp_path / "b")
+        make_task(tmp_path, name)
+        (tmp_path / name / "task.toml").write_text(toml_text)
+    env = HarborTasksEnvironment(tmp_path)
     assert env.tasks("test") == []
     problems = dict(p.split(": ", 1) for p in env.load_problems())
     for name, (_, why) in refusals.items():

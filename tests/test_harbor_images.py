@@ -13,7 +13,8 @@ One end-to-end test per provider (each builds its image once, the bulk of its ti
 sidecar test reuses the docker build and adds a tiny sidecar image (the Harbor wiring, which is the
 same for every provider that runs sidecars). On local, a python http server built from its own
 context runs as a sidecar beside a plain sandbox: reached by its service name, apart from the task
-sandbox but for the network, and gone (processes and files) once it is closed.
+sandbox but for the network, and gone (processes and files) once it is closed. A small task per
+provider runs its agent and its verifier as the users task.toml names.
 """
 
 from __future__ import annotations
@@ -26,8 +27,18 @@ from typing import Any
 import anyio
 import pytest
 
+from miles_env.adapters.harbor import HarborTasksEnvironment
+from miles_env.oracle import run_solution
+from miles_env.sandboxes import get_provider
 from miles_env.validate import validate_env
-from tests.harbor_support import make_older_glibc_task, make_sidecar_task, make_world_tasks
+from tests.harbor_support import (
+    DOCKERFILE,
+    TEST_SH,
+    make_older_glibc_task,
+    make_sidecar_task,
+    make_task,
+    make_world_tasks,
+)
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +68,33 @@ def test_world_shaped_tasks_pass_on_local(world: Path) -> None:
 
 def test_world_shaped_tasks_pass_on_docker(world: Path, docker_engine: str) -> None:
     _passes(world, "docker")
+
+
+@pytest.mark.parametrize("provider", ["local", "docker"])
+def test_the_agent_and_the_verifier_run_as_their_users(
+    tmp_path: Path, provider: str, image_bases: Any, request: pytest.FixtureRequest
+) -> None:
+    """Harbor's `[agent] user` (the built image's USER: the oracle's files are the agent's) and
+    `[verifier] user` (test.sh as nobody, `docker exec -u`), on both providers; the tests, uploaded
+    by the image's own user (root), are not the agent's to change."""
+    if provider == "docker":
+        request.getfixturevalue("docker_engine")
+    d = make_task(tmp_path, "as-users", dockerfile=DOCKERFILE + "RUN chown ubuntu /app\n")
+    toml = d / "task.toml"
+    toml.write_text(
+        toml.read_text()
+        .replace("[agent]\n", '[agent]\nuser = "ubuntu"\n')
+        .replace("[verifier]\n", '[verifier]\nuser = "nobody"\n')
+    )
+    checks = '[ "$(id -un)" = nobody ] && [ "$(stat -c %U /app/out/hello.txt)" = ubuntu ] && '
+    checks += '[ "$(stat -c %U "$(dirname "$0")")" = root ] && '
+    (d / "tests" / "test.sh").write_text(TEST_SH.replace('if [ "$(', f'if {checks}[ "$(', 1))
+    env = HarborTasksEnvironment(tmp_path)
+    (task,) = env.tasks("test")
+    assert Path(str(env.sandbox_spec(task).build), "Dockerfile").read_text().endswith("\nUSER ubuntu\n")
+    for solution, want in ((None, 1.0), ("true", 0.0)):
+        res = anyio.run(run_solution, env, task, get_provider(provider), solution)
+        assert res.error is None and res.score == want, (solution, res.details)
 
 
 def test_the_verifiers_python_runs_where_its_distribution_cannot(tmp_path: Path, image_bases: Any) -> None:

@@ -4,7 +4,9 @@ Concept: a path is resolved against the sandbox's workdir and must land in one o
 writable mounts (the workspace volume or /tmp). Workspace files travel as one-file tar
 archives (put_archive/get_archive); /tmp is a container tmpfs the archive API cannot
 see, so those go through a shell exec of the sandbox (`ExecRunner`), which refuses
-symlinks at the last component.
+symlinks at the last component. Both ways the file is root's, whoever the image's USER is (as
+`docker cp` and the local provider's write_file make it): a folder the sandbox's root made for
+what it uploads (Harbor's tests, next to an agent running as another user) takes its files.
 
 Invariant: read_file never returns, and never streams into memory, more than
 `max_read_bytes` (+ one tar header's slack): the size is checked first (a HEAD of the
@@ -65,6 +67,7 @@ class ExecRunner(Protocol):
         stdin: bytes | None,
         timeout: float,
         cap: int,
+        user: str = "",
     ) -> ExecOutcome: ...
 
 
@@ -176,7 +179,7 @@ class ContainerFiles:
         payload = data.encode() if isinstance(data, str) else bytes(data)
         if inner.startswith("/tmp/"):  # tmpfs: the archive API cannot see it; go through a shell
             argv = ["/bin/sh", "-c", _WRITE_TMP, "sh", inner]
-            out = await self.run(argv, env={}, cwd="/", stdin=payload, timeout=60, cap=1 << 16)
+            out = await self.run(argv, env={}, cwd="/", stdin=payload, timeout=60, cap=1 << 16, user="0")
             if out.raw.returncode != 0:
                 raise SandboxError(
                     f"path {path!r}: write failed: {out.raw.stderr.decode(errors='replace')[-300:]}"
@@ -208,7 +211,7 @@ class ContainerFiles:
     async def _read_tmp(self, path: str, inner: str) -> bytes:
         cap = self.max_read_bytes
         argv = ["/bin/sh", "-c", _READ_TMP, "sh", inner, str(cap)]
-        out = await self.run(argv, env={}, cwd="/", stdin=None, timeout=60, cap=cap + 1)
+        out = await self.run(argv, env={}, cwd="/", stdin=None, timeout=60, cap=cap + 1, user="0")
         if out.raw.returncode == 3:
             raise self.too_big(path, int(out.raw.stderr.split()[-1] or 0))
         if out.raw.returncode != 0:
