@@ -126,6 +126,17 @@ def test_concurrent_builds_of_one_context_are_one_build(tmp_path: Path, local_im
     )
 
 
+def test_a_build_under_a_narrow_path_still_finds_the_system_tools(
+    tmp_path: Path, local_images: LocalImages, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A RUN step's network (buildah's CNI bridge) needs iptables from /usr/sbin, which a non-root
+    login's PATH lacks, and a test's narrowed PATH lacked while this worker's background build ran
+    (a fresh-machine run: `failed to locate iptables`): the kept tools get the system's folders."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    ctx = write_context(tmp_path / "p", f"FROM debian:bookworm\nRUN echo {os.urandom(6).hex()} > /made\n")
+    assert (local_images.build(ctx).rootfs / "made").is_file()
+
+
 def test_a_failing_run_shows_the_log_tail(
     tmp_path: Path, local_images: LocalImages, monkeypatch: pytest.MonkeyPatch
 ) -> None:

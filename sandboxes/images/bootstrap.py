@@ -32,7 +32,7 @@ from .context import lock
 from .errors import ImageError
 from .registry import registry_for
 from .suites import SUITES, Suite
-from .tools import Buildah, log_tail, need_tool
+from .tools import Buildah, log_tail, need_tool, system_env
 
 __all__ = ["BootstrapResult", "bootstrap"]
 
@@ -79,7 +79,7 @@ def _mmdebstrap(suite: Suite, out: Path, log: Path, timeout: float) -> None:
     argv += [suite.name, str(out), *suite.sources()]
     with log.open("wb") as f:
         try:
-            proc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+            proc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=system_env())
         except subprocess.TimeoutExpired as e:
             raise ImageError(
                 f"mmdebstrap {suite.name}: still running after {timeout:.0f} s\n{log_tail(log)}"

@@ -41,7 +41,7 @@ from .errors import ImageError
 from .refs import ImageRef
 from .resolve import ProbeFailed
 
-__all__ = ["Buildah", "SkopeoProbe", "log_tail", "need_tool"]
+__all__ = ["Buildah", "SkopeoProbe", "log_tail", "need_tool", "system_env"]
 
 _POLICY = '{"default": [{"type": "insecureAcceptAnything"}]}\n'
 _REGISTRIES = 'unqualified-search-registries = ["docker.io"]\nshort-name-mode = "permissive"\n'
@@ -92,7 +92,7 @@ class Buildah:
         return [self.binary, "--root", str(self.root), "--runroot", str(self.runroot), *args]
 
     def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        env = {**os.environ, "CONTAINERS_REGISTRIES_CONF": str(self.registries), "BUILDAH_ISOLATION": "oci"}
+        env = {**system_env(), "CONTAINERS_REGISTRIES_CONF": str(self.registries), "BUILDAH_ISOLATION": "oci"}
         return {**env, **(extra or {})}
 
     def run(
@@ -211,6 +211,19 @@ class Buildah:
         finally:
             with contextlib.suppress(ImageError):  # `from` may have failed before making it
                 self.run(["rm", name], f"removing {name}", timeout=120)
+
+
+_SYSTEM_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
+
+
+def system_env() -> dict[str, str]:
+    """This process's environment for a kept tool, with the system's binary folders on PATH after
+    the caller's own: buildah's CNI plugins look for iptables there, and a non-root login's PATH
+    (or a test's narrowed one, while a background build runs) has no /usr/sbin."""
+    env = dict(os.environ)
+    have = [d for d in env.get("PATH", "").split(os.pathsep) if d]
+    env["PATH"] = os.pathsep.join([*have, *(d for d in _SYSTEM_PATH if d not in have)])
+    return env
 
 
 @functools.cache
