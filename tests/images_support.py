@@ -94,8 +94,16 @@ RUN . /etc/os-release && echo "$ID-$VERSION_CODENAME" > /os.txt && id -u ubuntu 
 """
 
 
+_PINNED: list[str] = []
+
+
 def images_config() -> ImagesConfig:
-    return ImagesConfig(direct=False)
+    """The session's images config, its cache pinned at the first call (collection, where the
+    prewarm starts): the background builds must not follow a test that points MILES_ENV_CACHE
+    elsewhere while they run (test_harness_faults; a fresh machine's non-slow run failed so)."""
+    if not _PINNED:
+        _PINNED.append(str(ImagesConfig().cache()))
+    return ImagesConfig(direct=False, cache_dir=_PINNED[0])
 
 
 def _noble() -> Any:

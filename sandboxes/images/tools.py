@@ -57,7 +57,7 @@ _logger = logging.getLogger(__name__)
 
 
 def need_tool(name: str) -> str:
-    found = shutil.which(name) or shutil.which(name, path="/usr/bin:/usr/sbin:/bin:/sbin")
+    found = shutil.which(name, path=system_env()["PATH"])
     if found is None:
         raise ImageError(f"`{name}` is not installed (Debian package {name}): run {_INSTALL}")
     return found
@@ -235,10 +235,13 @@ def _isolation() -> list[str]:
         return []
     # --kill-child=TERM: when we die (so unshare, by its pdeathsig), buildah cleans up as on a timeout
     unshare = ["--mount", "--propagation", "private", "--pid", "--fork", "--kill-child=TERM", "--mount-proc"]
-    setpriv, unshare_ = shutil.which("setpriv"), shutil.which("unshare")  # util-linux
+    path = system_env()["PATH"]
+    setpriv, unshare_ = shutil.which("setpriv", path=path), shutil.which("unshare", path=path)  # util-linux
     prefix = [setpriv or "setpriv", "--pdeathsig", "KILL", unshare_ or "unshare", *unshare]
     try:
-        probe = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=60)
+        probe = subprocess.run(
+            [*prefix, "true"], capture_output=True, text=True, timeout=60, env=system_env()
+        )
         why = probe.stderr.strip()[-200:] if probe.returncode != 0 else None
     except OSError as e:
         why = str(e)
