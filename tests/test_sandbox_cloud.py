@@ -126,7 +126,18 @@ def _e2b(local: LocalSandboxProvider, **kw: Any) -> tuple[E2BSandboxProvider, Fa
     return provider, fake
 
 
-class TestFramingContractOverFakeE2B(SandboxContract):
+class _RefusesAnotherUser:
+    """A cloud sandbox's contract for `exec(user=)`: the SDKs run every command as the template's
+    user, so an exec for another is refused in one line, never run as the template's."""
+
+    async def test_an_exec_runs_as_the_user_it_names(self, provider):
+        async with await provider.create(SandboxSpec()) as sb:
+            with pytest.raises(SandboxError, match="exec as user 'nobody'.*local or docker provider"):
+                await sb.exec("touch ran", user="nobody")
+            assert (await sb.exec("test -e ran")).exit_code != 0
+
+
+class TestFramingContractOverFakeE2B(_RefusesAnotherUser, SandboxContract):
     """The full contract through the e2b provider's framing, executed by a real shell."""
 
     @pytest.fixture
@@ -138,14 +149,6 @@ class TestFramingContractOverFakeE2B(SandboxContract):
     # the spec's own env (test_e2b_create_params_and_labels). Its setuid files likewise.
     test_the_image_environment_applies_to_every_exec = None
     test_an_image_setuid_helper_acts_as_in_docker_and_gains_no_more = None
-
-    async def test_an_exec_runs_as_the_user_it_names(self, provider):
-        """The SDKs run every command as the template's user: an exec for another is refused in one
-        line, never run as the template's."""
-        async with await provider.create(SandboxSpec()) as sb:
-            with pytest.raises(SandboxError, match="exec as user 'nobody'.*local or docker provider"):
-                await sb.exec("touch ran", user="nobody")
-            assert (await sb.exec("test -e ran")).exit_code != 0
 
     async def test_the_writable_root_is_within_the_disk_quota(self, provider):
         """E2B's disk is its template's size, set when the template is built, not per sandbox:
@@ -360,7 +363,7 @@ def real_provider(request):
         pytest.skip(f"{name}: {e}")
 
 
-class TestRealCloudContract(SandboxContract):
+class TestRealCloudContract(_RefusesAnotherUser, SandboxContract):
     @pytest.fixture
     def provider(self, real_provider):
         return real_provider
@@ -370,14 +373,6 @@ class TestRealCloudContract(SandboxContract):
     # fixture is a local rootfs
     test_the_image_environment_applies_to_every_exec = None
     test_an_image_setuid_helper_acts_as_in_docker_and_gains_no_more = None
-
-    async def test_an_exec_runs_as_the_user_it_names(self, provider):
-        """The SDKs run every command as the template's user: an exec for another is refused in one
-        line, never run as the template's."""
-        async with await provider.create(SandboxSpec()) as sb:
-            with pytest.raises(SandboxError, match="exec as user 'nobody'.*local or docker provider"):
-                await sb.exec("touch ran", user="nobody")
-            assert (await sb.exec("test -e ran")).exit_code != 0
 
     async def test_expose_reaches_host_http(self, provider, host_http_server):  # noqa: F811
         pytest.skip(
